@@ -1,0 +1,132 @@
+"""Builders between the torch-side objects and the plain PartitionProblem.
+
+Two directions, one rule: the numbers the solver optimises are exactly the
+numbers the plan records. ``plan_nodes`` turns an OpGraph and a CostTable into
+:class:`PlanNode` records; ``problem_from_parts`` turns records plus a cluster
+into a :class:`PartitionProblem`; ``plan_to_problem`` rebuilds the same problem
+from a saved plan, so validation and the simulator recompute from the plan
+alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from crosscut.errors import PlanError
+from crosscut.graph import OpGraph
+from crosscut.partitioner.plan import Plan, PlanCluster, PlanNode, PlanOptions
+from crosscut.partitioner.problem import PartitionProblem
+
+__all__ = ["CostLookup", "plan_nodes", "problem_from_parts", "plan_to_problem", "assigned_names"]
+
+
+class CostLookup(Protocol):
+    """What the builder needs from a cost table (``crosscut.cost_models.CostTable``)."""
+
+    def fwd_s(self, name: str, kind: str) -> float: ...
+    def bwd_s(self, name: str, kind: str) -> float: ...
+    def resident_bytes(self, name: str) -> int: ...
+    def activation_bytes(self, name: str) -> int: ...
+
+
+def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[PlanNode]:
+    """One PlanNode per graph node, with its time on every device kind in ``kinds``."""
+    training = graph.mode == "train"
+    out: list[PlanNode] = []
+    for n in graph.nodes:
+        fwd = {k: 0.0 if n.is_io else costs.fwd_s(n.name, k) for k in sorted(set(kinds))}
+        bwd = {k: 0.0 if n.is_io or not training else costs.bwd_s(n.name, k) for k in fwd}
+        out.append(
+            PlanNode(
+                name=n.name,
+                op=n.op,
+                kind=n.kind,
+                target=n.target,
+                inputs=list(n.inputs),
+                out_bytes=int(n.out_bytes),
+                resident_bytes=0 if n.is_io else int(costs.resident_bytes(n.name)),
+                activation_bytes=0 if n.is_io else int(costs.activation_bytes(n.name)),
+                time_s={k: fwd[k] + bwd[k] for k in fwd},
+                bwd_s=bwd if training else {},
+                module_path=n.module_path,
+            )
+        )
+    return out
+
+
+def assigned_names(nodes: Sequence[PlanNode]) -> list[str]:
+    """The nodes a plan assigns: everything but placeholders and the output.
+
+    Inputs are delivered by the runtime to whichever stages read them and the
+    output is gathered from wherever it is produced, so neither is placed.
+    """
+    return [n.name for n in nodes if n.op not in ("placeholder", "output")]
+
+
+def problem_from_parts(
+    nodes: Sequence[PlanNode],
+    cluster: PlanCluster,
+    options: PlanOptions,
+    *,
+    training: bool,
+    ties: Sequence[Sequence[str]] = (),
+) -> PartitionProblem:
+    """The PartitionProblem over the assigned nodes of ``nodes``."""
+    names = assigned_names(nodes)
+    index = {name: i for i, name in enumerate(names)}
+    by_name = {n.name: n for n in nodes}
+    kinds = [d.kind for d in cluster.devices]
+    compute: list[list[float]] = []
+    for name in names:
+        node = by_name[name]
+        missing = [k for k in kinds if k not in node.time_s]
+        if missing:
+            raise PlanError(
+                f"node {name!r} has no cost for device kind(s) {missing}",
+                value=sorted(node.time_s),
+                remedy="re-run `crosscut partition` for this cluster so every kind is priced",
+            )
+        compute.append([float(node.time_s[k]) for k in kinds])
+    edges = sorted(
+        {
+            (index[src], index[n.name])
+            for n in nodes
+            if n.name in index
+            for src in n.inputs
+            if src in index
+        }
+    )
+    return PartitionProblem(
+        names=names,
+        compute=compute,
+        resident=[by_name[n].resident_bytes for n in names],
+        activation=[by_name[n].activation_bytes for n in names],
+        out_bytes=[by_name[n].out_bytes for n in names],
+        edges=edges,
+        devices=[d.name for d in cluster.devices],
+        mem_cap=[d.mem_cap for d in cluster.devices],
+        bandwidth=[list(map(float, row)) for row in cluster.bandwidth],
+        latency=[list(map(float, row)) for row in cluster.latency],
+        ties=[[index[n] for n in group if n in index] for group in ties if len(group) > 1],
+        microbatches=options.microbatches,
+        schedule=options.schedule,
+        objective=options.objective,
+        training=training,
+        overlap_comm=options.overlap_comm,
+    )
+
+
+def plan_to_problem(plan: Plan) -> tuple[PartitionProblem, list[int], list[int]]:
+    """The problem a plan solves, and its solution as (stage_of, stage_device) lists."""
+    problem = problem_from_parts(
+        plan.nodes,
+        plan.cluster,
+        plan.options,
+        training=plan.model.mode == "train",
+        ties=plan.ties,
+    )
+    stage_of = [plan.assignment[name] for name in problem.names]
+    stage_device = [plan.cluster.index(stage.devices[0]) for stage in plan.stages]
+    return problem, stage_of, stage_device
+

@@ -1,0 +1,308 @@
+"""The Plan: a partition result that anyone can read, replay and re-check.
+
+A plan is plain JSON. It carries enough to recompute every prediction without
+crosscut: the cluster (devices, caps, links), every node with its cost per
+device kind and its memory, every edge with its bytes, the assignment
+node → stage → device, the transfers, the schedule, the predictions and the
+solver's record (status, bound, gap, baselines). ``schema_version`` is bumped
+on any incompatible change; loading checks the JSON Schema shipped beside this
+file and names the offending field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from crosscut.errors import PlanError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Plan",
+    "PlanDevice",
+    "PlanCluster",
+    "PlanNode",
+    "PlanStage",
+    "PlanTransfer",
+    "PlanOptions",
+    "ModelInfo",
+    "Prediction",
+    "SolverRecord",
+    "plan_schema",
+]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class PlanDevice:
+    name: str  # unique id within the cluster ("gpu0", "cpu1", "cuda:0")
+    kind: str  # preset / device kind; node costs are keyed by it
+    device: str  # torch device string to run on ("cuda:0", "cpu")
+    mem_cap: int  # bytes
+    peak_flops: float = 0.0  # float32 FLOP/s, for the record
+    mem_bw: float = 0.0  # bytes/s, for the record
+
+
+@dataclass
+class PlanCluster:
+    devices: list[PlanDevice]
+    bandwidth: list[list[float]]  # [src][dst] bytes/s
+    latency: list[list[float]]  # [src][dst] seconds
+    name: str = ""
+
+    def index(self, name: str) -> int:
+        for i, d in enumerate(self.devices):
+            if d.name == name:
+                return i
+        raise PlanError(
+            "every device a plan names must be in its cluster",
+            value=name,
+            remedy=f"use one of {[d.name for d in self.devices]}",
+        )
+
+
+@dataclass
+class PlanNode:
+    name: str
+    op: str
+    kind: str
+    target: str
+    inputs: list[str]
+    out_bytes: int  # per micro-batch
+    resident_bytes: int  # params (+grads, optimizer state when training)
+    activation_bytes: int  # saved per in-flight micro-batch
+    time_s: dict[str, float]  # device kind -> seconds per micro-batch (fwd, or fwd+bwd)
+    module_path: str = ""
+    bwd_s: dict[str, float] = field(default_factory=dict)  # the backward part of time_s
+
+
+@dataclass
+class PlanStage:
+    index: int
+    devices: list[str]  # one device for a pipeline stage; a group for cross-shaped stages
+    split: str = "none"  # "none" | "channel" | "batch"
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    time_s: float = 0.0
+    memory_bytes: int = 0
+
+
+@dataclass
+class PlanTransfer:
+    tensor: str  # producer node
+    src_stage: int
+    dst_stage: int
+    src_device: str
+    dst_device: str
+    bytes: int  # per micro-batch
+    time_s: float = 0.0
+
+
+@dataclass
+class PlanOptions:
+    objective: str = "throughput"
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    overlap_comm: bool = False
+    optimizer: str = "sgd"
+    time_limit_s: float = 10.0
+    seed: int = 0
+    cost_source: str = "analytic"
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    fingerprint: str
+    batch_size: int
+    input_shapes: list[list[int]]
+    mode: str  # "train" | "infer"
+    dtype: str = "float32"
+
+
+@dataclass
+class Prediction:
+    stage_time_s: list[float] = field(default_factory=list)
+    bottleneck_s: float = 0.0
+    makespan_s: float = 0.0  # one micro-batch through the whole graph
+    step_time_s: float = 0.0  # one batch (all micro-batches) under the schedule
+    throughput: float = 0.0  # samples per second
+    bubble_fraction: float = 0.0
+    device_peak_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class SolverRecord:
+    solver: str = ""
+    status: str = ""  # OPTIMAL | FEASIBLE | FALLBACK | REPLAYED | MANUAL
+    objective: float = 0.0
+    best_bound: float = 0.0
+    gap: float = 0.0
+    lower_bound: float = 0.0  # max(total/devices, largest node): solver-independent
+    wall_time_s: float = 0.0
+    seed: int = 0
+    workers: int = 1
+    coarse_nodes: int = 0
+    baselines: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """A partition of one model over one cluster; see docs/PLAN_FORMAT.md."""
+
+    model: ModelInfo
+    cluster: PlanCluster
+    options: PlanOptions
+    nodes: list[PlanNode]
+    edges: list[tuple[str, str, int]]  # producer, consumer, bytes per micro-batch
+    assignment: dict[str, int]  # node -> stage
+    stages: list[PlanStage]
+    transfers: list[PlanTransfer] = field(default_factory=list)
+    ties: list[list[str]] = field(default_factory=list)  # nodes sharing a parameter: one stage
+    predicted: Prediction = field(default_factory=Prediction)
+    solver: SolverRecord = field(default_factory=SolverRecord)
+    schema_version: int = SCHEMA_VERSION
+    crosscut_version: str = ""
+    created_at: str = ""
+
+    # ---- derived views ---------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_nodes(self, stage: int) -> list[str]:
+        """Names of the nodes in ``stage``, in topological order."""
+        return [n.name for n in self.nodes if self.assignment.get(n.name) == stage]
+
+    def device_of(self, node: str) -> list[str]:
+        return self.stages[self.assignment[node]].devices
+
+    def used_devices(self) -> list[str]:
+        return [d for s in self.stages for d in s.devices]
+
+    # ---- serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["edges"] = [list(e) for e in self.edges]
+        return data
+
+    def to_json(self, *, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as JSON; ``created_at`` is stamped here, not at solve time."""
+        if not self.created_at:
+            self.created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(self.to_json() + "\n")
+        tmp.replace(out)  # atomic: a crash never leaves half a plan behind
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        """Build a plan from parsed JSON, checking the schema first."""
+        _check_schema(data)
+        try:
+            return cls(
+                model=ModelInfo(**data["model"]),
+                cluster=PlanCluster(
+                    devices=[PlanDevice(**d) for d in data["cluster"]["devices"]],
+                    bandwidth=data["cluster"]["bandwidth"],
+                    latency=data["cluster"]["latency"],
+                    name=data["cluster"].get("name", ""),
+                ),
+                options=PlanOptions(**data["options"]),
+                nodes=[PlanNode(**n) for n in data["nodes"]],
+                edges=[(str(e[0]), str(e[1]), int(e[2])) for e in data["edges"]],
+                assignment={str(k): int(v) for k, v in data["assignment"].items()},
+                stages=[PlanStage(**s) for s in data["stages"]],
+                transfers=[PlanTransfer(**t) for t in data.get("transfers", [])],
+                ties=[[str(n) for n in t] for t in data.get("ties", [])],
+                predicted=Prediction(**data.get("predicted", {})),
+                solver=SolverRecord(**data.get("solver", {})),
+                schema_version=int(data["schema_version"]),
+                crosscut_version=str(data.get("crosscut_version", "")),
+                created_at=str(data.get("created_at", "")),
+            )
+        except (TypeError, KeyError) as exc:  # a field the schema allowed but the class did not
+            raise PlanError(
+                "a plan's fields must match the schema of its version",
+                value=str(exc),
+                remedy="re-create the plan with `crosscut partition`",
+            ) from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(
+                "a plan file must be valid JSON",
+                value=f"{exc.msg} at line {exc.lineno} column {exc.colno}",
+                remedy="the file may be truncated; re-create it with `crosscut partition`",
+            ) from exc
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        p = Path(path)
+        if not p.is_file():
+            raise PlanError(
+                "a plan path must name an existing file",
+                value=str(p),
+                remedy="check the path, or create one with `crosscut partition MODEL -o plan.json`",
+            )
+        try:
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PlanError("a plan file must be readable UTF-8 text", value=str(exc)) from exc
+        return cls.from_json(text)
+
+    def validate(self, graph: Any = None) -> None:
+        """Check the plan is self-consistent and, if given, matches ``graph``.
+
+        Delegates to :func:`crosscut.partitioner.validate.validate_plan`, which
+        recomputes assignment rules and memory from the plan's own numbers.
+        """
+        from crosscut.partitioner.validate import validate_plan
+
+        validate_plan(self, graph)
+
+
+def plan_schema() -> dict[str, Any]:
+    """The JSON Schema of the current ``schema_version``, shipped in the package."""
+    text = resources.files("crosscut.partitioner").joinpath("plan_schema.json").read_text()
+    schema: dict[str, Any] = json.loads(text)
+    return schema
+
+
+def _check_schema(data: Any) -> None:
+    import jsonschema
+
+    if not isinstance(data, dict):
+        raise PlanError("a plan must be a JSON object", value=type(data).__name__)
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise PlanError(
+            f"this crosscut reads plan schema_version {SCHEMA_VERSION}",
+            value=version,
+            remedy="re-create the plan with this crosscut, or use the crosscut version "
+            "that wrote it",
+        )
+    validator = jsonschema.Draft202012Validator(plan_schema())
+    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
+        raise PlanError(
+            f"plan field {where!r} breaks the schema: {error.message}",
+            value=where,
+            remedy="fix that field or re-create the plan with `crosscut partition`",
+        )

@@ -1,0 +1,103 @@
+"""Validation of a Plan against its own rules and, optionally, a traced graph.
+
+Each check names the rule, the offending node, edge or device, and the fix, so
+a plan edited by hand into something invalid is refused with a message a user
+can act on. The memory check recomputes the per-device peak from the plan's own
+numbers through :func:`crosscut.partitioner.evaluate.evaluate`, the same cost
+model the solver optimised.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from crosscut.errors import PlanError
+from crosscut.partitioner.build import assigned_names, plan_to_problem
+from crosscut.partitioner.plan import Plan
+
+__all__ = ["validate_plan", "plan_problems"]
+
+_REMEDY = "re-create the plan with `crosscut partition`, or fix the field by hand"
+
+
+def plan_problems(plan: Plan, graph: Any = None) -> list[str]:
+    """Every rule the plan breaks, as sentences; empty when the plan is valid."""
+    problems = _structure_problems(plan)
+    if graph is not None:
+        problems += _graph_problems(plan, graph)
+    if problems:
+        return problems
+    from crosscut.partitioner.evaluate import check
+
+    problem, stage_of, stage_device = plan_to_problem(plan)
+    return [f"{msg}" for msg in check(problem, stage_of, stage_device)]
+
+
+def validate_plan(plan: Plan, graph: Any = None) -> None:
+    """Raise :class:`PlanError` naming the first broken rule (and how many more)."""
+    problems = plan_problems(plan, graph)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise PlanError(problems[0] + more, value=None, remedy=_REMEDY)
+
+
+def _structure_problems(plan: Plan) -> list[str]:
+    out: list[str] = []
+    names = [n.name for n in plan.nodes]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        out.append(f"node names must be unique; repeated: {dup[:5]}")
+    known = set(names)
+    for n in plan.nodes:
+        for src in n.inputs:
+            if src not in known:
+                out.append(f"node {n.name!r} reads {src!r}, which is not a node of the plan")
+    for src, dst, _ in plan.edges:
+        if src not in known or dst not in known:
+            out.append(f"edge {src!r} -> {dst!r} names a node that is not in the plan")
+    n_dev = len(plan.cluster.devices)
+    for label, matrix in (("bandwidth", plan.cluster.bandwidth), ("latency", plan.cluster.latency)):
+        if len(matrix) != n_dev or any(len(row) != n_dev for row in matrix):
+            out.append(f"cluster {label} must be a {n_dev}x{n_dev} matrix")
+    dev_names = [d.name for d in plan.cluster.devices]
+    if len(set(dev_names)) != len(dev_names):
+        out.append(f"cluster device names must be unique: {dev_names}")
+    used: dict[str, int] = {}
+    for i, stage in enumerate(plan.stages):
+        if stage.index != i:
+            out.append(f"stage {i} is numbered {stage.index}; stages are numbered 0..S-1 in order")
+        for d in stage.devices:
+            if d not in dev_names:
+                out.append(f"stage {i} runs on {d!r}, which is not in the cluster {dev_names}")
+            elif d in used:
+                out.append(f"device {d!r} runs stages {used[d]} and {i}; a device runs one stage")
+            used[d] = i
+    must = assigned_names(plan.nodes)
+    missing = [n for n in must if n not in plan.assignment]
+    if missing:
+        out.append(f"every compute node needs a stage; missing: {missing[:5]}")
+    extra = [n for n in plan.assignment if n not in set(must)]
+    if extra:
+        out.append(f"the assignment names nodes that are not compute nodes: {extra[:5]}")
+    for name, stage in plan.assignment.items():
+        if not 0 <= stage < len(plan.stages):
+            out.append(f"node {name!r} is on stage {stage}, but the plan has {len(plan.stages)}")
+    return out
+
+
+def _graph_problems(plan: Plan, graph: Any) -> list[str]:
+    out: list[str] = []
+    fp = graph.fingerprint()
+    if fp != plan.model.fingerprint:
+        out.append(
+            f"the plan was made for model {plan.model.name!r} (fingerprint "
+            f"{plan.model.fingerprint}) but this model's fingerprint is {fp}: a different "
+            "architecture, input shape or micro-batch size"
+        )
+        plan_names = {n.name for n in plan.nodes}
+        graph_names = {n.name for n in graph.nodes}
+        only_plan = sorted(plan_names - graph_names)[:3]
+        only_graph = sorted(graph_names - plan_names)[:3]
+        if only_plan or only_graph:
+            out.append(f"nodes only in the plan: {only_plan}; only in the model: {only_graph}")
+    return out

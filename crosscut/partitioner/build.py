@@ -18,7 +18,7 @@ from crosscut.graph import OpGraph
 from crosscut.partitioner.plan import Plan, PlanCluster, PlanNode, PlanOptions
 from crosscut.partitioner.problem import PartitionProblem
 
-__all__ = ["CostLookup", "plan_nodes", "problem_from_parts", "plan_to_problem", "assigned_names"]
+__all__ = ["CostLookup", "assigned_names", "plan_nodes", "plan_to_problem", "problem_from_parts"]
 
 
 class CostLookup(Protocol):
@@ -129,4 +129,3 @@ def plan_to_problem(plan: Plan) -> tuple[PartitionProblem, list[int], list[int]]
     stage_of = [plan.assignment[name] for name in problem.names]
     stage_device = [plan.cluster.index(stage.devices[0]) for stage in plan.stages]
     return problem, stage_of, stage_device
-

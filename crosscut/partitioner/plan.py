@@ -22,14 +22,14 @@ from crosscut.errors import PlanError
 
 __all__ = [
     "SCHEMA_VERSION",
+    "ModelInfo",
     "Plan",
-    "PlanDevice",
     "PlanCluster",
+    "PlanDevice",
     "PlanNode",
+    "PlanOptions",
     "PlanStage",
     "PlanTransfer",
-    "PlanOptions",
-    "ModelInfo",
     "Prediction",
     "SolverRecord",
     "plan_schema",

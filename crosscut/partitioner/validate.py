@@ -15,7 +15,7 @@ from crosscut.errors import PlanError
 from crosscut.partitioner.build import assigned_names, plan_to_problem
 from crosscut.partitioner.plan import Plan
 
-__all__ = ["validate_plan", "plan_problems"]
+__all__ = ["plan_problems", "validate_plan"]
 
 _REMEDY = "re-create the plan with `crosscut partition`, or fix the field by hand"
 
@@ -79,9 +79,9 @@ def _structure_problems(plan: Plan) -> list[str]:
     extra = [n for n in plan.assignment if n not in set(must)]
     if extra:
         out.append(f"the assignment names nodes that are not compute nodes: {extra[:5]}")
-    for name, stage in plan.assignment.items():
-        if not 0 <= stage < len(plan.stages):
-            out.append(f"node {name!r} is on stage {stage}, but the plan has {len(plan.stages)}")
+    for name, k in plan.assignment.items():
+        if not 0 <= k < len(plan.stages):
+            out.append(f"node {name!r} is on stage {k}, but the plan has {len(plan.stages)}")
     return out
 
 

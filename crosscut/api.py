@@ -1,0 +1,330 @@
+"""The public front door: ``trace``, ``partition`` and ``compile``.
+
+This is the only module that strings the stages together (trace → costs →
+partition → codegen → runtime). It checks the caller's options up front, so
+a bad argument fails in one line naming the rule, before minutes of tracing or
+solving, and it turns any internal exception that escapes into a
+:class:`~crosscut.errors.CrosscutError` so users never see a raw traceback
+from deep inside torch or OR-Tools.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from crosscut.errors import CrosscutError, InputError, PlanError
+from crosscut.graph import OpGraph
+from crosscut.partitioner.plan import Plan, PlanOptions
+from crosscut.partitioner.problem import OBJECTIVES, SCHEDULES
+
+__all__ = ["compile", "get_costs", "micro_inputs", "partition", "trace"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+MODES = ("train", "infer")
+OPTIMIZERS = ("sgd", "momentum", "adam")
+COSTS = ("analytic", "profiled")
+
+
+def _public_errors(fn: F) -> F:
+    """Let CrosscutErrors through; wrap anything else with the stage it came from."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CrosscutError:
+            raise
+        except (KeyboardInterrupt, MemoryError):
+            raise
+        except Exception as exc:  # the boundary: nothing raw escapes
+            raise CrosscutError(
+                f"crosscut.{fn.__name__} failed inside a dependency: {type(exc).__name__}: {exc}",
+                remedy="this is likely a crosscut bug; please report it with the model and options",
+            ) from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _as_tuple(example_inputs: Any) -> tuple[torch.Tensor, ...]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if (
+        isinstance(example_inputs, (tuple, list))
+        and example_inputs
+        and all(isinstance(t, torch.Tensor) for t in example_inputs)
+    ):
+        return tuple(example_inputs)
+    raise InputError(
+        "example_inputs must be a Tensor or a non-empty tuple of Tensors",
+        value=type(example_inputs).__name__,
+        remedy="pass e.g. torch.randn(32, 3, 224, 224)",
+    )
+
+
+def micro_inputs(example_inputs: Any, microbatches: int) -> tuple[torch.Tensor, ...]:
+    """The first micro-batch of ``example_inputs``: what the graph is traced and priced at."""
+    inputs = _as_tuple(example_inputs)
+    batch = int(inputs[0].shape[0]) if inputs[0].dim() > 0 else 0
+    if batch < 1:
+        raise InputError(
+            "the batch (dim 0 of the first input) must be at least 1",
+            value=tuple(inputs[0].shape),
+            remedy="add a batch dimension: x.unsqueeze(0)",
+        )
+    if batch % microbatches:
+        raise InputError(
+            f"microbatches must divide the batch: {batch} is not a multiple of {microbatches}",
+            value={"batch": batch, "microbatches": microbatches},
+            remedy=f"use microbatches in {[m for m in range(1, batch + 1) if batch % m == 0][:8]}",
+        )
+    size = batch // microbatches
+    return tuple(t[:size] for t in inputs)
+
+
+def _check_options(
+    *,
+    mode: str,
+    objective: str,
+    schedule: str,
+    microbatches: int,
+    time_limit: float,
+    optimizer: str = "sgd",
+    cost: str = "analytic",
+) -> None:
+    for label, value, allowed in (
+        ("mode", mode, MODES),
+        ("objective", objective, OBJECTIVES),
+        ("schedule", schedule, SCHEDULES),
+        ("optimizer", optimizer, OPTIMIZERS),
+        ("cost", cost, COSTS),
+    ):
+        if value not in allowed:
+            raise InputError(f"{label} must be one of {list(allowed)}", value=value)
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise InputError(
+            "microbatches must be a positive integer",
+            value=microbatches,
+            remedy="use 1 for no pipelining, or e.g. 4 or 8",
+        )
+    if not isinstance(time_limit, (int, float)) or not time_limit > 0:
+        raise InputError(
+            "time_limit must be a positive number of seconds",
+            value=time_limit,
+            remedy="e.g. time_limit=10",
+        )
+
+
+@_public_errors
+def trace(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    mode: str = "train",
+    leaf_modules: Sequence[str] = (),
+) -> OpGraph:
+    """Trace ``model`` into an :class:`OpGraph` (shapes from FakeTensors, no real compute)."""
+    from crosscut.partitioner.trace import trace as _trace
+
+    return _trace(model, example_inputs, mode=mode, leaf_modules=leaf_modules)
+
+
+def get_costs(
+    graph: OpGraph, cluster: Any, *, cost: str = "analytic", optimizer: str = "sgd"
+) -> Any:
+    """A CostTable for ``graph`` on every device kind of ``cluster``."""
+    from crosscut.cost_models import analytic_costs, profile_costs
+
+    table = analytic_costs(graph, cluster, optimizer=optimizer)
+    if cost == "profiled":
+        for kind in sorted({d.kind for d in cluster.devices}):
+            dev = next(d for d in cluster.devices if d.kind == kind)
+            table = table.merge(profile_costs(graph, dev.device, kind=kind))
+    return table
+
+
+@_public_errors
+def partition(
+    model_or_graph: nn.Module | OpGraph,
+    cluster: Any,
+    example_inputs: Any = None,
+    *,
+    mode: str = "train",
+    objective: str = "throughput",
+    schedule: str = "1f1b",
+    microbatches: int = 1,
+    time_limit: float = 10.0,
+    optimizer: str = "sgd",
+    cost: str = "analytic",
+    overlap_comm: bool = False,
+    seed: int = 0,
+    solver: str = "cpsat",
+    require_all_devices: bool = False,
+    model_name: str = "",
+    progress: Callable[[float, float, float], None] | None = None,
+) -> Plan:
+    """Find the best plan for a model (or an already traced OpGraph) on ``cluster``.
+
+    ``cluster`` is anything :meth:`crosscut.Cluster.from_any` accepts: a spec
+    string (``"4xV100"``), a list of devices (``["cpu", "cpu"]``), an int, a
+    cluster JSON path or a Cluster.
+    """
+    from crosscut.cost_models import Cluster
+    from crosscut.partitioner.partition import partition_graph
+
+    _check_options(
+        mode=mode,
+        objective=objective,
+        schedule=schedule,
+        microbatches=microbatches,
+        time_limit=time_limit,
+        optimizer=optimizer,
+        cost=cost,
+    )
+    cl = Cluster.from_any(cluster)
+    shapes: list[list[int]] = []
+    if isinstance(model_or_graph, OpGraph):
+        graph = model_or_graph
+    else:
+        if example_inputs is None:
+            raise InputError(
+                "partition(model, ...) needs example_inputs to trace the model",
+                remedy="pass e.g. torch.randn(32, 3, 224, 224)",
+            )
+        shapes = [list(t.shape) for t in _as_tuple(example_inputs)]
+        graph = trace(model_or_graph, micro_inputs(example_inputs, microbatches), mode=mode)
+        graph.model_name = model_name or type(model_or_graph).__name__
+    options = PlanOptions(
+        objective=objective,
+        schedule=schedule,
+        microbatches=microbatches,
+        overlap_comm=overlap_comm,
+        optimizer=optimizer,
+        time_limit_s=float(time_limit),
+        seed=seed,
+        cost_source=cost,
+    )
+    costs = get_costs(graph, cl, cost=cost, optimizer=optimizer)
+    return partition_graph(
+        graph,
+        costs,
+        cl,
+        options,
+        input_shapes=shapes,
+        solver=solver,
+        require_all_devices=require_all_devices,
+        progress=progress,
+    )
+
+
+def _load_plan(plan: Plan | str | Path) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        return Plan.load(plan)
+    raise PlanError("plan= takes a Plan or a path to a plan JSON file", value=type(plan).__name__)
+
+
+def _check_plan_devices(plan: Plan, cluster: Any) -> None:
+    """A replayed plan maps its cluster's devices, in order, onto the given devices.
+
+    Kinds may differ on purpose (``crosscut verify`` replays a GPU plan on CPU
+    devices), but the count must match so device ``i`` of the plan has a home.
+    """
+    given = [d.name for d in cluster.devices]
+    planned = [d.name for d in plan.cluster.devices]
+    if len(given) != len(planned):
+        raise PlanError(
+            f"the plan was made for {len(planned)} devices but {len(given)} were given",
+            value={"plan": planned, "given": given},
+            remedy="pass one device per plan device (in order), or re-partition for these devices",
+        )
+
+
+@_public_errors
+def compile(
+    model: nn.Module,
+    devices: Any,
+    example_inputs: Any,
+    *,
+    mode: str = "train",
+    schedule: str = "1f1b",
+    microbatches: int = 1,
+    objective: str = "throughput",
+    plan: Plan | str | Path | None = None,
+    time_limit: float = 10.0,
+    optimizer: str = "sgd",
+    cost: str = "analytic",
+    seed: int = 0,
+    progress: Callable[[float, float, float], None] | None = None,
+) -> Any:
+    """Partition ``model`` over ``devices`` and return a CompiledModule that trains.
+
+    With ``plan=`` the saved plan is replayed after checking that it was made
+    for this model (fingerprint) and that enough devices are given; its stages
+    run on the given devices in order.
+    """
+    from crosscut.cost_models import Cluster
+    from crosscut.runtime import CompiledModule
+
+    if not isinstance(model, nn.Module):
+        raise InputError(
+            "model must be a torch.nn.Module",
+            value=type(model).__name__,
+            remedy="pass the module itself, not its class or a function",
+        )
+    cl = Cluster.from_any(devices)
+    if plan is None:
+        _check_options(
+            mode=mode,
+            objective=objective,
+            schedule=schedule,
+            microbatches=microbatches,
+            time_limit=time_limit,
+            optimizer=optimizer,
+            cost=cost,
+        )
+        graph = trace(model, micro_inputs(example_inputs, microbatches), mode=mode)
+        graph.model_name = type(model).__name__
+        the_plan = partition(
+            graph,
+            cl,
+            mode=mode,
+            objective=objective,
+            schedule=schedule,
+            microbatches=microbatches,
+            time_limit=time_limit,
+            optimizer=optimizer,
+            cost=cost,
+            seed=seed,
+            progress=progress,
+        )
+        the_plan.model.input_shapes = [list(t.shape) for t in _as_tuple(example_inputs)]
+    else:
+        the_plan = _load_plan(plan)
+        graph = trace(
+            model,
+            micro_inputs(example_inputs, the_plan.options.microbatches),
+            mode=the_plan.model.mode,
+        )
+        the_plan.validate(graph)
+        _check_plan_devices(the_plan, cl)
+    given = list(cl.devices)
+    stage_devices = [
+        torch.device(given[the_plan.cluster.index(stage.devices[0])].device)
+        for stage in the_plan.stages
+    ]
+    return CompiledModule(
+        model,
+        graph.gm,
+        dict(the_plan.assignment),
+        stage_devices,
+        schedule=the_plan.options.schedule,
+        microbatches=the_plan.options.microbatches,
+        plan=the_plan,
+    )

@@ -1,0 +1,52 @@
+"""annotate: recompute a plan's stage prices, transfers and predictions from its own numbers.
+
+Called after every solve and after loading or hand-editing a plan: what the plan
+says about itself is always what :func:`~crosscut.partitioner.evaluate.evaluate`
+and the simulator compute from its nodes, cluster and assignment, never a copy
+of a solver's internal (integer-scaled) values.
+"""
+
+from __future__ import annotations
+
+from crosscut.partitioner.build import plan_to_problem
+from crosscut.partitioner.evaluate import evaluate
+from crosscut.partitioner.plan import Plan, PlanTransfer, Prediction
+from crosscut.partitioner.simulate import simulate
+
+__all__ = ["annotate"]
+
+
+def annotate(plan: Plan) -> Plan:
+    """Recompute stage prices, transfers and predictions from the plan's own numbers."""
+    problem, stage_of, stage_device = plan_to_problem(plan)
+    ev = evaluate(problem, stage_of, stage_device)
+    for k, stage in enumerate(plan.stages):
+        stage.compute_s = ev.stage_compute[k]
+        stage.comm_s = ev.stage_comm[k]
+        stage.time_s = ev.stage_time[k]
+        stage.memory_bytes = ev.device_memory[stage_device[k]]
+    mult = 2 if problem.training else 1
+    plan.transfers = [
+        PlanTransfer(
+            tensor=problem.names[u],
+            src_stage=j,
+            dst_stage=k,
+            src_device=plan.stages[j].devices[0],
+            dst_device=plan.stages[k].devices[0],
+            bytes=problem.out_bytes[u],
+            time_s=t / mult,
+        )
+        for u, j, k, t in ev.transfers
+    ]
+    sim = simulate(plan)
+    step = sim.step_time_s
+    plan.predicted = Prediction(
+        stage_time_s=list(ev.stage_time),
+        bottleneck_s=ev.bottleneck,
+        makespan_s=ev.makespan,
+        step_time_s=step,
+        throughput=plan.model.batch_size / step if step > 0 else 0.0,
+        bubble_fraction=sim.bubble_fraction,
+        device_peak_bytes=dict(sim.device_peak_bytes),
+    )
+    return plan

@@ -1,0 +1,168 @@
+"""partition_graph: from a priced OpGraph and a Cluster to a validated Plan.
+
+The steps, each a plain function elsewhere: coarsen the graph (chains no
+sensible plan separates), build the PartitionProblem on the coarse nodes, solve
+it, expand the answer to the original nodes, and record everything — the plan is
+reported on the original graph and its predictions are recomputed from the plan
+itself (``annotate``), never copied from the solver, so what a user reads is
+what validation and the simulator check.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from crosscut.coarsen import coarsen
+from crosscut.graph import OpGraph
+from crosscut.partitioner.annotate import annotate
+from crosscut.partitioner.build import CostLookup, plan_nodes, problem_from_parts
+from crosscut.partitioner.evaluate import lower_bound
+from crosscut.partitioner.plan import (
+    ModelInfo,
+    Plan,
+    PlanCluster,
+    PlanDevice,
+    PlanNode,
+    PlanOptions,
+    PlanStage,
+    SolverRecord,
+)
+from crosscut.partitioner.solvers import solve
+
+__all__ = ["partition_graph", "plan_cluster"]
+
+Progress = Callable[[float, float, float], None]
+
+
+def plan_cluster(cluster: Any) -> PlanCluster:
+    """The plan's copy of a ``crosscut.cost_models.Cluster`` (plain data)."""
+    return PlanCluster(
+        devices=[
+            PlanDevice(
+                name=d.name,
+                kind=d.kind,
+                device=d.device,
+                mem_cap=int(d.mem_cap),
+                peak_flops=float(d.peak("float32")),
+                mem_bw=float(d.mem_bw),
+            )
+            for d in cluster.devices
+        ],
+        bandwidth=[[float(x) for x in row] for row in cluster.bandwidth],
+        latency=[[float(x) for x in row] for row in cluster.latency],
+        name=str(getattr(cluster, "name", "")),
+    )
+
+
+def _coarse_nodes(
+    coarse: OpGraph, members: dict[str, list[str]], fine: dict[str, PlanNode]
+) -> list[PlanNode]:
+    """PlanNodes of the coarse graph: members' times and memory summed."""
+    out: list[PlanNode] = []
+    for cn in coarse.nodes:
+        group = [fine[m] for m in members.get(cn.name, [cn.name])]
+        kinds = group[0].time_s.keys()
+        out.append(
+            PlanNode(
+                name=cn.name,
+                op=cn.op,
+                kind=cn.kind,
+                target=cn.target,
+                inputs=list(cn.inputs),
+                out_bytes=group[-1].out_bytes,
+                resident_bytes=sum(g.resident_bytes for g in group),
+                activation_bytes=sum(g.activation_bytes for g in group),
+                time_s={k: sum(g.time_s[k] for g in group) for k in kinds},
+                bwd_s={k: sum(g.bwd_s.get(k, 0.0) for g in group) for k in kinds},
+            )
+        )
+    return out
+
+
+def partition_graph(
+    graph: OpGraph,
+    costs: CostLookup,
+    cluster: Any,
+    options: PlanOptions,
+    *,
+    input_shapes: list[list[int]] | None = None,
+    solver: str = "cpsat",
+    require_all_devices: bool = False,
+    use_coarsening: bool = True,
+    progress: Progress | None = None,
+) -> Plan:
+    """Solve the partition of ``graph`` (traced at micro-batch size) over ``cluster``."""
+    pc = plan_cluster(cluster)
+    training = graph.mode == "train"
+    fine = plan_nodes(graph, costs, [d.kind for d in pc.devices])
+    by_name = {n.name: n for n in fine}
+    if use_coarsening:
+        coarse_graph, members = coarsen(graph)
+    else:
+        coarse_graph, members = graph, {n.name: [n.name] for n in graph.nodes}
+    nodes = _coarse_nodes(coarse_graph, members, by_name)
+    problem = problem_from_parts(nodes, pc, options, training=training, ties=coarse_graph.ties)
+    result = solve(
+        problem,
+        time_limit=options.time_limit_s,
+        seed=options.seed,
+        solver=solver,
+        require_all_devices=require_all_devices,
+        progress=progress,
+    )
+    assignment: dict[str, int] = {}
+    for cname, stage in zip(problem.names, result.stage_of):
+        for member in members.get(cname, [cname]):
+            assignment[member] = stage
+    plan = Plan(
+        model=ModelInfo(
+            name=graph.model_name,
+            fingerprint=graph.fingerprint(),
+            batch_size=graph.batch_size * options.microbatches,
+            input_shapes=input_shapes or [],
+            mode=graph.mode,
+            dtype=_dtype(graph),
+        ),
+        cluster=pc,
+        options=options,
+        nodes=fine,
+        edges=[(src, dst, by_name[src].out_bytes) for src, dst in graph.edges()],
+        assignment=assignment,
+        stages=[
+            PlanStage(index=k, devices=[pc.devices[d].name])
+            for k, d in enumerate(result.stage_device)
+        ],
+        ties=[list(t) for t in graph.ties],
+        solver=SolverRecord(
+            solver=result.solver,
+            status=result.status,
+            objective=result.objective,
+            best_bound=result.best_bound,
+            gap=result.gap,
+            lower_bound=lower_bound(problem),
+            wall_time_s=result.wall_time_s,
+            seed=result.seed,
+            workers=result.workers,
+            coarse_nodes=problem.n,
+            baselines={k: v for k, v in result.baselines.items() if math.isfinite(v)},
+            notes=list(result.notes)
+            + [
+                f"baseline {k} is infeasible"
+                for k, v in result.baselines.items()
+                if not math.isfinite(v)
+            ],
+        ),
+    )
+    from crosscut import __version__
+
+    plan.crosscut_version = __version__
+    return annotate(plan)
+
+
+def _dtype(graph: OpGraph) -> str:
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            return n.dtype
+    return "float32"

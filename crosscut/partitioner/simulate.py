@@ -1,0 +1,154 @@
+"""Event simulation of a Plan under its pipeline schedule.
+
+The solver optimises a steady-state bottleneck; a user wants to know the time of
+one training step, how much of it is bubble, and which device does what when.
+This module replays the plan's schedule (``crosscut.schedule``: GPipe, 1F1B or
+forward-only) action by action on one timeline per device:
+
+* ``F(k, m)`` takes the stage's forward compute plus its one-way transfer time
+  (or their max with ``overlap_comm``), and starts once the device is free and
+  every stage that sends to ``k`` has finished ``F(·, m)``;
+* ``B(k, m)`` takes the backward compute plus the transfer time of the
+  gradients, after ``F(k, m)`` and ``B(·, m)`` of every stage ``k`` sends to.
+
+Stage prices come from :func:`crosscut.partitioner.evaluate.evaluate` on the
+problem rebuilt from the plan, so the simulation, the solver and validation all
+use one cost model; in steady state ``F + B`` of a stage equals its
+``stage_time``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from crosscut import schedule as sched
+from crosscut.errors import PlanError
+from crosscut.partitioner.build import plan_to_problem
+from crosscut.partitioner.evaluate import Evaluation, evaluate
+from crosscut.partitioner.plan import Plan
+
+__all__ = ["Event", "Simulation", "simulate", "stage_durations"]
+
+
+@dataclass(frozen=True)
+class Event:
+    device: str
+    stage: int
+    kind: str  # "F" | "B"
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class Simulation:
+    events: list[Event]
+    step_time_s: float
+    bubble_fraction: float
+    device_busy_s: dict[str, float]
+    device_peak_bytes: dict[str, int]
+    stage_fwd_s: list[float] = field(default_factory=list)
+    stage_bwd_s: list[float] = field(default_factory=list)
+    evaluation: Evaluation | None = None
+
+
+def stage_durations(plan: Plan, ev: Evaluation) -> tuple[list[float], list[float]]:
+    """Duration of one F and one B action per stage, transfers included."""
+    kinds = {d.name: d.kind for d in plan.cluster.devices}
+    fwd = [0.0] * plan.num_stages
+    for node in plan.nodes:
+        k = plan.assignment.get(node.name)
+        if k is None:
+            continue
+        kind = kinds[plan.stages[k].devices[0]]
+        fwd[k] += node.time_s[kind] - node.bwd_s.get(kind, 0.0)
+    mult = 2 if plan.model.mode == "train" else 1
+    f_out: list[float] = []
+    b_out: list[float] = []
+    for k in range(plan.num_stages):
+        bwd = max(0.0, ev.stage_compute[k] - fwd[k])
+        one_way = ev.stage_comm[k] / mult
+        if plan.options.overlap_comm:
+            f_out.append(max(fwd[k], one_way))
+            b_out.append(max(bwd, one_way) if mult == 2 else 0.0)
+        else:
+            f_out.append(fwd[k] + one_way)
+            b_out.append(bwd + one_way if mult == 2 else 0.0)
+    return f_out, b_out
+
+
+def _actions(plan: Plan) -> list[list[sched.Action]]:
+    s, m = plan.num_stages, plan.options.microbatches
+    if plan.model.mode != "train":
+        return sched.inference(s, m)
+    if plan.options.schedule == "gpipe":
+        return sched.gpipe(s, m)
+    return sched.one_f_one_b(s, m)
+
+
+def simulate(plan: Plan) -> Simulation:
+    """Replay ``plan``'s schedule; see the module docstring for the rules."""
+    problem, stage_of, stage_device = plan_to_problem(plan)
+    ev = evaluate(problem, stage_of, stage_device)
+    fwd, bwd = stage_durations(plan, ev)
+    senders: list[set[int]] = [set() for _ in range(plan.num_stages)]
+    receivers: list[set[int]] = [set() for _ in range(plan.num_stages)]
+    for _, j, k, _t in ev.transfers:
+        senders[k].add(j)
+        receivers[j].add(k)
+    queues = _actions(plan)
+    done: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * plan.num_stages
+    head = [0] * plan.num_stages
+    events: list[Event] = []
+    remaining = sum(len(q) for q in queues)
+    while remaining:
+        progressed = False
+        for k, queue in enumerate(queues):
+            while head[k] < len(queue):
+                a = queue[head[k]]
+                deps = _deps(a, senders, receivers)
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[k], *(done[d] for d in deps)])
+                end = start + (fwd[k] if a.kind == "F" else bwd[k])
+                done[(k, a.kind, a.microbatch)] = end
+                free[k] = end
+                events.append(Event(plan.stages[k].devices[0], k, a.kind, a.microbatch, start, end))
+                head[k] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [str(q[head[k]]) for k, q in enumerate(queues) if head[k] < len(q)]
+            raise PlanError(
+                "a schedule must not deadlock: every action's inputs come from earlier actions",
+                value=stuck,
+                remedy="use schedule 'gpipe' or '1f1b'",
+            )
+    step = max((e.end for e in events), default=0.0)
+    busy: dict[str, float] = {}
+    for e in events:
+        busy[e.device] = busy.get(e.device, 0.0) + (e.end - e.start)
+    capacity = step * plan.num_stages
+    bubble = 1.0 - sum(busy.values()) / capacity if capacity > 0 else 0.0
+    peaks = {plan.cluster.devices[d].name: ev.device_memory[d] for d in stage_device}
+    return Simulation(
+        events=sorted(events, key=lambda e: (e.start, e.stage)),
+        step_time_s=step,
+        bubble_fraction=min(1.0, max(0.0, bubble)),
+        device_busy_s=busy,
+        device_peak_bytes=peaks,
+        stage_fwd_s=fwd,
+        stage_bwd_s=bwd,
+        evaluation=ev,
+    )
+
+
+def _deps(
+    a: sched.Action, senders: list[set[int]], receivers: list[set[int]]
+) -> list[tuple[int, str, int]]:
+    if a.kind == "F":
+        return [(j, "F", a.microbatch) for j in sorted(senders[a.stage])]
+    return [(a.stage, "F", a.microbatch)] + [
+        (j, "B", a.microbatch) for j in sorted(receivers[a.stage])
+    ]

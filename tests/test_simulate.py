@@ -1,0 +1,107 @@
+"""The simulator against closed-form pipeline times and the evaluator."""
+
+from __future__ import annotations
+
+import pytest
+
+from crosscut.partitioner.annotate import annotate
+from crosscut.partitioner.plan import (
+    ModelInfo,
+    Plan,
+    PlanCluster,
+    PlanDevice,
+    PlanNode,
+    PlanOptions,
+    PlanStage,
+)
+from crosscut.partitioner.simulate import simulate
+from tests.plan_factory import make_plan
+
+
+def chain_plan(
+    stages: int,
+    micro: int,
+    schedule: str,
+    *,
+    fwd: float = 1.0,
+    bwd: float = 2.0,
+    mode: str = "train",
+    out_bytes: int = 0,
+) -> Plan:
+    """One node per stage, equal times; transfers free unless ``out_bytes``."""
+    devs = [PlanDevice(f"d{i}", "k", "cpu", 1 << 40) for i in range(stages)]
+    bw = [[1e9] * stages for _ in range(stages)]
+    lat = [[0.0] * stages for _ in range(stages)]
+    nodes = [
+        PlanNode(
+            f"n{i}",
+            "call_module",
+            "conv2d",
+            f"m{i}",
+            [f"n{i - 1}"] if i else [],
+            out_bytes,
+            0,
+            10,
+            {"k": fwd + (bwd if mode == "train" else 0.0)},
+            bwd_s={"k": bwd} if mode == "train" else {},
+        )
+        for i in range(stages)
+    ]
+    plan = Plan(
+        model=ModelInfo("chain", "fp", micro, [[micro, 1]], mode),
+        cluster=PlanCluster(devs, bw, lat),
+        options=PlanOptions(schedule=schedule, microbatches=micro),
+        nodes=nodes,
+        edges=[(f"n{i - 1}", f"n{i}", out_bytes) for i in range(1, stages)],
+        assignment={f"n{i}": i for i in range(stages)},
+        stages=[PlanStage(i, [f"d{i}"]) for i in range(stages)],
+    )
+    return annotate(plan)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "micro"), [(1, 1), (2, 4), (4, 4), (4, 8), (3, 2)])
+def test_balanced_pipeline_matches_closed_form(schedule: str, stages: int, micro: int) -> None:
+    sim = simulate(chain_plan(stages, micro, schedule))
+    # Balanced stages: fill + steady + drain = (M + S - 1) * (F + B) for both schedules.
+    assert sim.step_time_s == pytest.approx((micro + stages - 1) * 3.0)
+    assert sim.bubble_fraction == pytest.approx((stages - 1) / (micro + stages - 1))
+    assert len(sim.events) == 2 * stages * micro
+
+
+def test_inference_runs_forwards_only() -> None:
+    sim = simulate(chain_plan(3, 4, "gpipe", mode="infer"))
+    assert {e.kind for e in sim.events} == {"F"}
+    assert sim.step_time_s == pytest.approx((4 + 3 - 1) * 1.0)
+
+
+def test_transfers_lengthen_each_action() -> None:
+    slow = simulate(chain_plan(2, 2, "gpipe", out_bytes=10**9))  # 1 s per hop at 1 GB/s
+    # Each stage sends or receives one tensor: +1 s on every F and every B.
+    assert slow.stage_fwd_s == pytest.approx([2.0, 2.0])
+    assert slow.stage_bwd_s == pytest.approx([3.0, 3.0])
+
+
+def test_steady_state_equals_evaluated_stage_time() -> None:
+    plan = make_plan(60, 4, cross_shaped=False, microbatches=4)
+    for d in plan.cluster.devices:
+        d.mem_cap = 1 << 40
+    plan = annotate(plan)
+    sim = simulate(plan)
+    assert sim.evaluation is not None
+    for k in range(plan.num_stages):
+        assert sim.stage_fwd_s[k] + sim.stage_bwd_s[k] == pytest.approx(
+            sim.evaluation.stage_time[k]
+        )
+    # A step is never shorter than the bottleneck stage's work for every micro-batch.
+    assert sim.step_time_s >= plan.options.microbatches * max(sim.evaluation.stage_time) - 1e-12
+    assert plan.predicted.step_time_s == pytest.approx(sim.step_time_s)
+
+
+def test_one_f_one_b_keeps_fewer_in_flight_than_gpipe() -> None:
+    a = simulate(chain_plan(4, 8, "gpipe"))
+    b = simulate(chain_plan(4, 8, "1f1b"))
+    # activation 10 bytes per micro-batch: GPipe keeps 8 in flight on every stage, 1F1B at most S-k.
+    assert a.device_peak_bytes["d0"] == 80
+    assert b.device_peak_bytes["d0"] == 40
+    assert b.device_peak_bytes["d3"] == 10

@@ -1,0 +1,22 @@
+"""The partitioner: tracing, the problem, the solvers, plans, validation and simulation.
+
+``trace`` is resolved lazily: importing ``crosscut.partitioner.plan`` (which the
+visualizer does) must not pull in torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["trace"]
+
+if TYPE_CHECKING:
+    from crosscut.partitioner.trace import trace
+
+
+def __getattr__(name: str) -> Any:
+    if name == "trace":
+        from crosscut.partitioner.trace import trace
+
+        return trace
+    raise AttributeError(f"module 'crosscut.partitioner' has no attribute {name!r}")

@@ -1,0 +1,245 @@
+"""The cost model of a plan, computed once, in one place.
+
+Every solver (CP-SAT, DP, greedy, brute force), plan validation and the tests
+price an assignment with :func:`evaluate`, so "the objective" means the same
+float everywhere; the CP-SAT model is an integer-scaled transcription of these
+formulas and its answer is always re-priced here before it is reported.
+
+The model (``PartitionProblem``'s docstring, DESIGN.md "The partition problem"):
+
+* stage ``k`` runs on device ``stage_device[k]``; its compute is the sum of
+  ``compute[v][stage_device[k]]`` over its nodes.
+* for every node ``u`` and every distinct later stage ``k != s(u)`` that holds a
+  consumer of ``u``, one transfer of ``out_bytes[u]`` costing
+  ``latency + out_bytes / bandwidth`` between the two devices; the time counts
+  on the sender stage and on the receiver stage. When ``training`` every
+  transfer is counted twice (activation forward, gradient backward).
+* ``stage_time = compute + comm`` (or ``max(compute, comm)`` with
+  ``overlap_comm``); the throughput objective is the bottleneck
+  ``max_k stage_time``.
+* memory of the device of stage ``k`` (a device holds at most one stage):
+  ``resident + inflight(k) * (activation + received bytes)`` when training,
+  where ``inflight = microbatches`` for GPipe and ``min(microbatches, S - k)``
+  for 1F1B (``S`` = number of stages). In inference no activation is kept for
+  backward, so the activation term is 0 and each received tensor needs one
+  buffer: ``resident + received bytes``.
+* the latency objective is the makespan of one micro-batch: nodes are
+  list-scheduled in index (topological) order, each device runs one node at a
+  time in that order, a node starts when its device is free and its inputs
+  have arrived (producer finish, plus the transfer time when the producer is
+  on another stage). Node times are ``compute[v][d]`` as given (forward+backward
+  when training) and transfers are doubled when training, exactly as in the
+  throughput model; it approximates a training step's latency with one DAG pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from crosscut.partitioner.problem import PartitionProblem
+
+__all__ = [
+    "Evaluation",
+    "activation_factor",
+    "buffer_factor",
+    "check",
+    "comm_multiplier",
+    "consumers",
+    "evaluate",
+    "lower_bound",
+    "renumber",
+    "transfer_time",
+]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Prices of one assignment; ``objective`` is the one the problem asks for."""
+
+    objective: float  # bottleneck (throughput) or makespan (latency), seconds
+    bottleneck: float  # max stage time, seconds per micro-batch
+    makespan: float  # one micro-batch through the list schedule, seconds
+    stage_compute: list[float]
+    stage_comm: list[float]
+    stage_time: list[float]
+    device_memory: list[int]  # [device] bytes needed (0 for unused devices)
+    transfers: list[tuple[int, int, int, float]]  # (node, from stage, to stage, seconds)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_time)
+
+
+def consumers(problem: PartitionProblem) -> list[list[int]]:
+    """Consumers of every node, sorted, duplicates removed."""
+    out: list[set[int]] = [set() for _ in range(problem.n)]
+    for u, v in problem.edges:
+        out[u].add(v)
+    return [sorted(s) for s in out]
+
+
+def comm_multiplier(problem: PartitionProblem) -> int:
+    """2 when training (activation forward, gradient backward), else 1."""
+    return 2 if problem.training else 1
+
+
+def transfer_time(problem: PartitionProblem, node: int, src: int, dst: int) -> float:
+    """Seconds to move ``node``'s output from device ``src`` to ``dst`` once, one way."""
+    return problem.latency[src][dst] + problem.out_bytes[node] / problem.bandwidth[src][dst]
+
+
+def activation_factor(problem: PartitionProblem, k: int, num_stages: int) -> int:
+    """Micro-batches whose activations stage ``k`` keeps at once (0 in inference)."""
+    if not problem.training:
+        return 0
+    if problem.schedule == "gpipe":
+        return problem.microbatches
+    return max(1, min(problem.microbatches, num_stages - k))
+
+
+def buffer_factor(problem: PartitionProblem, k: int, num_stages: int) -> int:
+    """Receive buffers per received tensor: one per in-flight micro-batch (1 in inference)."""
+    if not problem.training:
+        return 1
+    return activation_factor(problem, k, num_stages)
+
+
+def evaluate(problem: PartitionProblem, stage_of: list[int], stage_device: list[int]) -> Evaluation:
+    """Price an assignment. Assumes it is well formed; :func:`check` says whether it is."""
+    num_stages = len(stage_device)
+    mult = comm_multiplier(problem)
+    comp = [0.0] * num_stages
+    comm = [0.0] * num_stages
+    act = [0] * num_stages
+    res = [0] * num_stages
+    recv = [0] * num_stages
+    for v in range(problem.n):
+        k = stage_of[v]
+        comp[k] += problem.compute[v][stage_device[k]]
+        act[k] += problem.activation[v]
+        res[k] += problem.resident[v]
+    transfers: list[tuple[int, int, int, float]] = []
+    for u, cons in enumerate(consumers(problem)):
+        j = stage_of[u]
+        for k in sorted({stage_of[v] for v in cons} - {j}):
+            t = mult * transfer_time(problem, u, stage_device[j], stage_device[k])
+            comm[j] += t
+            comm[k] += t
+            recv[k] += problem.out_bytes[u]
+            transfers.append((u, j, k, t))
+    if problem.overlap_comm:
+        times = [max(c, m) for c, m in zip(comp, comm)]
+    else:
+        times = [c + m for c, m in zip(comp, comm)]
+    memory = [0] * problem.num_devices
+    for k, d in enumerate(stage_device):
+        memory[d] += (
+            res[k]
+            + activation_factor(problem, k, num_stages) * act[k]
+            + buffer_factor(problem, k, num_stages) * recv[k]
+        )
+    bottleneck = max(times, default=0.0)
+    span = _makespan(problem, stage_of, stage_device)
+    return Evaluation(
+        objective=span if problem.objective == "latency" else bottleneck,
+        bottleneck=bottleneck,
+        makespan=span,
+        stage_compute=comp,
+        stage_comm=comm,
+        stage_time=times,
+        device_memory=memory,
+        transfers=transfers,
+    )
+
+
+def _makespan(problem: PartitionProblem, stage_of: list[int], stage_device: list[int]) -> float:
+    """List schedule of one micro-batch in index order (see the module docstring)."""
+    mult = comm_multiplier(problem)
+    preds: list[set[int]] = [set() for _ in range(problem.n)]
+    for u, v in problem.edges:
+        preds[v].add(u)
+    finish = [0.0] * problem.n
+    free = [0.0] * len(stage_device)  # per stage == per device (injective)
+    for v in range(problem.n):
+        k = stage_of[v]
+        d = stage_device[k]
+        start = free[k]
+        for u in preds[v]:
+            j = stage_of[u]
+            arrive = finish[u]
+            if j != k:
+                arrive += mult * transfer_time(problem, u, stage_device[j], d)
+            start = max(start, arrive)
+        finish[v] = start + problem.compute[v][d]
+        free[k] = finish[v]
+    return max(finish, default=0.0)
+
+
+def check(problem: PartitionProblem, stage_of: list[int], stage_device: list[int]) -> list[str]:
+    """Every rule the assignment breaks, as readable strings (empty list = valid)."""
+    errors: list[str] = []
+    num_stages = len(stage_device)
+    if len(stage_of) != problem.n:
+        return [f"stage_of has {len(stage_of)} entries for {problem.n} nodes (node missing)"]
+    for v, k in enumerate(stage_of):
+        if not 0 <= k < num_stages:
+            errors.append(f"node {problem.names[v]!r} in stage {k}, not in 0..{num_stages - 1}")
+    if errors:
+        return errors
+    for u, v in problem.edges:
+        if stage_of[u] > stage_of[v]:
+            errors.append(
+                f"edge {problem.names[u]!r} -> {problem.names[v]!r} goes backwards "
+                f"(stage {stage_of[u]} -> {stage_of[v]})"
+            )
+    for group in problem.ties:
+        if len({stage_of[v] for v in group}) > 1:
+            errors.append(f"tie group {[problem.names[v] for v in group]} is split over stages")
+    used = set(stage_of)
+    for k in range(num_stages):
+        if k not in used:
+            errors.append(f"stage {k} is empty (renumber the stages)")
+    if len(set(stage_device)) != len(stage_device):
+        errors.append(f"stage_device {stage_device} uses a device twice")
+    if any(not 0 <= d < problem.num_devices for d in stage_device):
+        errors.append(
+            f"stage_device {stage_device} names a device outside 0..{problem.num_devices - 1}"
+        )
+    if errors:
+        return errors
+    ev = evaluate(problem, stage_of, stage_device)
+    for d, need in enumerate(ev.device_memory):
+        if need > problem.mem_cap[d]:
+            errors.append(
+                f"device {problem.devices[d]!r} needs {need} bytes, cap {problem.mem_cap[d]}"
+            )
+    return errors
+
+
+def renumber(stage_of: list[int], stage_device: list[int]) -> tuple[list[int], list[int]]:
+    """Drop empty stages, keeping the order of the others and their devices."""
+    used = sorted(set(stage_of))
+    new = {k: i for i, k in enumerate(used)}
+    return [new[k] for k in stage_of], [stage_device[k] for k in used]
+
+
+def lower_bound(problem: PartitionProblem, devices: int | None = None) -> float:
+    """A valid lower bound on the objective for any plan.
+
+    Throughput: the fastest-device compute spread evenly over the devices, and
+    no stage is faster than its slowest single node on its best device.
+    Latency: the longest chain of nodes on their fastest device (no transfers).
+    """
+    fastest = [min(row) for row in problem.compute]
+    if not fastest:
+        return 0.0
+    if problem.objective == "latency":
+        longest = [0.0] * problem.n
+        preds: list[list[int]] = [[] for _ in range(problem.n)]
+        for u, v in problem.edges:
+            preds[v].append(u)
+        for v in range(problem.n):
+            longest[v] = fastest[v] + max((longest[u] for u in preds[v]), default=0.0)
+        return max(longest)
+    num = devices or problem.num_devices
+    return max(sum(fastest) / num, max(fastest))

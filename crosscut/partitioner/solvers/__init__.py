@@ -1,0 +1,93 @@
+"""Solvers of the partition problem and the one front door, :func:`solve`.
+
+Every solver takes a :class:`~crosscut.partitioner.problem.PartitionProblem`
+(plain data, no torch) and returns a :class:`SolveResult` whose objective was
+re-priced by :func:`crosscut.partitioner.evaluate.evaluate`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
+from crosscut.partitioner.evaluate import evaluate, lower_bound
+from crosscut.partitioner.problem import PartitionProblem
+from crosscut.partitioner.solvers.baselines import all_baselines, chain_dp, device_order, greedy
+from crosscut.partitioner.solvers.bruteforce import brute_force
+from crosscut.partitioner.solvers.cpsat import infeasibility_report, solve_cpsat
+from crosscut.partitioner.solvers.result import SolveResult, relative_gap
+
+__all__ = ["SOLVERS", "SolveResult", "brute_force", "solve", "solve_cpsat"]
+
+SOLVERS = ("cpsat", "dp", "greedy", "brute")
+
+
+def solve(
+    problem: PartitionProblem,
+    *,
+    time_limit: float = 10.0,
+    seed: int = 0,
+    solver: str = "cpsat",
+    workers: int = 1,
+    require_all_devices: bool = False,
+    progress: Callable[[float, float, float], None] | None = None,
+    log_callback: Callable[[str], None] | None = None,
+) -> SolveResult:
+    """Partition ``problem`` with the named solver.
+
+    ``progress(wall_s, objective_s, bound_s)`` is called for each new CP-SAT
+    incumbent. ``require_all_devices`` forces one stage per device (raises
+    PartitionError when there are fewer nodes than devices); otherwise a solver
+    may leave devices idle when another stage would not pay, and says so in
+    ``notes``.
+    """
+    if solver not in SOLVERS:
+        raise InputError(f"unknown solver {solver!r}", value=solver, remedy=f"use one of {SOLVERS}")
+    if require_all_devices and problem.n < problem.num_devices:
+        raise PartitionError(
+            "require_all_devices needs at least one node per device",
+            value=f"{problem.n} nodes, {problem.num_devices} devices",
+            remedy="drop require_all_devices or coarsen the graph less",
+        )
+    if solver == "cpsat":
+        return solve_cpsat(
+            problem,
+            time_limit=time_limit,
+            seed=seed,
+            workers=workers,
+            progress=progress,
+            log_callback=log_callback,
+            require_all_devices=require_all_devices,
+        )
+    if solver == "brute":
+        return brute_force(problem, require_all_devices=require_all_devices)
+    t0 = time.perf_counter()
+    order = device_order(problem)
+    min_stages = problem.num_devices if require_all_devices else 1
+    plans = all_baselines(problem, order, min_stages=min_stages)
+    baselines = {name: evaluate(problem, *p).objective for name, p in plans.items()}
+    plan = chain_dp(problem, order, min_stages=min_stages)
+    if solver == "greedy" and plan is not None:
+        plan = greedy(problem, order, start=plan)
+    if plan is None or len(plan[1]) < min_stages:
+        raise InfeasiblePlanError(
+            f"{solver} found no contiguous split that fits the memory caps",
+            value=infeasibility_report(problem),
+            remedy="try solver='cpsat' (non-contiguous splits), or add devices or memory",
+        )
+    obj = evaluate(problem, *plan).objective
+    bound = min(lower_bound(problem), obj)
+    return SolveResult(
+        stage_of=plan[0],
+        stage_device=plan[1],
+        objective=obj,
+        status="FEASIBLE",
+        best_bound=bound,
+        gap=relative_gap(obj, bound),
+        wall_time_s=time.perf_counter() - t0,
+        seed=seed,
+        workers=1,
+        solver=solver,
+        baselines=baselines,
+    )

@@ -1,0 +1,350 @@
+"""Baseline partitioners: what existing pipeline planners reach, priced by evaluate().
+
+They serve three purposes: a fallback plan when CP-SAT runs out of time, a
+hint (and an upper bound) that makes CP-SAT fast, and the yardstick every
+solve reports ("beat chain_dp by 12 %"). All of them cut the fixed node order
+(``problem.names`` is topological) into contiguous chunks, as torchgpipe's
+``balance_by_time``, DeepSpeed's ``partition_balanced`` and PiPPy do; only
+``greedy`` leaves the chain by moving single nodes.
+
+Each returns ``(stage_of, stage_device)`` or ``None`` when no plan of its kind
+fits the memory caps. Stage ``k`` runs on ``order[k]``: :func:`device_order`
+picks a path through the devices over the fastest links.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from crosscut.partitioner.evaluate import (
+    activation_factor,
+    buffer_factor,
+    check,
+    comm_multiplier,
+    consumers,
+    evaluate,
+    renumber,
+)
+from crosscut.partitioner.problem import PartitionProblem
+
+__all__ = [
+    "Plan",
+    "all_baselines",
+    "allowed_cuts",
+    "chain_dp",
+    "device_order",
+    "greedy",
+    "param_balanced",
+    "uniform_by_count",
+]
+
+Plan = tuple[list[int], list[int]]  # (stage_of, stage_device)
+
+
+def device_order(problem: PartitionProblem) -> list[int]:
+    """Devices in the order stages should use them: the path with the cheapest links.
+
+    Consecutive stages exchange most of the traffic, so the path minimises the
+    sum of one typical transfer (median output size) over consecutive pairs.
+    Exact over subsets for up to 12 devices (a Held-Karp path), greedy above.
+    Ties keep the natural order, so identical devices come out as 0, 1, 2, ...
+    """
+    num = problem.num_devices
+    sizes = sorted(b for b in problem.out_bytes if b > 0) or [0]
+    ref = sizes[len(sizes) // 2]
+
+    def link(a: int, b: int) -> float:
+        return problem.latency[a][b] + ref / problem.bandwidth[a][b]
+
+    if num <= 2:
+        return list(range(num))
+    if num > 12:
+        path, left = [0], set(range(1, num))
+        while left:
+            nxt = min(left, key=lambda d: (link(path[-1], d), d))
+            path.append(nxt)
+            left.remove(nxt)
+        return path
+    inf = float("inf")
+    best: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {}
+    for d in range(num):
+        best[(1 << d, d)] = (0.0, (d,))
+    for mask in range(1, 1 << num):
+        for last in range(num):
+            cur = best.get((mask, last))
+            if cur is None:
+                continue
+            for d in range(num):
+                if mask >> d & 1:
+                    continue
+                cand = (cur[0] + link(last, d), (*cur[1], d))
+                key = (mask | 1 << d, d)
+                old = best.get(key, (inf, ()))
+                if (cand[0], cand[1]) < (old[0] - 1e-15, old[1]):
+                    best[key] = cand
+    full = (1 << num) - 1
+    return list(min((best[(full, d)] for d in range(num)), key=lambda c: (c[0], c[1]))[1])
+
+
+def allowed_cuts(problem: PartitionProblem) -> list[bool]:
+    """``allowed[i]``: a stage boundary may fall just before node ``i`` (no tie split)."""
+    ok = [True] * (problem.n + 1)
+    for group in problem.ties:
+        if group:
+            for i in range(min(group) + 1, max(group) + 1):
+                ok[i] = False
+    return ok
+
+
+def _chunks(problem: PartitionProblem, cuts: list[int], order: list[int]) -> Plan:
+    bounds = [0, *sorted(set(cuts)), problem.n]
+    stage_of = [0] * problem.n
+    for k in range(len(bounds) - 1):
+        for v in range(bounds[k], bounds[k + 1]):
+            stage_of[v] = k
+    return renumber(stage_of, order[: len(bounds) - 1])
+
+
+def _snap(problem: PartitionProblem, targets: list[float]) -> list[int]:
+    """Allowed cut positions nearest to the targets, increasing, no repeats."""
+    ok = allowed_cuts(problem)
+    cuts: list[int] = []
+    for t in targets:
+        cands = [i for i in range(1, problem.n) if ok[i] and (not cuts or i > cuts[-1])]
+        if cands:
+            cuts.append(min(cands, key=lambda i: (abs(i - t), i)))
+    return cuts
+
+
+def _feasible(problem: PartitionProblem, plan: Plan) -> Plan | None:
+    return plan if not check(problem, *plan) else None
+
+
+def uniform_by_count(
+    problem: PartitionProblem, num_stages: int | None = None, order: list[int] | None = None
+) -> Plan | None:
+    """Contiguous chunks with (nearly) equal node counts — the naive split."""
+    order = order or device_order(problem)
+    s = min(num_stages or len(order), problem.n, len(order))
+    cuts = _snap(problem, [problem.n * k / s for k in range(1, s)])
+    return _feasible(problem, _chunks(problem, cuts, order))
+
+
+def param_balanced(
+    problem: PartitionProblem, num_stages: int | None = None, order: list[int] | None = None
+) -> Plan | None:
+    """Contiguous chunks with balanced resident bytes (DeepSpeed/PiPPy's default)."""
+    order = order or device_order(problem)
+    s = min(num_stages or len(order), problem.n, len(order))
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(problem.resident, dtype=float))])
+    total = float(prefix[-1]) or 1.0
+    targets = [float(np.searchsorted(prefix, total * k / s)) for k in range(1, s)]
+    cuts = _snap(problem, targets)
+    return _feasible(problem, _chunks(problem, cuts, order))
+
+
+def _comm_matrices(problem: PartitionProblem) -> tuple[np.ndarray, ...]:
+    """For every chunk ``[a, b)``: count and bytes received from before ``a`` and sent past ``b``.
+
+    The received part is exact. The sent part charges each node once if any
+    consumer lies past ``b`` — exact unless a node feeds two or more later
+    stages, where it is a lower bound (the DP then is a heuristic; evaluate()
+    prices its answer exactly).
+    """
+    n = problem.n
+    rc = np.zeros((n + 1, n + 2))
+    rb = np.zeros((n + 1, n + 2))
+    sc = np.zeros((n + 2, n + 2))
+    sb = np.zeros((n + 2, n + 2))
+    for u, cons in enumerate(consumers(problem)):
+        if not cons:
+            continue
+        arr = np.asarray(cons)
+        maxc = cons[-1]
+        rows = np.arange(u + 1, maxc + 1)
+        nxt = arr[np.searchsorted(arr, rows)]
+        np.add.at(rc, (rows, nxt + 1), 1.0)
+        np.add.at(rb, (rows, nxt + 1), float(problem.out_bytes[u]))
+        for mat, val in ((sc, 1.0), (sb, float(problem.out_bytes[u]))):
+            mat[0, u + 1] += val
+            mat[0, maxc + 1] -= val
+            mat[u + 1, u + 1] -= val
+            mat[u + 1, maxc + 1] += val
+    rc = np.cumsum(rc, axis=1)[:, : n + 1]
+    rb = np.cumsum(rb, axis=1)[:, : n + 1]
+    sc = np.cumsum(np.cumsum(sc, axis=0), axis=1)[: n + 1, : n + 1]
+    sb = np.cumsum(np.cumsum(sb, axis=0), axis=1)[: n + 1, : n + 1]
+    return rc, rb, sc, sb
+
+
+def chain_dp(
+    problem: PartitionProblem,
+    order: list[int] | None = None,
+    max_stages: int | None = None,
+    min_stages: int = 1,
+) -> Plan | None:
+    """The best contiguous split of the node order, by dynamic programming over boundaries.
+
+    For every stage count ``S`` a min-max DP over ``(stage, boundary)`` finds
+    the split minimising the bottleneck stage time including transfers, under
+    the exact memory caps (1F1B in-flight counts depend on ``S``, hence the
+    loop). Every candidate, plus the naive contiguous splits, is re-priced by
+    evaluate() and the best kept, so it is never worse than them. The DP is exact
+    unless a node feeds two or more later stages (see :func:`_comm_matrices`).
+    This is what torchgpipe/PipeDream-style planners reach at best.
+    """
+    order = order or device_order(problem)
+    n = problem.n
+    smax = min(max_stages or len(order), len(order), n)
+    mult = comm_multiplier(problem)
+    rc, rb, sc, sb = _comm_matrices(problem)
+    ok = allowed_cuts(problem)
+    comp = np.asarray(problem.compute, dtype=float)
+    pre_c = np.vstack([np.zeros(comp.shape[1]), np.cumsum(comp, axis=0)])
+    pre_r = np.concatenate([[0.0], np.cumsum(np.asarray(problem.resident, dtype=float))])
+    pre_a = np.concatenate([[0.0], np.cumsum(np.asarray(problem.activation, dtype=float))])
+    idx = np.arange(n + 1)
+    valid = idx[:, None] < idx[None, :]  # chunk [a, b) non-empty
+    start_ok = np.asarray(ok)
+    best_plan: Plan | None = None
+    best_key: tuple[float, float] | None = None
+    cands: list[Plan | None] = []
+    for s in range(min_stages, smax + 1):
+        vals = np.full(n + 1, np.inf)
+        vals[0] = 0.0
+        args: list[np.ndarray] = []
+        for k in range(s):
+            d = order[k]
+            lin = (order[k - 1], d) if k > 0 else (d, d)
+            lout = (d, order[k + 1]) if k + 1 < s else (d, d)
+            cmp = pre_c[None, :, d] - pre_c[:, None, d]
+            com = np.zeros_like(cmp)
+            if k > 0:
+                bw, la = problem.bandwidth[lin[0]][lin[1]], problem.latency[lin[0]][lin[1]]
+                com += rc * la + rb / bw
+            if k + 1 < s:
+                bw, la = problem.bandwidth[lout[0]][lout[1]], problem.latency[lout[0]][lout[1]]
+                com += sc * la + sb / bw
+            com *= mult
+            t = np.maximum(cmp, com) if problem.overlap_comm else cmp + com
+            mem = (pre_r[None, :] - pre_r[:, None]) + activation_factor(problem, k, s) * (
+                pre_a[None, :] - pre_a[:, None]
+            )
+            mem = mem + buffer_factor(problem, k, s) * rb
+            bad = ~valid | (mem > problem.mem_cap[d])
+            if k > 0:
+                bad |= ~start_ok[:, None]
+            if k + 1 < s:
+                bad |= ~start_ok[None, :]
+            cand = np.where(bad, np.inf, np.maximum(vals[:, None], t))
+            args.append(np.argmin(cand, axis=0))
+            vals = cand.min(axis=0)
+        if not np.isfinite(vals[n]):
+            continue
+        cuts, b = [], n
+        for k in range(s - 1, 0, -1):
+            b = int(args[k][b])
+            cuts.append(b)
+        cands.append(_chunks(problem, cuts, order))
+    if min_stages <= 1:
+        # the naive contiguous splits too: the DP's send cost is a lower bound when a
+        # node feeds several later stages, so one of them can price better exactly
+        cands += [uniform_by_count(problem, None, order), param_balanced(problem, None, order)]
+    for plan in cands:
+        if plan is None or check(problem, *plan):
+            continue
+        ev = evaluate(problem, *plan)
+        key = (ev.objective, sum(ev.stage_time))
+        if best_key is None or key < best_key:
+            best_key, best_plan = key, plan
+    return best_plan
+
+
+def _score(problem: PartitionProblem, plan: Plan) -> tuple[float, float] | None:
+    if check(problem, *plan):
+        return None
+    ev = evaluate(problem, *plan)
+    return (ev.objective, sum(ev.stage_time))
+
+
+def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    tol = 1e-12 * max(abs(b[0]), 1e-30)
+    if a[0] < b[0] - tol:
+        return True
+    return abs(a[0] - b[0]) <= tol and a[1] < b[1] * (1 - 1e-12)
+
+
+def greedy(
+    problem: PartitionProblem,
+    order: list[int] | None = None,
+    start: Plan | None = None,
+    max_evals: int = 400,
+) -> Plan | None:
+    """chain_dp's split improved by moving single nodes to a neighbouring stage.
+
+    A node may move one stage later if all its consumers are already later, or
+    one stage earlier if all its producers are already earlier, so edges stay
+    forward; tied nodes stay put. First improvement of (objective, total stage
+    time) wins; nodes of the slowest stage are tried first. The budget counts
+    evaluations, not seconds, so the result is deterministic.
+    """
+    plan = start or chain_dp(problem, order)
+    if plan is None:
+        return None
+    score = _score(problem, plan)
+    if score is None:
+        return None
+    tied = {v for g in problem.ties if len(g) > 1 for v in g}
+    preds: list[list[int]] = [[] for _ in range(problem.n)]
+    for u, v in problem.edges:
+        preds[v].append(u)
+    cons = consumers(problem)
+    evals = 0
+    improved = True
+    while improved and evals < max_evals:
+        improved = False
+        stage_of, stage_device = plan
+        ev = evaluate(problem, stage_of, stage_device)
+        rank = sorted(range(len(stage_device)), key=lambda k: -ev.stage_time[k])
+        pos = {k: i for i, k in enumerate(rank)}
+        nodes = sorted(range(problem.n), key=lambda v: (pos[stage_of[v]], v))
+        for v, step in itertools.product(nodes, (1, -1)):
+            if v in tied or evals >= max_evals:
+                continue
+            k = stage_of[v] + step
+            if not 0 <= k < len(stage_device):
+                continue
+            if step > 0 and any(stage_of[c] < k for c in cons[v]):
+                continue
+            if step < 0 and any(stage_of[p] > k for p in preds[v]):
+                continue
+            new = list(stage_of)
+            new[v] = k
+            cand = renumber(new, stage_device)
+            evals += 1
+            cand_score = _score(problem, cand)
+            if cand_score is not None and _better(cand_score, score):
+                plan, score, improved = cand, cand_score, True
+                break
+    return plan
+
+
+def all_baselines(
+    problem: PartitionProblem, order: list[int] | None = None, min_stages: int = 1
+) -> dict[str, Plan]:
+    """Every baseline that finds a feasible plan with >= min_stages stages, by name."""
+    order = order or device_order(problem)
+    out: dict[str, Plan] = {}
+    for name, fn in (("uniform_by_count", uniform_by_count), ("param_balanced", param_balanced)):
+        plan = fn(problem, None, order)
+        if plan is not None:
+            out[name] = plan
+    dp = chain_dp(problem, order, min_stages=min_stages)
+    if dp is not None:
+        out["chain_dp"] = dp
+        g = greedy(problem, order, start=dp)
+        if g is not None:
+            out["greedy"] = g
+    return {k: v for k, v in out.items() if len(v[1]) >= min_stages}

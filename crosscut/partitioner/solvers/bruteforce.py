@@ -1,0 +1,85 @@
+"""Brute force: every legal plan of a tiny problem, priced by evaluate().
+
+The reference the other solvers are tested against (hypothesis, random DAGs of
+up to ~10 nodes and 3-4 devices). It enumerates stage assignments in node
+order with ``s(v) >= s(u)`` for every producer (so edges never go backwards),
+keeps those whose stages are ``0..S-1`` without holes and whose ties hold,
+and tries every injective stage→device map. No cleverness, on purpose.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+
+from crosscut.errors import InfeasiblePlanError
+from crosscut.partitioner.evaluate import check, evaluate
+from crosscut.partitioner.problem import PartitionProblem
+from crosscut.partitioner.solvers.result import SolveResult
+
+__all__ = ["brute_force", "stage_assignments"]
+
+MAX_NODES = 14
+
+
+def stage_assignments(problem: PartitionProblem, max_stages: int) -> Iterator[list[int]]:
+    """Every topological, hole-free stage assignment with at most ``max_stages`` stages."""
+    preds: list[list[int]] = [[] for _ in range(problem.n)]
+    for u, v in problem.edges:
+        preds[v].append(u)
+    stage_of = [0] * problem.n
+
+    def rec(v: int, top: int) -> Iterator[list[int]]:
+        if v == problem.n:
+            if len(set(stage_of)) == top + 1:
+                yield list(stage_of)
+            return
+        low = max((stage_of[u] for u in preds[v]), default=0)
+        for k in range(low, max_stages):
+            stage_of[v] = k
+            yield from rec(v + 1, max(top, k))
+
+    yield from rec(0, 0)
+
+
+def brute_force(problem: PartitionProblem, *, require_all_devices: bool = False) -> SolveResult:
+    """The optimal plan by enumeration; raises InfeasiblePlanError when none fits memory."""
+    if problem.n > MAX_NODES:
+        raise ValueError(f"brute force is for tiny problems (n <= {MAX_NODES}), got {problem.n}")
+    t0 = time.perf_counter()
+    best: tuple[float, list[int], list[int]] | None = None
+    devs = range(problem.num_devices)
+    for stage_of in stage_assignments(problem, min(problem.n, problem.num_devices)):
+        if any(len({stage_of[v] for v in g}) > 1 for g in problem.ties):
+            continue
+        num = max(stage_of) + 1
+        if require_all_devices and num < problem.num_devices:
+            continue
+        for perm in itertools.permutations(devs, num):
+            stage_device = list(perm)
+            obj = evaluate(problem, stage_of, stage_device).objective
+            if best is not None and obj >= best[0]:
+                continue
+            if check(problem, stage_of, stage_device):
+                continue
+            best = (obj, stage_of, stage_device)
+    if best is None:
+        raise InfeasiblePlanError(
+            "no assignment of the graph to the devices fits the memory caps (brute force)",
+            value=f"caps {problem.mem_cap}",
+            remedy="add devices or memory",
+        )
+    obj, stage_of, stage_device = best
+    return SolveResult(
+        stage_of=stage_of,
+        stage_device=stage_device,
+        objective=obj,
+        status="OPTIMAL",
+        best_bound=obj,
+        gap=0.0,
+        wall_time_s=time.perf_counter() - t0,
+        seed=0,
+        workers=1,
+        solver="brute",
+    )

@@ -1,0 +1,289 @@
+"""CP-SAT partitioner: the exact solver, seeded and bounded by the baselines.
+
+Flow: baselines (chain_dp, greedy, ...) give an incumbent; for every device
+order worth distinguishing, an :class:`OrderModel` searches for a plan at most
+as slow as the incumbent, hinted with it, its stage windows tightened by the
+incumbent's value; every plan is re-priced by evaluate(). Orders: identical
+devices on uniform links need one; otherwise every order up to 4 devices is
+tried (exact), and above that a few sensible ones (heuristic; the bound then
+only comes from :func:`lower_bound`).
+
+Determinism: with ``workers=1`` the search is sequential, so a solve that ends
+before its time limit (status OPTIMAL) returns the same plan every run; with
+``deterministic=True`` the limit is CP-SAT's deterministic time, so time-limited
+solves repeat too. ``workers>1`` runs CP-SAT's parallel portfolio: faster on
+hard instances, but a time-limited answer may differ between runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from collections.abc import Callable
+
+from ortools.sat.python import cp_model
+
+from crosscut.errors import InfeasiblePlanError, PartitionError
+from crosscut.partitioner.evaluate import check, evaluate, lower_bound, renumber
+from crosscut.partitioner.problem import PartitionProblem
+from crosscut.partitioner.solvers.baselines import Plan, all_baselines, device_order
+from crosscut.partitioner.solvers.cpsat_model import OrderModel
+from crosscut.partitioner.solvers.result import SolveResult, relative_gap
+
+__all__ = ["candidate_orders", "infeasibility_report", "solve_cpsat"]
+
+RESTART_SLICE_S = math.inf  # seconds before rebuilding with a tighter incumbent; inf = never
+
+Progress = Callable[[float, float, float], None]
+
+
+def _interchangeable(pb: PartitionProblem) -> bool:
+    d = pb.num_devices
+    same_dev = all(len(set(row)) == 1 for row in pb.compute) and len(set(pb.mem_cap)) == 1
+    links = {(pb.bandwidth[a][b], pb.latency[a][b]) for a in range(d) for b in range(d) if a != b}
+    return same_dev and len(links) <= 1
+
+
+def candidate_orders(pb: PartitionProblem) -> tuple[list[list[int]], bool]:
+    """Device orders to search, and whether they cover every stage→device map."""
+    primary = device_order(pb)
+    if _interchangeable(pb):
+        return [primary], True
+    d = pb.num_devices
+    if d <= 4:
+        kind = {dev: (tuple(r[dev] for r in pb.compute), pb.mem_cap[dev]) for dev in range(d)}
+        seen: set[tuple[object, ...]] = set()
+        out: list[list[int]] = []
+        for order in [tuple(primary), *itertools.permutations(range(d))]:
+            sig = (
+                tuple(kind[x] for x in order),
+                tuple((pb.bandwidth[a][b], pb.latency[a][b]) for a in order for b in order),
+            )
+            if sig not in seen:
+                seen.add(sig)
+                out.append(list(order))
+        return out, True
+    speed = sorted(range(d), key=lambda x: (sum(r[x] for r in pb.compute), -pb.mem_cap[x], x))
+    out = [primary]
+    if speed != primary:
+        out.append(speed)
+    return out, False
+
+
+def infeasibility_report(pb: PartitionProblem) -> str:
+    """The numbers that make the problem infeasible (or look most like it)."""
+    least = (1 if pb.schedule == "1f1b" else pb.microbatches) if pb.training else 0
+    need = [pb.resident[v] + least * pb.activation[v] for v in range(pb.n)]
+    big = max(range(pb.n), key=lambda v: need[v]) if pb.n else 0
+    total = sum(pb.resident) + least * sum(pb.activation)
+    caps = ", ".join(f"{name}={cap}" for name, cap in zip(pb.devices, pb.mem_cap))
+    return (
+        f"{pb.n} nodes need at least {total} bytes in all (resident {sum(pb.resident)} + "
+        f"activations {sum(pb.activation)} x {least} in flight) vs device caps {caps} "
+        f"(sum {sum(pb.mem_cap)}); largest node {pb.names[big]!r} needs resident "
+        f"{pb.resident[big]} + activation {pb.activation[big]} x {least} = {need[big]} bytes "
+        f"vs largest cap {max(pb.mem_cap)}"
+    )
+
+
+_REMEDY = (
+    "add devices or devices with more memory, use a smaller batch / more micro-batches, "
+    "use the 1f1b schedule, enable activation checkpointing, or allow cross-shaped "
+    "(channel-split) stages for nodes larger than one device"
+)
+
+
+def _precheck(pb: PartitionProblem) -> None:
+    least = (1 if pb.schedule == "1f1b" else pb.microbatches) if pb.training else 0
+    too_big = any(pb.resident[v] + least * pb.activation[v] > max(pb.mem_cap) for v in range(pb.n))
+    if too_big or sum(pb.resident) > sum(pb.mem_cap):
+        raise InfeasiblePlanError(
+            "no assignment of the graph to the devices fits the memory caps",
+            value=infeasibility_report(pb),
+            remedy=_REMEDY,
+        )
+
+
+class _Callback(cp_model.CpSolverSolutionCallback):  # type: ignore[misc]
+    """Reports each new incumbent as (wall seconds, objective s, bound s)."""
+
+    def __init__(self, progress: Progress, unit: float, t0: float) -> None:
+        super().__init__()
+        self._progress, self._unit, self._t0 = progress, unit, t0
+
+    def on_solution_callback(self) -> None:
+        self._progress(
+            time.perf_counter() - self._t0,
+            self.objective_value * self._unit,
+            self.best_objective_bound * self._unit,
+        )
+
+
+def _solver(workers: int, seed: int, seconds: float, deterministic: bool) -> cp_model.CpSolver:
+    solver = cp_model.CpSolver()
+    prm = solver.parameters
+    prm.num_workers = workers
+    prm.random_seed = seed
+    if deterministic:
+        prm.max_deterministic_time = seconds
+    else:
+        prm.max_time_in_seconds = seconds
+    return solver
+
+
+def _relaxed_bound(
+    pb: PartitionProblem, t0: float, time_limit: float, seed: int, workers: int
+) -> float:
+    d = pb.num_devices
+    links = [(a, b) for a in range(d) for b in range(d) if a != b]
+    bw = max((pb.bandwidth[a][b] for a, b in links), default=1.0)
+    lat = min((pb.latency[a][b] for a, b in links), default=0.0)
+    relaxed = dataclasses.replace(
+        pb,
+        compute=[[min(row)] * d for row in pb.compute],
+        mem_cap=[max(pb.mem_cap)] * d,
+        bandwidth=[[bw] * d for _ in range(d)],
+        latency=[[lat] * d for _ in range(d)],
+    )
+    left = max(time_limit - (time.perf_counter() - t0), 0.005)
+    try:
+        return solve_cpsat(relaxed, time_limit=left, seed=seed, workers=workers).best_bound
+    except PartitionError:
+        return 0.0
+
+
+def solve_cpsat(
+    problem: PartitionProblem,
+    *,
+    time_limit: float = 10.0,
+    seed: int = 0,
+    workers: int = 1,
+    hint: Plan | None = None,
+    log_callback: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
+    require_all_devices: bool = False,
+    deterministic: bool = False,
+) -> SolveResult:
+    """Solve the partition problem with CP-SAT; see the module docstring."""
+    t0 = time.perf_counter()
+    pb = problem
+    if require_all_devices and pb.n < pb.num_devices:
+        raise PartitionError(
+            "require_all_devices needs at least one node per device",
+            value=f"{pb.n} nodes, {pb.num_devices} devices",
+            remedy="drop require_all_devices or coarsen the graph less",
+        )
+    _precheck(pb)
+    orders, exhaustive = candidate_orders(pb)
+    min_stages = pb.num_devices if require_all_devices else 1
+    plans = all_baselines(pb, orders[0], min_stages=min_stages)
+    if hint is not None and not check(pb, *hint) and len(hint[1]) >= min_stages:
+        plans["hint"] = hint
+    baselines = {name: evaluate(pb, *plan).objective for name, plan in plans.items()}
+    best: Plan | None = None
+    best_obj = math.inf
+    for name, plan in plans.items():
+        if baselines[name] < best_obj:
+            best, best_obj = plan, baselines[name]
+    static_lb = lower_bound(pb, pb.num_devices)
+    bounds: list[float] = []
+    proved = True
+    found = False
+    notes: list[str] = []
+    runs = len(orders) + (0 if exhaustive else 1)
+    for i, order in enumerate(orders):
+        left = time_limit - (time.perf_counter() - t0)
+        deadline = time.perf_counter() + max(left / (runs - i), 0.005)
+        order_bound = static_lb
+        slice_s = RESTART_SLICE_S
+        while True:
+            # restart loop: a better incumbent tightens the stage windows, so a rebuilt
+            # model is smaller (off by default: measured slower, it forgets what it learnt)
+            budget = max(deadline - time.perf_counter(), 0.005)
+            last = budget <= 2 * slice_s
+            om = OrderModel(pb, order, best_obj, require_all=require_all_devices)
+            om.build()
+            if om.empty:  # no plan in this order beats the incumbent
+                order_bound = max(order_bound, best_obj)
+                break
+            m = om.model
+            # (B) objective >= the static lower bound
+            m.add(om.objective_var >= max(0, math.floor(static_lb / om.unit) - om.slack))
+            if best is not None and best[1] == order[: len(best[1])]:
+                om.add_hint(best[0])
+            solver = _solver(workers, seed, budget if last else slice_s, deterministic)
+            if log_callback is not None:
+                solver.parameters.log_search_progress = True
+                solver.log_callback = log_callback
+            cb = _Callback(progress, om.unit, t0) if progress is not None else None
+            status = solver.solve(m, cb)
+            improved = False
+            if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+                found = True
+                plan = renumber(om.stage_of(solver), order[: min(len(order), pb.n)])
+                if not check(pb, *plan):
+                    obj = evaluate(pb, *plan).objective
+                    if best is None or obj < best_obj * (1 - 1e-9):
+                        best, best_obj, improved = plan, obj, True
+                bnd = (solver.best_objective_bound - om.slack) * om.unit
+                order_bound = max(order_bound, bnd)
+                if status == cp_model.OPTIMAL:
+                    break
+            elif status == cp_model.INFEASIBLE:
+                order_bound = max(order_bound, best_obj)
+                break
+            if last:
+                proved = False
+                break
+            if not improved:
+                slice_s *= 2
+        bounds.append(order_bound)
+    if not exhaustive:
+        # a relaxation valid for every device order: each node on its fastest device,
+        # the largest cap everywhere, the fastest link between every pair
+        bounds = [_relaxed_bound(pb, t0, time_limit, seed, workers)]
+    wall = time.perf_counter() - t0
+    if best is None:
+        if proved:
+            raise InfeasiblePlanError(
+                "no assignment of the graph to the devices fits the memory caps",
+                value=infeasibility_report(pb),
+                remedy=_REMEDY,
+            )
+        raise PartitionError(
+            f"no plan found within the time limit of {time_limit} s and no baseline fits memory",
+            value=infeasibility_report(pb),
+            remedy="raise the time limit; " + _REMEDY,
+        )
+    bound = max(static_lb, min(bounds, default=static_lb))
+    bound = min(bound, best_obj)
+    if proved and exhaustive:
+        status_s = "OPTIMAL"
+    elif found:
+        status_s = "FEASIBLE"
+    else:
+        status_s = "FALLBACK"
+        notes.append("CP-SAT found no plan within the time limit: returning the best baseline")
+    if not exhaustive:
+        notes.append(f"searched {len(orders)} device orders of {pb.num_devices}! (heuristic)")
+    stage_of, stage_device = best
+    if len(stage_device) < pb.num_devices:
+        notes.append(
+            f"uses {len(stage_device)} of {pb.num_devices} devices: another stage does not pay"
+        )
+    return SolveResult(
+        stage_of=stage_of,
+        stage_device=stage_device,
+        objective=best_obj,
+        status=status_s,
+        best_bound=bound,
+        gap=relative_gap(best_obj, bound),
+        wall_time_s=wall,
+        seed=seed,
+        workers=workers,
+        solver="cpsat",
+        baselines=baselines,
+        notes=notes,
+    )

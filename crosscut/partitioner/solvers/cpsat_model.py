@@ -1,0 +1,342 @@
+"""The CP-SAT model of the partition problem for one fixed device order.
+
+Stage ``k`` runs on ``order[k]``; trailing stages may stay empty, so every
+injective stage→device map is the prefix of some order (the driver in
+``cpsat.py`` enumerates orders where devices differ). The model is written
+data → variables → constraints → objective; each constraint carries the
+equation it implements. Times are integers in units of ``unit`` seconds;
+evaluate() re-prices the answer in float seconds.
+
+Variables (throughput and latency):
+
+* ``y[v,k] = [s(v) <= k]`` booleans, only inside node ``v``'s stage window
+  ``lo[v]..hi[v]`` (0 below, 1 from ``hi`` on) — windows come from prefix sums:
+  if ``s(v) <= k`` then ``v`` and all its ancestors fit in ``k+1`` stages of
+  compute at most ``UB`` each, so ``A(v) <= (k+1) UB``; symmetric for descendants.
+* ``x[v,k] = y[v,k] - y[v,k-1]`` stage membership.
+* ``p[u,j,k]`` for ``j < k``: ``u`` sits in stage ``j`` and is sent to stage ``k``
+  (only lower-bounded; both objective and memory push it down).
+* ``used[k]``: stage ``k`` non-empty; used stages form a prefix; ``e[s]``: exactly
+  ``s`` stages (needed by 1F1B in-flight counts).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ortools.sat.python import cp_model
+
+from crosscut.partitioner.evaluate import (
+    activation_factor,
+    buffer_factor,
+    comm_multiplier,
+    consumers,
+    transfer_time,
+)
+from crosscut.partitioner.problem import PartitionProblem
+
+__all__ = ["OrderModel", "stage_windows"]
+
+SCALE = 10_000_000  # integer units in the upper bound: ~1e-7 relative resolution
+
+
+def _sum_over(bits: int, values: list[float]) -> float:
+    total = 0.0
+    while bits:
+        low = bits & -bits
+        total += values[low.bit_length() - 1]
+        bits ^= low
+    return total
+
+
+def stage_windows(
+    problem: PartitionProblem, slots: int, upper: float
+) -> tuple[list[int], list[int]]:
+    """Earliest and latest stage of every node in any plan whose stages compute <= upper.
+
+    Prefix-sum argument (module docstring) with each node on its fastest device.
+    """
+    n = problem.n
+    fastest = [min(row) for row in problem.compute]
+    preds: list[list[int]] = [[] for _ in range(n)]
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for u, v in problem.edges:
+        preds[v].append(u)
+        succs[u].append(v)
+    anc = [0] * n
+    for v in range(n):
+        bits = 1 << v
+        for u in preds[v]:
+            bits |= anc[u]
+        anc[v] = bits
+    desc = [0] * n
+    for v in reversed(range(n)):
+        bits = 1 << v
+        for w in succs[v]:
+            bits |= desc[w]
+        desc[v] = bits
+    lo, hi = [0] * n, [slots - 1] * n
+    if not math.isfinite(upper) or upper <= 0.0:
+        return lo, hi
+    tol = 1e-9
+    for v in range(n):
+        a = _sum_over(anc[v], fastest) / upper
+        d = _sum_over(desc[v], fastest) / upper
+        lo[v] = max(0, math.ceil(a - 1.0 - tol))
+        hi[v] = min(slots - 1, math.floor(slots - d + tol))
+    return lo, hi
+
+
+@dataclass
+class OrderModel:
+    """CP-SAT model for one device order; build once, then hint and solve."""
+
+    problem: PartitionProblem
+    order: list[int]
+    upper: float  # seconds: only plans with objective <= upper are sought (inf: none known)
+    require_all: bool = False
+    model: cp_model.CpModel = field(default_factory=cp_model.CpModel)
+    unit: float = 1.0
+    lo: list[int] = field(default_factory=list)
+    hi: list[int] = field(default_factory=list)
+    y: dict[tuple[int, int], Any] = field(default_factory=dict)
+    x: dict[tuple[int, int], Any] = field(default_factory=dict)
+    p: dict[tuple[int, int, int], Any] = field(default_factory=dict)
+    used: list[Any] = field(default_factory=list)
+    objective_var: Any = None
+    empty: bool = False  # windows prove no plan beats ``upper`` in this order
+    terms: int = 1  # most rounded terms in one time sum (for the rounding slack)
+    stage_count: dict[int, Any] = field(default_factory=dict)
+    slack: int = 1  # units: most the rounded objective can differ from the exact one
+
+    def build(self) -> None:
+        """data -> variables -> constraints -> objective."""
+        pb, m = self.problem, self.model
+        # ---- data -------------------------------------------------------------
+        n, slots = pb.n, min(len(self.order), pb.n)
+        mult = comm_multiplier(pb)
+        cons = consumers(pb)
+        horizon = self.upper if math.isfinite(self.upper) else self._trivial_upper()
+        self.unit = max(horizon, 1e-12) / SCALE
+        self.lo, self.hi = stage_windows(pb, slots, self.upper * (1 + 1e-6))
+        if any(lo > hi for lo, hi in zip(self.lo, self.hi)):
+            self.empty = True
+            return
+        true = m.new_bool_var("true")
+        m.add(true == 1)
+        false = true.negated()
+
+        def t_units(u: int, j: int, k: int) -> int:
+            sec = mult * transfer_time(pb, u, self.order[j], self.order[k])
+            return round(sec / self.unit)
+
+        def c_units(v: int, k: int) -> int:
+            return round(pb.compute[v][self.order[k]] / self.unit)
+
+        # ---- variables ----------------------------------------------------------
+        def ylit(v: int, k: int) -> Any:
+            if k < self.lo[v]:
+                return false
+            if k >= self.hi[v]:
+                return true
+            return self.y[(v, k)]
+
+        for v in range(n):
+            for k in range(self.lo[v], self.hi[v]):
+                self.y[(v, k)] = m.new_bool_var(f"y{v}_{k}")
+            for k in range(self.lo[v], self.hi[v] + 1):
+                if self.lo[v] == self.hi[v]:
+                    self.x[(v, k)] = true
+                    continue
+                xv = m.new_bool_var(f"x{v}_{k}")
+                prev = ylit(v, k - 1) if k > 0 else false
+                # (X) x[v,k] = y[v,k] - y[v,k-1]
+                m.add(xv == ylit(v, k) - prev)
+                self.x[(v, k)] = xv
+        self.used = [true] + [m.new_bool_var(f"used{k}") for k in range(1, slots)]
+        for u, v in pb.edges:
+            for j in range(self.lo[u], self.hi[u] + 1):
+                for k in range(max(j + 1, self.lo[v]), self.hi[v] + 1):
+                    if (u, j, k) not in self.p:
+                        self.p[(u, j, k)] = m.new_bool_var(f"p{u}_{j}_{k}")
+        # ---- constraints ------------------------------------------------------
+        for v in range(n):
+            for k in range(self.lo[v], self.hi[v] - 1):
+                # (C1) s(v) <= k implies s(v) <= k+1: y monotone in k
+                m.add_implication(self.y[(v, k)], self.y[(v, k + 1)])
+        for u, v in pb.edges:
+            for k in range(self.lo[v], self.hi[u]):
+                # (C2) topological subsets: s(u) <= s(v), i.e. y[v,k] => y[u,k]
+                m.add_implication(ylit(v, k), ylit(u, k))
+        for group in pb.ties:
+            for a, b in itertools.pairwise(group):
+                for k in range(slots - 1):
+                    # (C3) tied nodes share a stage: y[a,k] == y[b,k]
+                    m.add(ylit(a, k) == ylit(b, k))
+        sinks = [v for v in range(n) if not cons[v]]
+        # (C5) stage 0 is used and non-empty
+        m.add(sum(self.x[(v, 0)] for v in range(n) if (v, 0) in self.x) >= 1)
+        for k in range(1, slots):
+            later = [ylit(v, k - 1).negated() for v in sinks]
+            # (C4) used[k] <=> some node has s(v) >= k (through the sinks)
+            m.add_bool_or(later).only_enforce_if(self.used[k])
+            for lit in later:
+                m.add_implication(lit, self.used[k])
+            members = [self.x[(v, k)] for v in range(n) if (v, k) in self.x]
+            # (C5) a used stage is non-empty (no holes: used stages are a prefix)
+            m.add(sum(members) >= 1).only_enforce_if(self.used[k])
+            if self.require_all:
+                # (C5') every device gets a stage
+                m.add(self.used[k] == 1)
+        for u, v in pb.edges:
+            for j in range(self.lo[u], self.hi[u] + 1):
+                for k in range(max(j + 1, self.lo[v]), self.hi[v] + 1):
+                    # (C6) transfer: s(u)=j and a consumer in k>j => p[u,j,k]
+                    m.add_bool_or(
+                        [self.x[(u, j)].negated(), self.x[(v, k)].negated(), self.p[(u, j, k)]]
+                    )
+        exactly = self.stage_count = self._stage_count_literals(slots)
+        comp = [
+            sum(c_units(v, k) * self.x[(v, k)] for v in range(n) if (v, k) in self.x)
+            for k in range(slots)
+        ]
+        comm: list[Any] = [0] * slots
+        recv_bytes: list[Any] = [0] * slots
+        count = [0] * slots
+        for (u, j, k), lit in self.p.items():
+            t = t_units(u, j, k)
+            comm[j] += t * lit
+            comm[k] += t * lit
+            recv_bytes[k] += pb.out_bytes[u] * lit
+            count[j] += 1
+            count[k] += 1
+        self.terms = max(
+            [sum(1 for v in range(n) if (v, k) in self.x) + count[k] for k in range(slots)] + [1]
+        )
+        for k in range(slots):
+            d = self.order[k]
+            res = sum(pb.resident[v] * self.x[(v, k)] for v in range(n) if (v, k) in self.x)
+            act = sum(pb.activation[v] * self.x[(v, k)] for v in range(n) if (v, k) in self.x)
+            for s in range(k + 1, slots + 1):
+                af, bf = activation_factor(pb, k, s), buffer_factor(pb, k, s)
+                # (C8) memory of stage k's device when there are s stages:
+                #      resident + inflight(k,s) * (activation + received bytes) <= cap
+                m.add(res + af * act + bf * recv_bytes[k] <= pb.mem_cap[d]).only_enforce_if(
+                    exactly[s]
+                )
+        # rounding: at most 1/2 unit per summed term (a stage sum, or a path for latency)
+        paths = 2 * n if pb.objective == "latency" else self.terms
+        self.slack = paths // 2 + 1
+        cap = SCALE + self.slack if math.isfinite(self.upper) else 2 * SCALE
+        if pb.objective == "latency":
+            self.objective_var = self._latency(slots, c_units, t_units, cap)
+        else:
+            bvar = m.new_int_var(0, cap, "bottleneck")
+            for k in range(slots):
+                if pb.overlap_comm:
+                    # (C7') stage time = max(compute, comm) <= B
+                    m.add(comp[k] <= bvar)
+                    m.add(comm[k] <= bvar)
+                else:
+                    # (C7) stage time = compute + comm (sent and received) <= B
+                    m.add(comp[k] + comm[k] <= bvar)
+            self.objective_var = bvar
+        # ---- objective --------------------------------------------------------
+        # (O) minimise the bottleneck stage time (throughput) or the makespan (latency)
+        m.minimize(self.objective_var)
+
+    def _stage_count_literals(self, slots: int) -> dict[int, Any]:
+        """e[s] = [exactly s stages used] = used[s-1] and not used[s]."""
+        m = self.model
+        out: dict[int, Any] = {}
+        for s in range(1, slots + 1):
+            e = m.new_bool_var(f"stages{s}")
+            nxt = self.used[s].negated() if s < slots else None
+            # (C9) e[s] <=> used[s-1] and not used[s]
+            m.add_implication(e, self.used[s - 1])
+            if nxt is not None:
+                m.add_implication(e, nxt)
+                m.add_bool_or([self.used[s - 1].negated(), self.used[s], e])
+            else:
+                m.add_implication(self.used[s - 1], e)
+            out[s] = e
+        return out
+
+    def _latency(self, slots: int, c_units: Any, t_units: Any, cap: int) -> Any:
+        """Makespan of one micro-batch, list-scheduled in index order per device."""
+        pb, m = self.problem, self.model
+        n = pb.n
+        start = [m.new_int_var(0, cap, f"start{v}") for v in range(n)]
+        end = [m.new_int_var(0, cap, f"end{v}") for v in range(n)]
+        for v in range(n):
+            dur = sum(c_units(v, k) * self.x[(v, k)] for k in range(self.lo[v], self.hi[v] + 1))
+            # (L1) end = start + compute on the stage's device
+            m.add(end[v] == start[v] + dur)
+        for u, v in pb.edges:
+            # (L2) a node starts after its producers finish ...
+            m.add(start[v] >= end[u])
+            for j in range(self.lo[u], self.hi[u] + 1):
+                for k in range(max(j + 1, self.lo[v]), self.hi[v] + 1):
+                    # (L3) ... plus the transfer when the producer is on an earlier stage
+                    m.add(start[v] >= end[u] + t_units(u, j, k)).only_enforce_if(
+                        [self.x[(u, j)], self.x[(v, k)]]
+                    )
+        for k in range(slots):
+            last: Any = 0
+            for v in range(n):
+                if (v, k) not in self.x:
+                    continue
+                ready = m.new_int_var(0, cap, f"ready{v}_{k}")
+                # (L4) one node at a time, in index order: v waits for the stage's earlier nodes
+                m.add(start[v] >= last).only_enforce_if(self.x[(v, k)])
+                m.add(ready >= last)
+                m.add(ready >= end[v]).only_enforce_if(self.x[(v, k)])
+                last = ready
+        span = m.new_int_var(0, cap, "makespan")
+        for v in range(n):
+            # (L5) makespan >= every finish
+            m.add(span >= end[v])
+        return span
+
+    def _trivial_upper(self) -> float:
+        """Every node on its slowest device plus every output sent to every stage."""
+        pb = self.problem
+        mult = comm_multiplier(pb)
+        pairs = [(a, b) for a in self.order for b in self.order if a != b]
+        total = sum(max(row) for row in pb.compute)
+        for u in range(pb.n):
+            worst = max((transfer_time(pb, u, a, b) for a, b in pairs), default=0.0)
+            total += 2 * mult * len(self.order) * worst
+        return max(total, 1e-9)
+
+    def add_hint(self, stage_of: list[int]) -> None:
+        """Hint a plan given as stages of this order (all hinted values consistent)."""
+        if self.empty:
+            return
+        m = self.model
+        for (v, k), var in self.y.items():
+            m.add_hint(var, int(stage_of[v] <= k))
+        for (v, k), var in self.x.items():
+            if self.lo[v] < self.hi[v]:
+                m.add_hint(var, int(stage_of[v] == k))
+        sent = {(u, stage_of[u], stage_of[v]) for u, v in self.problem.edges}
+        for key, var in self.p.items():
+            m.add_hint(var, int(key in sent))
+        top = max(stage_of)
+        for k in range(1, len(self.used)):
+            m.add_hint(self.used[k], int(k <= top))
+        for s, var in self.stage_count.items():
+            m.add_hint(var, int(s == top + 1))
+
+    def stage_of(self, solver: cp_model.CpSolver) -> list[int]:
+        """The solved stage of every node."""
+        out = []
+        for v in range(self.problem.n):
+            k = self.lo[v]
+            while k < self.hi[v] and not solver.boolean_value(self.y[(v, k)]):
+                k += 1
+            out.append(k)
+        return out

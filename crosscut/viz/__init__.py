@@ -1,0 +1,96 @@
+"""Pictures of a Plan: DOT/SVG/PNG of the partitioned DAG, an HTML report, a terminal summary.
+
+The visualizer reads only a Plan (and optionally a simulation of it); it never
+imports torch, the solvers or the runtime, so ``crosscut show plan.json`` works
+on a laptop that only has the plan file. :func:`render` picks the format from
+the output suffix and writes atomically, so a viewer never sees half a file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from crosscut.errors import CrosscutError
+from crosscut.partitioner.plan import Plan
+from crosscut.viz.dot import INSTALL_HINT, VizError, plan_to_dot, render_dot
+from crosscut.viz.html import plan_to_html
+from crosscut.viz.summary import print_summary, summary_text
+from crosscut.viz.timeline import EventLike, SimulationLike, timeline_svg
+
+__all__ = [
+    "FORMATS",
+    "INSTALL_HINT",
+    "EventLike",
+    "SimulationLike",
+    "VizError",
+    "default_simulation",
+    "plan_to_dot",
+    "plan_to_html",
+    "print_summary",
+    "render",
+    "render_dot",
+    "summary_text",
+    "timeline_svg",
+]
+
+FORMATS = (".html", ".svg", ".dot", ".png")
+
+
+def default_simulation(plan: Plan) -> SimulationLike | None:
+    """Simulate ``plan``'s schedule for the timeline, or None if that is impossible.
+
+    A report without a timeline is still worth writing, so a plan the simulator
+    rejects (a CrosscutError) or a checkout without the simulator yields None.
+    """
+    try:
+        from crosscut.partitioner.simulate import simulate
+    except ImportError:
+        return None
+    try:
+        return simulate(plan)
+    except CrosscutError:
+        return None
+
+
+def render(
+    plan: Plan,
+    out_path: str | os.PathLike[str],
+    *,
+    simulation: SimulationLike | None = None,
+    coarse: bool | None = None,
+    max_nodes: int = 400,
+) -> Path:
+    """Write ``plan`` to ``out_path`` as .html, .svg, .dot or .png (chosen by suffix).
+
+    HTML simulates the plan when no ``simulation`` is given. SVG and PNG need
+    Graphviz ``dot``; DOT and HTML work without it (the HTML then shows the
+    install hint where the graph would be).
+    """
+    out = Path(out_path)
+    suffix = out.suffix.lower()
+    if suffix not in FORMATS:
+        raise VizError(
+            "a plan picture's file suffix names its format",
+            value=out.name,
+            remedy=f"use one of {', '.join(FORMATS)}",
+        )
+    data: bytes
+    if suffix == ".html":
+        sim = simulation if simulation is not None else default_simulation(plan)
+        data = plan_to_html(plan, simulation=sim, coarse=coarse, max_nodes=max_nodes).encode()
+    else:
+        dot_src = plan_to_dot(plan, coarse=coarse, max_nodes=max_nodes)
+        data = dot_src.encode() if suffix == ".dot" else render_dot(dot_src, suffix[1:])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a report is meant to be shared
+        os.replace(tmp, out)  # atomic: a viewer never sees half a report
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out

@@ -1,0 +1,122 @@
+"""A terminal summary of a plan: what runs where, how long, how full, how sure.
+
+``crosscut show plan.json`` prints this before anything is drawn, so the
+numbers a user acts on (bottleneck stage, memory headroom, solver gap, the
+baseline beaten) are one command away and greppable in CI logs.
+"""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from crosscut.partitioner.plan import Plan, PlanStage
+from crosscut.viz.dot import human_bytes, human_time
+
+__all__ = ["baseline_ratios", "print_summary", "stage_cap", "summary_text"]
+
+
+def stage_cap(plan: Plan, stage: PlanStage) -> int:
+    """The memory cap a stage must fit: the smallest cap in its device group."""
+    return min(plan.cluster.devices[plan.cluster.index(d)].mem_cap for d in stage.devices)
+
+
+def baseline_ratios(plan: Plan) -> list[tuple[str, float, float]]:
+    """(baseline, its objective, baseline / ours): a ratio above 1 means the plan beat it."""
+    ours = plan.solver.objective
+    return [
+        (name, value, value / ours if ours > 0 else float("nan"))
+        for name, value in sorted(plan.solver.baselines.items())
+    ]
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def _stages_table(plan: Plan) -> Table:
+    bottleneck = max((s.time_s for s in plan.stages), default=0.0)
+    table = Table(title=f"stages ({plan.num_stages})", title_justify="left")
+    for col, justify in [
+        ("stage", "right"),
+        ("devices", "left"),
+        ("nodes", "right"),
+        ("compute ms", "right"),
+        ("comm ms", "right"),
+        ("time ms", "right"),
+        ("memory / cap", "right"),
+    ]:
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for s in plan.stages:
+        devs = escape("+".join(s.devices)) + (f" ({s.split})" if len(s.devices) > 1 else "")
+        cap = stage_cap(plan, s)
+        frac = s.memory_bytes / cap if cap else 0.0
+        mem = f"{human_bytes(s.memory_bytes)} / {human_bytes(cap)} ({frac:.0%})"
+        time = _ms(s.time_s) + (" ◀ bottleneck" if s.time_s == bottleneck else "")
+        table.add_row(
+            str(s.index),
+            devs,
+            str(len(plan.stage_nodes(s.index))),
+            _ms(s.compute_s),
+            _ms(s.comm_s),
+            time,
+            f"[red]{mem}[/red]" if frac > 1 else mem,
+        )
+    return table
+
+
+def _numbers_table(plan: Plan) -> Table:
+    p, r = plan.predicted, plan.solver
+    table = Table(title="prediction and solver", title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    tx_bytes = sum(t.bytes for t in plan.transfers)
+    tx_time = sum(t.time_s for t in plan.transfers)
+    rows = [
+        (
+            "transfers",
+            f"{len(plan.transfers)} · {human_bytes(tx_bytes)} per micro-batch · "
+            f"{human_time(tx_time)}",
+        ),
+        ("step time", human_time(p.step_time_s)),
+        ("throughput", f"{p.throughput:.4g} samples/s"),
+        ("bottleneck / makespan", f"{human_time(p.bottleneck_s)} / {human_time(p.makespan_s)}"),
+        ("bubble", f"{p.bubble_fraction:.1%}"),
+        ("solver", f"{r.solver or '-'} status {r.status or '-'}"),
+        ("objective / bound", f"{r.objective:.6g} / {r.best_bound:.6g} (gap {r.gap:.2%})"),
+        ("wall time", f"{r.wall_time_s:.2f} s, {r.workers} workers, seed {r.seed}"),
+    ]
+    for name, value, ratio in baseline_ratios(plan):
+        verdict = "beaten" if ratio > 1 else ("tied" if ratio == 1 else "NOT beaten")
+        rows.append((f"baseline {name}", f"{value:.6g} (×{ratio:.2f}, {verdict})"))
+    for note in r.notes:
+        rows.append(("note", note))
+    for what, text in rows:
+        table.add_row(escape(what), escape(text))
+    return table
+
+
+def print_summary(plan: Plan, console: Console | None = None) -> None:
+    """Print the plan's header, stage table and numbers with rich."""
+    con = console if console is not None else Console()
+    m, c, o = plan.model, plan.cluster, plan.options
+    con.print(
+        f"[bold]{escape(m.name)}[/bold] · batch {m.batch_size} · {m.mode} · {m.dtype} · "
+        f"{len(plan.nodes)} nodes on {escape(c.name or 'cluster')} ({len(c.devices)} devices) · "
+        f"{o.objective}, {o.schedule}, {o.microbatches} micro-batches",
+        markup=True,
+        highlight=False,
+    )
+    con.print(_stages_table(plan))
+    con.print(_numbers_table(plan))
+
+
+def summary_text(plan: Plan, *, width: int = 120) -> str:
+    """The summary as plain text (no colour codes), for tests and logs."""
+    buf = io.StringIO()
+    con = Console(file=buf, width=width, color_system=None, force_terminal=False)
+    print_summary(plan, con)
+    return buf.getvalue()

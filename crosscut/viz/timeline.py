@@ -1,0 +1,152 @@
+"""The pipeline timeline of a simulated plan as inline SVG.
+
+One row per device, one box per forward (light) or backward (dark) action,
+coloured by micro-batch, so the bubbles of the schedule show as the grey gaps
+between boxes; transfers, when the simulation reports them, run as a thin
+lane under their sending device. The drawing takes any object shaped like
+``crosscut.partitioner.simulate.Simulation`` (see :class:`SimulationLike`), so
+tests and other simulators can draw without importing the partitioner.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from crosscut.partitioner.plan import Plan
+
+__all__ = ["EventLike", "SimulationLike", "microbatch_color", "nice_step", "timeline_svg"]
+
+
+class EventLike(Protocol):
+    """One action on one device: ``kind`` is "F", "B" or "T" (transfer)."""
+
+    @property
+    def device(self) -> str: ...
+    @property
+    def stage(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def microbatch(self) -> int: ...
+    @property
+    def start(self) -> float: ...
+    @property
+    def end(self) -> float: ...
+
+
+class SimulationLike(Protocol):
+    """What the visualizer reads from a simulation of a plan's schedule."""
+
+    @property
+    def events(self) -> Sequence[EventLike]: ...
+    @property
+    def step_time_s(self) -> float: ...
+    @property
+    def bubble_fraction(self) -> float: ...
+    @property
+    def device_busy_s(self) -> Mapping[str, float]: ...
+    @property
+    def device_peak_bytes(self) -> Mapping[str, int]: ...
+
+
+def microbatch_color(mb: int, kind: str) -> str:
+    """Golden-angle hues keep neighbouring micro-batches apart; B darker than F."""
+    hue = (mb * 137.508) % 360
+    light = 40 if kind == "B" else 66
+    return f"hsl({hue:.0f},60%,{light}%)"
+
+
+def nice_step(span: float, ticks: int = 8) -> float:
+    """A 1-2-5 tick step giving about ``ticks`` ticks over ``span``."""
+    if span <= 0:
+        return 1.0
+    raw = span / ticks
+    mag = 10.0 ** math.floor(math.log10(raw))
+    return next(float(m * mag) for m in (1, 2, 5, 10) if m * mag >= raw)
+
+
+def _rows(plan: Plan, sim: SimulationLike) -> dict[str, list[EventLike]]:
+    """Device -> events, in cluster order; a device group shares its stage's boxes."""
+    rows: dict[str, list[EventLike]] = {d: [] for d in plan.used_devices()}
+    for e in sim.events:
+        rows.setdefault(e.device, []).append(e)
+    for st in plan.stages:  # the simulator may report a cross-shaped stage on its first device
+        if len(st.devices) > 1:
+            lead = [e for e in rows.get(st.devices[0], []) if e.stage == st.index]
+            for d in st.devices[1:]:
+                if not any(e.stage == st.index for e in rows[d]):
+                    rows[d].extend(lead)
+    order = [d.name for d in plan.cluster.devices]
+    return {d: rows[d] for d in sorted(rows, key=lambda d: order.index(d) if d in order else 99)}
+
+
+def timeline_svg(plan: Plan, sim: SimulationLike, *, width: int = 1200) -> str:
+    """An SVG Gantt chart of ``sim``: rows = devices, x = time in ms."""
+    rows = _rows(plan, sim)
+    span = max([sim.step_time_s, *(e.end for e in sim.events)], default=0.0) or 1e-9
+    left, right, top, row_h, lane = 130, 20, 28, 30, 7
+    plot = width - left - right
+    height = top + len(rows) * (row_h + lane + 6) + 40
+
+    def x(t: float) -> float:
+        return left + t / span * plot
+
+    parts = [
+        f'<svg class="timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" '
+        f'height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" '
+        'font-size="11" role="img" aria-label="pipeline timeline">'
+    ]
+    step = nice_step(span * 1e3) / 1e3
+    t = 0.0
+    axis_y = top + len(rows) * (row_h + lane + 6)
+    while t <= span * 1.0001:
+        parts.append(
+            f'<line x1="{x(t):.1f}" y1="{top - 6}" x2="{x(t):.1f}" y2="{axis_y}" '
+            'stroke="#ddd" stroke-width="1"/>'
+            f'<text x="{x(t):.1f}" y="{axis_y + 14}" text-anchor="middle" fill="#444">'
+            f"{t * 1e3:.4g}</text>"
+        )
+        t += step
+    parts.append(
+        f'<text x="{left + plot / 2:.0f}" y="{axis_y + 30}" text-anchor="middle" '
+        'fill="#222">time (ms)</text>'
+    )
+    for i, (dev, events) in enumerate(rows.items()):
+        y = top + i * (row_h + lane + 6)
+        parts.append(
+            f'<text x="{left - 8}" y="{y + row_h / 2 + 4:.1f}" text-anchor="end" '
+            f'fill="#222">{html.escape(dev)}</text>'
+            f'<rect class="row" x="{left}" y="{y}" width="{plot}" height="{row_h}" '
+            'fill="#eeeeee"/>'
+        )
+        for e in events:
+            x0, x1 = x(e.start), x(e.end)
+            w = max(x1 - x0, 0.5)
+            tip = html.escape(
+                f"{dev} stage {e.stage} {e.kind}{e.microbatch}: "
+                f"{e.start * 1e3:.3f}–{e.end * 1e3:.3f} ms"
+            )
+            if e.kind == "T":
+                parts.append(
+                    f'<rect class="ev ev-T" x="{x0:.1f}" y="{y + row_h + 1}" width="{w:.1f}" '
+                    f'height="{lane - 2}" fill="#b2182b"><title>{tip}</title></rect>'
+                )
+                continue
+            fill = microbatch_color(e.microbatch, e.kind)
+            parts.append(
+                f'<rect class="ev ev-{html.escape(e.kind)}" x="{x0:.1f}" y="{y + 2}" '
+                f'width="{w:.1f}" height="{row_h - 4}" fill="{fill}" stroke="#fff" '
+                f'stroke-width="0.5"><title>{tip}</title></rect>'
+            )
+            label = f"{html.escape(e.kind)}{e.microbatch}"
+            if w > 7 * len(label) + 4:
+                color = "#fff" if e.kind == "B" else "#111"
+                parts.append(
+                    f'<text x="{x0 + w / 2:.1f}" y="{y + row_h / 2 + 4:.1f}" '
+                    f'text-anchor="middle" fill="{color}" pointer-events="none">{label}</text>'
+                )
+    parts.append("</svg>")
+    return "".join(parts)

@@ -1,0 +1,114 @@
+"""The cost model on hand-computed examples: every number here was worked out on paper."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from crosscut.partitioner.evaluate import check, evaluate, lower_bound, renumber
+from crosscut.partitioner.problem import PartitionProblem
+
+
+def tri(**kw: object) -> PartitionProblem:
+    """a -> b -> c with a skip a -> c; device 1 is half as fast; 1000 B/s links, 0.5 s latency."""
+    base = PartitionProblem(
+        names=["a", "b", "c"],
+        compute=[[1.0, 2.0], [2.0, 4.0], [3.0, 6.0]],
+        resident=[10, 20, 30],
+        activation=[100, 200, 300],
+        out_bytes=[1000, 2000, 3000],
+        edges=[(0, 1), (0, 2), (1, 2)],
+        devices=["d0", "d1"],
+        mem_cap=[10**6, 10**6],
+        bandwidth=[[1e3, 1e3], [1e3, 1e3]],
+        latency=[[0.5, 0.5], [0.5, 0.5]],
+        microbatches=4,
+        schedule="1f1b",
+        training=True,
+    )
+    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+
+
+def test_stage_times_training_count_transfers_twice_on_both_ends() -> None:
+    ev = evaluate(tri(), [0, 0, 1], [0, 1])
+    assert ev.stage_compute == pytest.approx([3.0, 6.0])
+    # a: 2 * (0.5 + 1) = 3, b: 2 * (0.5 + 2) = 5, both counted on sender and receiver
+    assert ev.stage_comm == pytest.approx([8.0, 8.0])
+    assert ev.stage_time == pytest.approx([11.0, 14.0])
+    assert ev.bottleneck == pytest.approx(14.0)
+    assert ev.objective == ev.bottleneck
+    assert sorted((u, j, k) for u, j, k, _ in ev.transfers) == [(0, 0, 1), (1, 0, 1)]
+
+
+def test_one_transfer_per_receiving_stage_not_per_consumer() -> None:
+    # a feeds b and c, both on stage 1: one transfer of a, not two
+    pb = tri(edges=[(0, 1), (0, 2)])
+    ev = evaluate(pb, [0, 1, 1], [0, 1])
+    assert [t[0] for t in ev.transfers] == [0]
+    # a feeds stage 1 and stage 2: two transfers
+    pb3 = dataclasses.replace(
+        pb,
+        devices=["d0", "d1", "d2"],
+        mem_cap=[10**6] * 3,
+        compute=[[1.0] * 3] * 3,
+        bandwidth=[[1e3] * 3] * 3,
+        latency=[[0.5] * 3] * 3,
+    )
+    ev3 = evaluate(pb3, [0, 1, 2], [0, 1, 2])
+    assert [(u, k) for u, _, k, _ in ev3.transfers] == [(0, 1), (0, 2)]
+    assert ev3.stage_comm[0] == pytest.approx(2 * 3.0)
+
+
+def test_overlap_takes_max_and_inference_counts_once() -> None:
+    ev = evaluate(tri(overlap_comm=True), [0, 0, 1], [0, 1])
+    assert ev.stage_time == pytest.approx([8.0, 8.0])
+    inf = evaluate(tri(training=False), [0, 0, 1], [0, 1])
+    assert inf.stage_comm == pytest.approx([4.0, 4.0])
+    assert inf.stage_time == pytest.approx([7.0, 10.0])
+
+
+def test_memory_depends_on_schedule() -> None:
+    one = evaluate(tri(), [0, 0, 1], [0, 1]).device_memory
+    # 1F1B: stage 0 keeps min(4, 2) = 2 micro-batches, stage 1 keeps 1 (+ received a and b)
+    assert one == [30 + 2 * 300, 30 + 1 * (300 + 3000)]
+    gp = evaluate(tri(schedule="gpipe"), [0, 0, 1], [0, 1]).device_memory
+    assert gp == [30 + 4 * 300, 30 + 4 * (300 + 3000)]
+    inf = evaluate(tri(training=False), [0, 0, 1], [0, 1]).device_memory
+    assert inf == [30, 30 + 3000]
+    # the device, not the stage, is what is charged
+    assert evaluate(tri(), [0, 0, 1], [1, 0]).device_memory == [3330, 630]
+
+
+def test_makespan_waits_for_transfers_and_overlaps_branches() -> None:
+    assert evaluate(tri(objective="latency"), [0, 0, 1], [0, 1]).objective == pytest.approx(14.0)
+    par = tri(
+        edges=[(0, 1), (0, 2)],
+        compute=[[1.0, 1.0], [5.0, 5.0], [5.0, 5.0]],
+        out_bytes=[0, 0, 0],
+        latency=[[0.0, 0.0], [0.0, 0.0]],
+        objective="latency",
+    )
+    assert evaluate(par, [0, 0, 1], [0, 1]).makespan == pytest.approx(6.0)
+    assert evaluate(par, [0, 0, 0], [0]).makespan == pytest.approx(11.0)
+
+
+def test_check_names_every_broken_rule() -> None:
+    pb = tri()
+    assert check(pb, [0, 0, 1], [0, 1]) == []
+    assert "backwards" in check(pb, [1, 0, 1], [0, 1])[0]
+    assert "missing" in check(pb, [0, 0], [0, 1])[0]
+    assert any("empty" in e for e in check(pb, [0, 0, 2], [0, 1, 1]))
+    assert any("twice" in e for e in check(pb, [0, 0, 1], [1, 1]))
+    assert any("tie" in e for e in check(tri(ties=[[1, 2]]), [0, 0, 1], [0, 1]))
+    over = check(tri(mem_cap=[10**6, 1000]), [0, 0, 1], [0, 1])
+    assert over == ["device 'd1' needs 3330 bytes, cap 1000"]
+
+
+def test_renumber_and_lower_bound() -> None:
+    assert renumber([0, 2, 2, 3], [5, 6, 7, 8]) == ([0, 1, 1, 2], [5, 7, 8])
+    pb = tri()
+    assert lower_bound(pb) == pytest.approx(3.0)  # max(6 / 2, 3)
+    assert lower_bound(tri(objective="latency")) == pytest.approx(6.0)  # chain a-b-c
+    for stage_of, devs in (([0, 0, 1], [0, 1]), ([0, 1, 1], [1, 0]), ([0, 0, 0], [0])):
+        assert evaluate(pb, stage_of, devs).bottleneck >= lower_bound(pb)

@@ -1,0 +1,430 @@
+"""Cluster: the devices a model may be split across and the links between them.
+
+A cluster is plain data, built from a spec string (``"4xK20c"``,
+``"8xH100-nvlink"``), a list of real devices (``["cuda:0", "cuda:1"]``,
+``["cpu", "cpu"]``), an int (the first N GPUs), or a JSON file. Default
+topology per kind: K20c and P40 sit on PCIe in Mariana's two-switch layout (they
+have no NVLink); V100, A100, H100 and H200 default to NVLink, the way those
+parts ship in DGX/HGX boards; ``cpu`` uses shared-memory copies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from crosscut.cost_models.devices import DeviceSpec, cpu_spec, preset, preset_names
+from crosscut.cost_models.links import TOPOLOGIES, default_link, measure_link
+from crosscut.errors import DeviceError
+
+__all__ = ["DEFAULT_TOPOLOGY", "Cluster", "ClusterLike"]
+
+DEFAULT_TOPOLOGY: dict[str, str] = {
+    "K20c": "pcie",
+    "P40": "pcie",
+    "V100": "nvlink",
+    "V100-32GB": "nvlink",
+    "A100-40GB": "nvlink",
+    "A100-80GB": "nvlink",
+    "H100": "nvlink",
+    "H200": "nvlink",
+    "cpu": "cpu",
+}
+_SPEC_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(.+?)\s*$")
+_GPU_NAME_HINTS = [  # substring of torch.cuda device name -> preset kind (first match wins)
+    ("H200", "H200"),
+    ("H100", "H100"),
+    ("A100", "A100-80GB"),
+    ("V100", "V100"),
+    ("P40", "P40"),
+    ("K20", "K20c"),
+]
+
+
+@dataclass
+class Cluster:
+    """Devices plus ``bandwidth[src][dst]`` (bytes/s) and ``latency[src][dst]`` (s).
+
+    The diagonal is unused (a device does not send to itself); it is kept at the
+    device's memory bandwidth and zero latency so the matrices stay square.
+    """
+
+    devices: list[DeviceSpec]
+    bandwidth: list[list[float]]
+    latency: list[list[float]]
+    topology: str = "custom"
+    meta: dict[str, Any] = field(default_factory=dict)
+    name: str = ""  # how plans and reports label the cluster, e.g. the spec string
+
+    # ---- lookups -------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    @property
+    def names(self) -> list[str]:
+        return [d.name for d in self.devices]
+
+    @property
+    def kinds(self) -> list[str]:
+        """Distinct device kinds, in device order (what a CostTable is keyed by)."""
+        return list(dict.fromkeys(d.kind for d in self.devices))
+
+    def index(self, name: str) -> int:
+        for i, d in enumerate(self.devices):
+            if d.name == name:
+                return i
+        raise DeviceError(
+            "a device name must exist in the cluster", value=name, remedy=f"use one of {self.names}"
+        )
+
+    def transfer_time(self, src: int, dst: int, nbytes: int) -> float:
+        """Seconds to send ``nbytes`` from device ``src`` to ``dst`` (0 on the same device)."""
+        if src == dst:
+            return 0.0
+        return self.latency[src][dst] + nbytes / self.bandwidth[src][dst]
+
+    # ---- invariants ----------------------------------------------------------------
+    def validate(self) -> None:
+        """Square matrices of the device count, positive bandwidth, latency >= 0, unique names."""
+        n = len(self.devices)
+        if n == 0:
+            raise DeviceError(
+                "a cluster needs at least one device",
+                value=[],
+                remedy="list devices or use '2xcpu'",
+            )
+        seen: set[str] = set()
+        for d in self.devices:
+            if d.name in seen:
+                raise DeviceError(
+                    "device names in a cluster are unique", value=d.name, remedy="rename one"
+                )
+            seen.add(d.name)
+            d.validate()
+        for label, mat in (("bandwidth", self.bandwidth), ("latency", self.latency)):
+            if len(mat) != n or any(len(row) != n for row in mat):
+                raise DeviceError(
+                    f"{label} must be a {n}x{n} matrix (one row and column per device)",
+                    value=[len(row) for row in mat],
+                    remedy="give one entry per (src, dst) device pair",
+                )
+        for i in range(n):
+            for j in range(n):
+                bw, lat = self.bandwidth[i][j], self.latency[i][j]
+                pair = f"{self.devices[i].name}->{self.devices[j].name}"
+                if not bw > 0:  # also rejects NaN
+                    raise DeviceError(f"bandwidth[{i}][{j}] ({pair}) must be positive", value=bw)
+                if not lat >= 0:
+                    raise DeviceError(f"latency[{i}][{j}] ({pair}) must be >= 0", value=lat)
+
+    # ---- builders ------------------------------------------------------------------
+    @classmethod
+    def from_specs(cls, devices: Sequence[DeviceSpec], topology: str) -> Cluster:
+        """Fill the link matrices from presets for ``topology``.
+
+        ``pcie`` follows Mariana: the first half of the devices hang off one PCIe
+        switch (under CPU 0), the rest off another (under CPU 1); pairs on the
+        same switch get the switch rate, pairs across it pay the QPI hop.
+        """
+        if topology not in TOPOLOGIES:
+            raise DeviceError(
+                "a topology must be one of the known names",
+                value=topology,
+                remedy=f"use one of {TOPOLOGIES}",
+            )
+        n = len(devices)
+        half = (n + 1) // 2
+        bw = [[0.0] * n for _ in range(n)]
+        lat = [[0.0] * n for _ in range(n)]
+        for i, a in enumerate(devices):
+            for j, b in enumerate(devices):
+                if i == j:
+                    bw[i][j], lat[i][j] = a.mem_bw, 0.0
+                    continue
+                kind = a.kind if a.kind == b.kind else min(a.kind, b.kind)
+                same = (i < half) == (j < half)
+                bw[i][j], lat[i][j] = default_link(
+                    kind, topology, same_switch=same, mem_bw=min(a.mem_bw, b.mem_bw)
+                )
+        cluster = cls(list(devices), bw, lat, topology)
+        cluster.validate()
+        return cluster
+
+    @classmethod
+    def from_spec(cls, spec: str) -> Cluster:
+        """Parse ``"NxKIND[-TOPOLOGY]"``.
+
+        E.g. ``"4xK20c"``, ``"8xH100-nvlink"``, ``"4xV100-pcie"``, ``"2xcpu"``.
+        """
+        m = _SPEC_RE.match(spec)
+        if not m:
+            raise DeviceError(
+                "a cluster spec reads 'NxKIND' or 'NxKIND-TOPOLOGY'",
+                value=spec,
+                remedy=(
+                    f"e.g. '4xK20c', '8xH100-nvlink'; kinds: {preset_names()}; "
+                    f"topologies: {TOPOLOGIES}"
+                ),
+            )
+        count, rest = int(m.group(1)), m.group(2)
+        topology: str | None = None
+        for topo in TOPOLOGIES:
+            if rest.lower().endswith("-" + topo):
+                rest, topology = rest[: -len(topo) - 1], topo
+                break
+        if count < 1:
+            raise DeviceError(
+                "a cluster spec needs at least one device",
+                value=spec,
+                remedy="use N >= 1, e.g. '2xV100'",
+            )
+        base = preset(rest)  # raises, listing the presets
+        if base.kind == "cpu":
+            devices = [cpu_spec(f"cpu{i}", share=count) for i in range(count)]
+        else:
+            devices = [base.renamed(f"gpu{i}", f"cuda:{i}") for i in range(count)]
+        topo = topology or DEFAULT_TOPOLOGY.get(base.kind, "pcie")
+        if base.kind == "cpu" and topo != "cpu":
+            raise DeviceError(
+                "cpu devices only support the 'cpu' topology",
+                value=spec,
+                remedy=f"use '{count}xcpu'",
+            )
+        cluster = cls.from_specs(devices, topo)
+        cluster.meta["spec"] = spec
+        cluster.name = spec.strip()
+        return cluster
+
+    @classmethod
+    def from_devices(
+        cls, devices: Sequence[str | torch.device] | int, *, measure: bool = False
+    ) -> Cluster:
+        """Detect real devices: a list of ``"cuda:i"`` / ``"cpu"`` / torch.device, or an int N.
+
+        CUDA devices may appear once each; ``"cpu"`` may repeat (virtual CPU
+        devices named cpu0, cpu1, ... for tests). With ``measure=True`` the link
+        matrix is timed with :func:`measure_link` instead of taken from presets.
+        """
+        if isinstance(devices, int):
+            avail = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if devices < 1 or devices > avail:
+                raise DeviceError(
+                    f"an int asks for the first N GPUs, 1 <= N <= {avail} here",
+                    value=devices,
+                    remedy="pass a smaller N, or a list such as ['cpu', 'cpu']",
+                )
+            devices = [f"cuda:{i}" for i in range(devices)]
+        if len(devices) == 0:
+            raise DeviceError(
+                "a cluster needs at least one device",
+                value=[],
+                remedy="e.g. ['cuda:0', 'cuda:1'] or ['cpu', 'cpu']",
+            )
+        torch_devs = [_parse_device(d) for d in devices]
+        cuda_ids = [d.index for d in torch_devs if d.type == "cuda"]
+        dup = sorted({i for i in cuda_ids if cuda_ids.count(i) > 1 and i is not None})
+        if dup:
+            raise DeviceError(
+                "each CUDA device may appear once in a cluster",
+                value=[f"cuda:{i}" for i in dup],
+                remedy="list each GPU once; repeat 'cpu' for virtual devices",
+            )
+        n_cpu = sum(1 for d in torch_devs if d.type == "cpu")
+        specs: list[DeviceSpec] = []
+        cpu_i = 0
+        for d in torch_devs:
+            if d.type == "cpu":
+                specs.append(
+                    cpu_spec(
+                        f"cpu{cpu_i}", share=n_cpu, peak=_measure_cpu_flops() if measure else None
+                    )
+                )
+                cpu_i += 1
+            else:
+                specs.append(_cuda_spec(d))
+        topo = "cpu" if n_cpu == len(specs) else DEFAULT_TOPOLOGY.get(specs[0].kind, "pcie")
+        if n_cpu and n_cpu != len(specs):
+            topo = "pcie"
+        try:
+            cluster = cls.from_specs(specs, topo)
+        except DeviceError:  # e.g. a GPU with no NVLink preset
+            cluster = cls.from_specs(specs, "pcie")
+        if measure:
+            cluster.measure_links()
+        cluster.meta["detected"] = [str(d) for d in torch_devs]
+        cluster.name = ",".join(cluster.meta["detected"])
+        return cluster
+
+    def measure_links(self) -> None:
+        """Replace every off-diagonal link by a measured (bandwidth, latency)."""
+        for i, a in enumerate(self.devices):
+            for j, b in enumerate(self.devices):
+                if i != j:
+                    self.bandwidth[i][j], self.latency[i][j] = measure_link(a.device, b.device)
+        self.validate()
+
+    @classmethod
+    def from_any(cls, x: ClusterLike) -> Cluster:
+        """Dispatch: Cluster, int, list of devices, JSON path, or spec string."""
+        if isinstance(x, Cluster):
+            x.validate()
+            return x
+        if isinstance(x, int):
+            return cls.from_devices(x)
+        if isinstance(x, (list, tuple)):
+            return cls.from_devices(list(x))
+        if isinstance(x, Path) or (
+            isinstance(x, str) and (x.endswith(".json") or os.path.sep in x)
+        ):
+            return cls.load(x)
+        if isinstance(x, str):
+            if _SPEC_RE.match(x):
+                return cls.from_spec(x)
+            return cls.from_devices([x])
+        raise DeviceError(
+            "a cluster is a Cluster, an int, a device list, a JSON path or a spec string",
+            value=type(x).__name__,
+            remedy="e.g. '4xK20c', ['cpu', 'cpu'], 2, 'cluster.json'",
+        )
+
+    # ---- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "topology": self.topology,
+            "devices": [d.to_dict() for d in self.devices],
+            "bandwidth": self.bandwidth,
+            "latency": self.latency,
+            "meta": self.meta,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Cluster:
+        try:
+            cluster = cls(
+                devices=[DeviceSpec.from_dict(d) for d in data["devices"]],
+                bandwidth=[[float(v) for v in row] for row in data["bandwidth"]],
+                latency=[[float(v) for v in row] for row in data["latency"]],
+                topology=str(data.get("topology", "custom")),
+                meta=dict(data.get("meta", {})),
+                name=str(data.get("name", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, DeviceError):
+                raise
+            raise DeviceError(
+                "a cluster JSON needs 'devices', 'bandwidth' and 'latency'",
+                value=repr(exc),
+                remedy="start from Cluster.from_spec('2xV100').to_json()",
+            ) from None
+        cluster.validate()
+        return cluster
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Cluster:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DeviceError("a cluster file must be valid JSON", value=str(exc)) from None
+        if not isinstance(data, dict):
+            raise DeviceError("a cluster JSON is an object", value=type(data).__name__)
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Cluster:
+        p = Path(path)
+        if not p.is_file():
+            raise DeviceError(
+                "a cluster JSON path must exist",
+                value=str(p),
+                remedy="check the path or use a spec string",
+            )
+        return cls.from_json(p.read_text())
+
+
+ClusterLike = Cluster | int | str | Path | Sequence[str | torch.device]
+
+
+def _parse_device(d: str | torch.device) -> torch.device:
+    """A torch.device that exists here, or DeviceError with the devices that do."""
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    avail = ["cpu"] + [f"cuda:{i}" for i in range(n_gpu)]
+    try:
+        dev = torch.device(d)
+    except (RuntimeError, TypeError, ValueError):
+        raise DeviceError(
+            "a device is 'cpu' or 'cuda:<index>'", value=d, remedy=f"available here: {avail}"
+        ) from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise DeviceError(
+            "only 'cpu' and 'cuda:<index>' devices are supported",
+            value=str(d),
+            remedy=f"available here: {avail}",
+        )
+    index = dev.index if dev.index is not None else (torch.cuda.current_device() if n_gpu else 0)
+    if index >= n_gpu:
+        raise DeviceError(
+            "the device must exist on this machine", value=str(d), remedy=f"available here: {avail}"
+        )
+    return torch.device("cuda", index)
+
+
+def _cuda_spec(dev: torch.device) -> DeviceSpec:
+    """A preset matched by GPU name with the real memory size; unknown GPUs get a measured peak."""
+    props = torch.cuda.get_device_properties(dev)
+    name = f"cuda:{dev.index}"
+    for hint, kind in _GPU_NAME_HINTS:
+        if hint in props.name:
+            if kind == "A100-80GB" and props.total_memory < 60 * 10**9:
+                kind = "A100-40GB"
+            base = preset(kind, name, name)
+            return DeviceSpec(
+                base.name,
+                base.kind,
+                name,
+                dict(base.peak_flops),
+                base.mem_bw,
+                int(props.total_memory),
+                base.launch_overhead_s,
+            )
+    peak = _measure_matmul_flops(dev)
+    kind = re.sub(r"[^A-Za-z0-9]+", "-", props.name).strip("-")
+    return DeviceSpec(name, kind, name, {"float32": peak}, 500e9, int(props.total_memory), 5e-6)
+
+
+def _measure_matmul_flops(dev: torch.device, n: int = 1024, repeats: int = 5) -> float:
+    """Achieved fp32 GEMM FLOP/s: a quick, honest stand-in for an unknown device's peak."""
+    import time
+
+    a = torch.randn(n, n, device=dev)
+    b = torch.randn(n, n, device=dev)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / max(best, 1e-9)
+
+
+def _measure_cpu_flops() -> float:
+    return _measure_matmul_flops(torch.device("cpu"), n=512)

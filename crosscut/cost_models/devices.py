@@ -1,0 +1,189 @@
+"""DeviceSpec: what the cost model needs to know about one device.
+
+A spec is plain data (no torch objects), so a Cluster can be written to JSON,
+edited by hand, and priced on a machine that does not have the hardware. The
+presets hold public datasheet numbers; they are upper bounds a roofline model
+divides by, not promises (profiling, ``profiled.py``, gives real times).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from crosscut.errors import DeviceError
+
+__all__ = ["GB", "PRESETS", "TFLOPS", "DeviceSpec", "cpu_spec", "preset", "preset_names"]
+
+GB = 10**9
+TFLOPS = 10**12
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device: a unique ``name`` in its cluster, a preset ``kind``, where it runs.
+
+    ``peak_flops`` maps a dtype name ("float32", "float16", "bfloat16") to FLOP/s;
+    a dtype missing from it is priced at the float32 rate (so K20c, which has no
+    fast half precision, needs no fake entry). ``launch_overhead_s`` is the fixed
+    cost of one operator (kernel launch plus framework dispatch), which dominates
+    small ops and is why a roofline alone under-prices deep, thin graphs.
+    """
+
+    name: str
+    kind: str
+    device: str
+    peak_flops: dict[str, float] = field(default_factory=dict)
+    mem_bw: float = 0.0
+    mem_cap: int = 0
+    launch_overhead_s: float = 0.0
+
+    def peak(self, dtype: str) -> float:
+        """FLOP/s for ``dtype``, falling back to float32 (always present in presets)."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        return self.peak_flops.get("float32", 0.0)
+
+    def renamed(self, name: str, device: str | None = None) -> DeviceSpec:
+        """A copy with a new cluster name (and optionally a new torch device string)."""
+        return replace(self, name=name, device=self.device if device is None else device)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceSpec:
+        """Build from JSON data, naming the missing or bad field."""
+        try:
+            spec = cls(
+                name=str(data["name"]),
+                kind=str(data["kind"]),
+                device=str(data.get("device", "cpu")),
+                peak_flops={str(k): float(v) for k, v in dict(data["peak_flops"]).items()},
+                mem_bw=float(data["mem_bw"]),
+                mem_cap=int(data["mem_cap"]),
+                launch_overhead_s=float(data.get("launch_overhead_s", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DeviceError(
+                "a device entry needs name, kind, peak_flops, mem_bw and mem_cap",
+                value=f"{data!r} ({exc!r})",
+                remedy="compare with DeviceSpec.to_dict() of a preset",
+            ) from None
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        """Positive speeds and capacity; the message names the device and field."""
+        if self.peak("float32") <= 0:
+            raise DeviceError(
+                f"device {self.name!r}: peak_flops['float32'] must be positive",
+                value=self.peak_flops,
+            )
+        for dtype, v in self.peak_flops.items():
+            if v <= 0:
+                raise DeviceError(
+                    f"device {self.name!r}: peak_flops[{dtype!r}] must be positive", value=v
+                )
+        if self.mem_bw <= 0:
+            raise DeviceError(f"device {self.name!r}: mem_bw must be positive", value=self.mem_bw)
+        if self.mem_cap <= 0:
+            raise DeviceError(f"device {self.name!r}: mem_cap must be positive", value=self.mem_cap)
+        if self.launch_overhead_s < 0:
+            raise DeviceError(
+                f"device {self.name!r}: launch_overhead_s must be >= 0",
+                value=self.launch_overhead_s,
+            )
+
+
+def _gpu(
+    kind: str, fp32: float, half: float | None, bw: float, cap: float, launch: float
+) -> DeviceSpec:
+    flops = {"float32": fp32 * TFLOPS}
+    if half is not None:
+        flops["float16"] = half * TFLOPS
+        flops["bfloat16"] = half * TFLOPS
+    return DeviceSpec(kind, kind, "cuda:0", flops, bw * GB, int(cap * GB), launch)
+
+
+# Datasheet numbers (dense, boost clock). fp16 is the tensor-core rate where there is
+# one; bfloat16 only exists from Ampere on, so it is dropped for older parts below.
+PRESETS: dict[str, DeviceSpec] = {
+    # Tesla K20c: 3.52 TFLOPS fp32, 208 GB/s, 5 GB of which Mariana reports 4.8 GB usable.
+    # No fast fp16: missing dtypes fall back to the fp32 rate.
+    "K20c": _gpu("K20c", 3.52, None, 208, 4.8, 10e-6),
+    # Tesla P40: 11.76 TFLOPS fp32, 346 GB/s, 24 GB; fp16 runs at 1/64 rate (0.18 TFLOPS).
+    "P40": _gpu("P40", 11.76, 0.18, 346, 24, 7e-6),
+    # Tesla V100 SXM2: 15.7 TFLOPS fp32, 125 TFLOPS fp16 tensor, 900 GB/s, 16 GB.
+    "V100": _gpu("V100", 15.7, 125, 900, 16, 5e-6),
+    "V100-32GB": _gpu("V100-32GB", 15.7, 125, 900, 32, 5e-6),
+    # A100 SXM: 19.5 TFLOPS fp32 (156 tf32), 312 TFLOPS fp16/bf16, 1555 / 2039 GB/s.
+    "A100-40GB": _gpu("A100-40GB", 19.5, 312, 1555, 40, 4e-6),
+    "A100-80GB": _gpu("A100-80GB", 19.5, 312, 2039, 80, 4e-6),
+    # H100 SXM: 67 TFLOPS fp32, 989 TFLOPS fp16/bf16 dense, 3.35 TB/s, 80 GB.
+    "H100": _gpu("H100", 67, 989, 3350, 80, 4e-6),
+    # H200 SXM: H100 compute with 141 GB HBM3e at 4.8 TB/s.
+    "H200": _gpu("H200", 67, 989, 4800, 141, 4e-6),
+}
+for _k in ("V100", "V100-32GB", "P40"):
+    _flops = dict(PRESETS[_k].peak_flops)
+    _flops.pop("bfloat16", None)
+    PRESETS[_k] = replace(PRESETS[_k], peak_flops=_flops)
+
+# CPU defaults are "measured-ish" for a current x86 server core running PyTorch eager:
+# ~40 GFLOP/s fp32 per core achieved in conv/GEMM (AVX2/AVX-512 FMA at ~50 % of peak),
+# ~10 GB/s of DRAM bandwidth per core up to ~40 GB/s, and ~10 µs of dispatch per op.
+# bfloat16 runs at the fp32 rate (no AMX assumed). Use Cluster.from_devices(..., measure=True)
+# or profile_costs() for numbers of the machine at hand.
+CPU_FLOPS_PER_CORE = 40e9
+CPU_BW_PER_CORE = 10e9
+CPU_LAUNCH_S = 10e-6
+
+
+def physical_memory_bytes() -> int:
+    """Installed RAM via os.sysconf (no psutil); 16 GB where sysconf cannot say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * GB
+
+
+def cpu_spec(name: str = "cpu0", *, share: int = 1, peak: float | None = None) -> DeviceSpec:
+    """The CPU of this machine; ``share`` virtual devices split its RAM evenly.
+
+    Virtual CPU devices (``["cpu", "cpu"]``) exist so the partitioner and the
+    runtime can be tested without GPUs. They share one pool of RAM, so each gets
+    ``1/share`` of it: a plan that fits every cap then also fits the machine.
+    """
+    cores = os.cpu_count() or 1
+    fp32 = peak if peak is not None else CPU_FLOPS_PER_CORE * cores
+    return DeviceSpec(
+        name=name,
+        kind="cpu",
+        device="cpu",
+        peak_flops={"float32": fp32, "bfloat16": fp32},
+        mem_bw=min(CPU_BW_PER_CORE * cores, 40e9),
+        mem_cap=max(physical_memory_bytes() // max(share, 1), 1),
+        launch_overhead_s=CPU_LAUNCH_S,
+    )
+
+
+PRESETS["cpu"] = cpu_spec("cpu")
+
+
+def preset_names() -> list[str]:
+    """Every preset kind, in datasheet order (oldest GPU first, cpu last)."""
+    return list(PRESETS)
+
+
+def preset(kind: str, name: str | None = None, device: str | None = None) -> DeviceSpec:
+    """The preset ``kind`` (case-insensitive), renamed; DeviceError lists the presets."""
+    for key, spec in PRESETS.items():
+        if key.lower() == kind.lower():
+            return spec.renamed(name or key, device)
+    raise DeviceError(
+        "a device kind must be one of the presets",
+        value=kind,
+        remedy=f"use one of {preset_names()} or describe the device in a cluster JSON file",
+    )

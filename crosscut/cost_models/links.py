@@ -1,0 +1,133 @@
+"""Links: bandwidth and latency between two devices, from presets or a stopwatch.
+
+A transfer of ``b`` bytes from ``a`` to ``d`` is priced ``latency + b / bandwidth``
+(the alpha-beta model the partition problem uses). ``measure_link`` fits both
+numbers from timed copies of several sizes, so a Cluster can be calibrated on
+the machine it will run on.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from crosscut.errors import DeviceError
+
+__all__ = ["TOPOLOGIES", "LinkSpec", "default_link", "fit_alpha_beta", "measure_link"]
+
+TOPOLOGIES = ("nvlink", "pcie", "cpu")
+
+LinkSpec = tuple[float, float]  # (bandwidth bytes/s, latency s)
+
+# Per-pair unidirectional bandwidth and latency. NVLink: V100 DGX-1 pairs (2 links x 25 GB/s),
+# A100 / H100 through NVSwitch (300 / 450 GB/s). PCIe: gen2 x16 for K20c (~6 GB/s
+# measured peer-to-peer), gen3 for P40/V100, gen4 for A100, gen5 for H100/H200.
+_NVLINK: dict[str, LinkSpec] = {
+    "V100": (50e9, 5e-6),
+    "V100-32GB": (50e9, 5e-6),
+    "A100-40GB": (300e9, 4e-6),
+    "A100-80GB": (300e9, 4e-6),
+    "H100": (450e9, 3e-6),
+    "H200": (450e9, 3e-6),
+}
+_PCIE: dict[str, LinkSpec] = {
+    "K20c": (6e9, 10e-6),
+    "P40": (12e9, 8e-6),
+    "V100": (12e9, 8e-6),
+    "V100-32GB": (12e9, 8e-6),
+    "A100-40GB": (24e9, 8e-6),
+    "A100-80GB": (24e9, 8e-6),
+    "H100": (50e9, 6e-6),
+    "H200": (50e9, 6e-6),
+}
+# Mariana's layout: two PCIe switches, one under each CPU. Peer-to-peer inside a switch
+# runs at the switch rate; across switches traffic is staged through host memory over
+# QPI, which roughly halves the bandwidth and doubles the latency.
+CROSS_SWITCH_BW_FACTOR = 0.5
+CROSS_SWITCH_LATENCY_FACTOR = 2.0
+# Virtual CPU devices share DRAM: a copy reads and writes, so it moves at about half the
+# memory bandwidth, after ~2 µs of queueing/dispatch between worker threads.
+CPU_COPY_LATENCY_S = 2e-6
+
+
+def default_link(
+    kind: str, topology: str, *, same_switch: bool = True, mem_bw: float = 20e9
+) -> LinkSpec:
+    """Preset (bandwidth, latency) for two devices of ``kind`` on ``topology``."""
+    if topology == "cpu":
+        return (mem_bw / 2, CPU_COPY_LATENCY_S)
+    if topology == "nvlink":
+        if kind not in _NVLINK:
+            raise DeviceError(
+                f"devices of kind {kind!r} have no NVLink preset",
+                value=kind,
+                remedy=f"use the 'pcie' topology, or one of {sorted(_NVLINK)} for 'nvlink'",
+            )
+        return _NVLINK[kind]
+    if topology == "pcie":
+        bw, lat = _PCIE.get(kind, (12e9, 8e-6))
+        if not same_switch:
+            return (bw * CROSS_SWITCH_BW_FACTOR, lat * CROSS_SWITCH_LATENCY_FACTOR)
+        return (bw, lat)
+    raise DeviceError(
+        "a topology must be one of the known names",
+        value=topology,
+        remedy=f"use one of {TOPOLOGIES}",
+    )
+
+
+def fit_alpha_beta(sizes: Sequence[int], times: Sequence[float]) -> LinkSpec:
+    """Least-squares fit of ``t = latency + size / bandwidth``; both kept positive."""
+    n = len(sizes)
+    if n < 2 or n != len(times):
+        raise DeviceError("fitting a link needs >= 2 (size, time) pairs", value=(sizes, times))
+    mx = sum(sizes) / n
+    my = sum(times) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(sizes, times))
+    slope = sxy / sxx if sxx > 0 else 0.0
+    if slope <= 0:  # noise swamped the size dependence: use the biggest copy alone
+        slope = max(times[-1], 1e-12) / max(sizes[-1], 1)
+    latency = max(my - slope * mx, 0.0)
+    return (1.0 / slope, latency)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def measure_link(
+    src_device: str | torch.device,
+    dst_device: str | torch.device,
+    sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22, 1 << 24),
+    *,
+    repeats: int = 7,
+    warmup: int = 2,
+) -> LinkSpec:
+    """Time copies of ``sizes`` bytes from ``src_device`` to ``dst_device``; return (bw, latency).
+
+    Each size is copied ``warmup`` times untimed, then ``repeats`` times; the
+    median is kept (robust to a stray context switch). Between two CPU devices
+    the copy is ``dst.copy_(src)`` into a preallocated buffer, which is what the
+    local runtime does between virtual CPU stages.
+    """
+    src, dst = torch.device(src_device), torch.device(dst_device)
+    medians: list[float] = []
+    for size in sizes:
+        a = torch.empty(max(size // 4, 1), dtype=torch.float32, device=src).uniform_()
+        b = torch.empty_like(a, device=dst)
+        samples: list[float] = []
+        for i in range(warmup + repeats):
+            _sync(src)
+            _sync(dst)
+            t0 = time.perf_counter()
+            b.copy_(a, non_blocking=False)
+            _sync(dst)
+            if i >= warmup:
+                samples.append(time.perf_counter() - t0)
+        medians.append(statistics.median(samples))
+    return fit_alpha_beta([max(s // 4, 1) * 4 for s in sizes], medians)

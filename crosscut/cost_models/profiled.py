@@ -1,0 +1,293 @@
+"""Profiled costs: time every node of the traced GraphModule on a real device.
+
+Analytic rooflines miss what matters on real hardware (cuDNN algorithm choice,
+memory-bound elementwise ops, per-op dispatch), so ``profile_costs`` runs each
+fx node alone with real random tensors of the traced shapes: forward, then
+backward through ``torch.autograd.grad`` on that node's output with a random
+gradient. Each is warmed up, then the median of ``repeats`` timed runs is kept
+(``torch.cuda.synchronize`` around CUDA timings). Results are cached as JSON,
+keyed by graph fingerprint, device kind, batch size, dtype and mode, because a
+ResNet-50 profile takes tens of seconds on a CPU; a corrupt cache file is
+ignored with a warning and rewritten.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+
+from crosscut.cost_models.memory import activation_bytes, is_alias, resident_bytes
+from crosscut.cost_models.table import CostTable, NodeCost
+from crosscut.errors import CostModelError
+from crosscut.graph import OpGraph
+
+__all__ = ["cache_key", "device_kind", "profile_costs"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+}
+
+
+def device_kind(device: torch.device) -> str:
+    """The preset kind a device prices as ("cpu", "V100", ...)."""
+    if device.type == "cpu":
+        return "cpu"
+    from crosscut.cost_models.cluster import Cluster
+
+    return Cluster.from_devices([device]).devices[0].kind
+
+
+def cache_key(graph: OpGraph, kind: str) -> str:
+    """File stem for the cache: fingerprint, kind, batch size, dtype, mode."""
+    dtypes = sorted({n.dtype for n in graph.nodes if n.op == "placeholder"}) or ["float32"]
+    raw = json.dumps([graph.fingerprint(), kind, graph.batch_size, dtypes, graph.mode])
+    return f"{kind}-b{graph.batch_size}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _median_time(
+    fn: Callable[[Any], Any], prep: Callable[[], Any], dev: torch.device, warmup: int, repeats: int
+) -> float:
+    """Median seconds of ``fn(prep())`` with the preparation left out of the timing."""
+    samples: list[float] = []
+    for i in range(warmup + repeats):
+        state = prep()
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn(state)
+        _sync(dev)
+        if i >= warmup:
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) if samples else 0.0
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    torch.fx.node.map_aggregate(x, lambda v: out.append(v) if isinstance(v, torch.Tensor) else None)
+    return out
+
+
+def _placeholder(shape: list[int], dtype: str, dev: torch.device) -> torch.Tensor:
+    dt = _DTYPES.get(dtype, torch.float32)
+    if dt.is_floating_point:
+        return torch.randn(shape, dtype=dt, device=dev)
+    return torch.zeros(shape, dtype=dt, device=dev)
+
+
+def _runner(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Callable[..., Any]:
+    if node.op == "call_module":
+        mod: Callable[..., Any] = gm.get_submodule(str(node.target))
+        return mod
+    if node.op == "call_method":
+        name = str(node.target)
+        return lambda self, *a, **k: getattr(self, name)(*a, **k)
+    fn: Callable[..., Any] = node.target  # type: ignore[assignment]
+    return fn
+
+
+def _time_node(
+    gm: torch.fx.GraphModule,
+    node: torch.fx.Node,
+    env: dict[str, Any],
+    dev: torch.device,
+    training: bool,
+    clone: bool,
+    warmup: int,
+    repeats: int,
+) -> tuple[float, float, Any]:
+    """(fwd s, bwd s, output) of one fx node with inputs taken from ``env``."""
+    run = _runner(gm, node)
+    grad_src = {n.name for n in node.all_input_nodes if n.op not in ("placeholder", "get_attr")}
+
+    def prep() -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
+        leaves: list[torch.Tensor] = []
+
+        def load(n: torch.fx.Node) -> Any:
+            v = env[n.name]
+            if not isinstance(v, torch.Tensor):
+                return v
+            if training and n.name in grad_src and v.is_floating_point():
+                v = v.detach().requires_grad_(True)
+                leaves.append(v)
+            return v.clone() if clone else v
+
+        args = torch.fx.node.map_arg(node.args, load)
+        kwargs = torch.fx.node.map_arg(node.kwargs, load)
+        return tuple(args), dict(kwargs), leaves
+
+    def fwd(state: tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]) -> Any:
+        return run(*state[0], **state[1])
+
+    with torch.no_grad():
+        out = fwd(prep())
+    if not training:
+        with torch.no_grad():
+            return _median_time(fwd, prep, dev, warmup, repeats), 0.0, out
+    t_fwd = _median_time(fwd, prep, dev, warmup, repeats)
+    params = (
+        [p for p in gm.get_submodule(str(node.target)).parameters()]
+        if node.op == "call_module"
+        else []
+    )
+    params += [env[n.name] for n in node.all_input_nodes if n.op == "get_attr"]
+    params = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
+
+    def with_graph() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        args, kwargs, leaves = prep()
+        outs = [t for t in _tensors(run(*args, **kwargs)) if t.requires_grad]
+        return outs, [torch.randn_like(t) for t in outs], leaves + params
+
+    def bwd(state: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]) -> None:
+        torch.autograd.grad(state[0], state[2], state[1], allow_unused=True)
+
+    probe = with_graph()
+    if not probe[0] or not probe[2]:
+        return t_fwd, 0.0, out
+    return t_fwd, _median_time(bwd, with_graph, dev, warmup, repeats), out
+
+
+def _measure(
+    graph: OpGraph, dev: torch.device, warmup: int, repeats: int
+) -> dict[str, tuple[float, float]]:
+    gm: torch.fx.GraphModule = copy.deepcopy(graph.gm).to(dev)
+    training = graph.mode == "train"
+    gm.train(training)
+    env: dict[str, Any] = {}
+    times: dict[str, tuple[float, float]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        if node.name not in graph:
+            raise CostModelError(
+                "every fx node must have an OpNode of the same name",
+                value=node.name,
+                remedy="profile the OpGraph that trace() returned with this GraphModule",
+            )
+        op = graph.node(node.name)
+        if node.op == "placeholder":
+            env[node.name] = _placeholder(op.shapes[0] if op.shapes else [], op.dtype, dev)
+        elif node.op == "get_attr":
+            env[node.name] = _fetch(gm, str(node.target))
+        else:
+            clone = is_alias(graph, op)
+            f, b, out = _time_node(gm, node, env, dev, training, clone, warmup, repeats)
+            env[node.name] = torch.fx.node.map_aggregate(
+                out, lambda v: v.detach() if isinstance(v, torch.Tensor) else v
+            )
+            times[node.name] = (f, b)
+    return times
+
+
+def _fetch(gm: torch.nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _load_cache(path: Path, graph: OpGraph) -> CostTable | None:
+    if not path.is_file():
+        return None
+    try:
+        table = CostTable.from_json(path.read_text())
+        if table.meta.get("fingerprint") != graph.fingerprint() or set(table.nodes) != set(
+            n.name for n in graph.nodes
+        ):
+            raise CostModelError("the cached table is for another graph", value=str(path))
+    except (CostModelError, OSError, UnicodeDecodeError) as exc:
+        warnings.warn(f"ignoring unreadable cost cache {path}: {exc}", RuntimeWarning, stacklevel=3)
+        return None
+    table.meta["cache_hit"] = True
+    return table
+
+
+def profile_costs(
+    graph: OpGraph,
+    device: str | torch.device = "cpu",
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+    cache_dir: str | Path | None = ".crosscut-cache",
+    optimizer: str = "sgd",
+    kind: str | None = None,
+) -> CostTable:
+    """Measured forward/backward seconds of every node on ``device``.
+
+    ``kind`` names the column the times go in (default: the device's preset
+    kind, e.g. "cpu" or "V100"); ``cache_dir=None`` turns the cache off.
+    """
+    if graph.gm is None:
+        raise CostModelError(
+            "profiling needs the traced GraphModule (OpGraph.gm)",
+            value=graph.model_name or "OpGraph without gm",
+            remedy="build the graph with crosscut.partitioner.trace.trace(), or use analytic_costs",
+        )
+    if repeats < 1 or warmup < 0:
+        raise CostModelError("repeats >= 1 and warmup >= 0", value=(repeats, warmup))
+    dev = torch.device(device)
+    kind = kind or device_kind(dev)
+    path = Path(cache_dir) / f"{cache_key(graph, kind)}.json" if cache_dir is not None else None
+    cached = _load_cache(path, graph) if path is not None else None
+    if cached is not None:
+        return _with_memory(cached, graph, optimizer)
+    t0 = time.perf_counter()
+    times = _measure(graph, dev, warmup, repeats)
+    table = CostTable(
+        nodes={
+            n.name: NodeCost(
+                {kind: times.get(n.name, (0.0, 0.0))[0]}, {kind: times.get(n.name, (0.0, 0.0))[1]}
+            )
+            for n in graph.nodes
+        },
+        source="profiled",
+        mode=graph.mode,
+        optimizer=optimizer,
+        meta={
+            "fingerprint": graph.fingerprint(),
+            "batch_size": graph.batch_size,
+            "device": str(dev),
+            "kind": kind,
+            "repeats": repeats,
+            "warmup": warmup,
+            "profile_s": time.perf_counter() - t0,
+            "cache_hit": False,
+        },
+    )
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(table.to_json())
+        except OSError as exc:
+            warnings.warn(f"could not write cost cache {path}: {exc}", RuntimeWarning, stacklevel=2)
+    return _with_memory(table, graph, optimizer)
+
+
+def _with_memory(table: CostTable, graph: OpGraph, optimizer: str) -> CostTable:
+    """Fill the device-independent bytes from the memory model (never cached)."""
+    acts = activation_bytes(graph)
+    for n in graph.nodes:
+        c = table.nodes[n.name]
+        c.resident = 0 if n.is_io else resident_bytes(n, graph.mode, optimizer)
+        c.activation = acts.get(n.name, 0)
+    table.optimizer = optimizer
+    return table

@@ -1,0 +1,162 @@
+"""CostTable: what every node costs, per device kind — the cost model's one output.
+
+Times are keyed by device *kind* (``"V100"``, ``"cpu"``), not device name:
+eight identical GPUs share one column, and a profiled table measured on one
+``cuda:0`` prices all of them. Memory is per node and device-independent.
+The partitioner reads it through ``fwd_s / bwd_s / resident_bytes /
+activation_bytes`` (``partitioner.build.CostLookup``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from crosscut.errors import CostModelError
+
+__all__ = ["CostTable", "NodeCost"]
+
+SOURCES = ("analytic", "profiled", "mixed")
+
+
+@dataclass
+class NodeCost:
+    """One node: seconds per kind for forward and backward, bytes it keeps."""
+
+    fwd: dict[str, float] = field(default_factory=dict)
+    bwd: dict[str, float] = field(default_factory=dict)
+    resident: int = 0  # params, buffers (+ grads + optimizer state in train mode)
+    activation: int = 0  # bytes saved for backward per micro-batch (0 in infer mode)
+
+
+@dataclass
+class CostTable:
+    """Per-node costs for one graph. ``source`` says where the times came from."""
+
+    nodes: dict[str, NodeCost] = field(default_factory=dict)
+    source: str = "analytic"
+    mode: str = "train"
+    optimizer: str = "sgd"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ---- lookups (partitioner.build.CostLookup) ------------------------------------
+    def _get(self, name: str) -> NodeCost:
+        try:
+            return self.nodes[name]
+        except KeyError:
+            raise CostModelError(
+                "every node priced must be in the cost table",
+                value=name,
+                remedy="rebuild the table from the same OpGraph (analytic_costs / profile_costs)",
+            ) from None
+
+    def _time(self, table: dict[str, float], name: str, kind: str) -> float:
+        if kind not in table:
+            raise CostModelError(
+                f"node {name!r} has no time for device kind {kind!r}",
+                value=sorted(table),
+                remedy="price the table for every kind in the cluster, or merge a profiled table",
+            )
+        return table[kind]
+
+    def fwd_s(self, name: str, kind: str) -> float:
+        return self._time(self._get(name).fwd, name, kind)
+
+    def bwd_s(self, name: str, kind: str) -> float:
+        return self._time(self._get(name).bwd, name, kind)
+
+    def resident_bytes(self, name: str) -> int:
+        return self._get(name).resident
+
+    def activation_bytes(self, name: str) -> int:
+        return self._get(name).activation
+
+    def node_time(self, name: str, kind: str, training: bool) -> float:
+        """Forward time, plus backward when ``training``."""
+        t = self.fwd_s(name, kind)
+        return t + self.bwd_s(name, kind) if training else t
+
+    def total(self, kind: str, mode: str | None = None) -> float:
+        """Sum over nodes of forward (+ backward when ``mode == "train"``) on ``kind``."""
+        training = (mode or self.mode) == "train"
+        return sum(self.node_time(n, kind, training) for n in self.nodes)
+
+    @property
+    def kinds(self) -> list[str]:
+        """Device kinds every node has a time for."""
+        sets = [set(c.fwd) for c in self.nodes.values()]
+        return sorted(set.intersection(*sets)) if sets else []
+
+    def merge(self, other: CostTable) -> CostTable:
+        """A new table with ``other``'s times added (``other`` wins on a shared kind)."""
+        if set(other.nodes) != set(self.nodes):
+            raise CostModelError(
+                "merged cost tables must price the same nodes",
+                value=sorted(set(other.nodes) ^ set(self.nodes))[:10],
+                remedy="build both tables from the same OpGraph",
+            )
+        out: dict[str, NodeCost] = {}
+        for name, c in self.nodes.items():
+            o = other.nodes[name]
+            out[name] = NodeCost({**c.fwd, **o.fwd}, {**c.bwd, **o.bwd}, c.resident, c.activation)
+        source = self.source if self.source == other.source else "mixed"
+        return CostTable(out, source, self.mode, self.optimizer, {**self.meta, **other.meta})
+
+    # ---- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "source": self.source,
+            "mode": self.mode,
+            "optimizer": self.optimizer,
+            "meta": self.meta,
+            "nodes": {k: asdict(v) for k, v in self.nodes.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostTable:
+        try:
+            nodes = {
+                str(k): NodeCost(
+                    fwd={str(a): float(b) for a, b in v["fwd"].items()},
+                    bwd={str(a): float(b) for a, b in v["bwd"].items()},
+                    resident=int(v["resident"]),
+                    activation=int(v["activation"]),
+                )
+                for k, v in data["nodes"].items()
+            }
+            return cls(
+                nodes=nodes,
+                source=str(data["source"]),
+                mode=str(data.get("mode", "train")),
+                optimizer=str(data.get("optimizer", "sgd")),
+                meta=dict(data.get("meta", {})),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CostModelError(
+                "a cost table JSON needs 'source' and 'nodes' with fwd, bwd, resident, activation",
+                value=repr(exc),
+                remedy="regenerate it with CostTable.to_json()",
+            ) from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> CostTable:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CostModelError("a cost table file must be valid JSON", value=str(exc)) from None
+        if not isinstance(data, dict):
+            raise CostModelError("a cost table JSON is an object", value=type(data).__name__)
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostTable:
+        return cls.from_json(Path(path).read_text())

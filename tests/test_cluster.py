@@ -1,0 +1,153 @@
+"""DeviceSpec presets, cluster spec strings, topologies, detection and validation errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from crosscut.cost_models import Cluster, DeviceSpec, preset_names
+from crosscut.cost_models.devices import PRESETS, preset
+from crosscut.cost_models.links import fit_alpha_beta, measure_link
+from crosscut.errors import DeviceError
+
+
+def test_presets_have_datasheet_numbers() -> None:
+    names = preset_names()
+    for kind in ("K20c", "P40", "V100", "A100-40GB", "A100-80GB", "H100", "H200", "cpu"):
+        assert kind in names
+    k20 = preset("K20c")
+    assert k20.peak("float32") == pytest.approx(3.52e12)
+    assert k20.mem_bw == pytest.approx(208e9)
+    assert k20.mem_cap == int(4.8e9)
+    assert k20.peak("float16") == k20.peak("float32")  # no fast fp16: falls back
+    assert preset("H100").peak("bfloat16") > 10 * preset("H100").peak("float32")
+    assert preset("H200").mem_cap > preset("H100").mem_cap
+    for spec in PRESETS.values():
+        spec.validate()
+        assert DeviceSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_spec_string_pcie_two_switches() -> None:
+    c = Cluster.from_spec("4xK20c")
+    assert c.names == ["gpu0", "gpu1", "gpu2", "gpu3"]
+    assert c.topology == "pcie"
+    # gpu0/gpu1 share a switch, gpu2/gpu3 the other: same switch is faster and closer.
+    assert c.bandwidth[0][1] > c.bandwidth[0][2]
+    assert c.latency[0][1] < c.latency[0][2]
+    assert c.bandwidth[2][3] == c.bandwidth[0][1]
+    assert c.transfer_time(0, 1, 10**8) < c.transfer_time(1, 2, 10**8)
+    assert c.transfer_time(3, 3, 10**8) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind", "topology", "n"),
+    [("8xH100-nvlink", "H100", "nvlink", 8), ("4xV100-pcie", "V100", "pcie", 4),
+     ("2xcpu", "cpu", "cpu", 2), ("2xA100-80GB", "A100-80GB", "nvlink", 2),
+     ("1xP40", "P40", "pcie", 1)],
+)  # fmt: skip
+def test_spec_strings(spec: str, kind: str, topology: str, n: int) -> None:
+    c = Cluster.from_spec(spec)
+    assert len(c) == n and c.topology == topology and c.kinds == [kind]
+    c.validate()
+
+
+def test_nvlink_faster_than_pcie() -> None:
+    assert (
+        Cluster.from_spec("2xV100").bandwidth[0][1]
+        > Cluster.from_spec("2xV100-pcie").bandwidth[0][1]
+    )
+
+
+@pytest.mark.parametrize("bad", ["4xFoo", "0xV100", "V100", "4xK20c-nvlink", "2xcpu-pcie"])
+def test_bad_specs(bad: str) -> None:
+    with pytest.raises(DeviceError) as err:
+        Cluster.from_spec(bad)
+    if bad == "4xFoo":
+        assert "K20c" in str(err.value) and "H100" in str(err.value)  # lists the presets
+
+
+def test_from_devices_cpu() -> None:
+    c = Cluster.from_devices(["cpu", "cpu"])
+    assert c.names == ["cpu0", "cpu1"] and c.topology == "cpu"
+    assert all(d.device == "cpu" for d in c.devices)
+    total = Cluster.from_devices(["cpu"]).devices[0].mem_cap
+    assert c.devices[0].mem_cap == total // 2  # virtual devices share the RAM
+    assert Cluster.from_devices([torch.device("cpu")]).names == ["cpu0"]
+
+
+@pytest.mark.parametrize(
+    "bad", [[], ["tpu:0"], ["cuda:x"], ["cuda:64"], ["cuda:0", "cuda:0"], 0, 65]
+)
+def test_from_devices_errors(bad: list[str] | int) -> None:
+    with pytest.raises(DeviceError) as err:
+        Cluster.from_devices(bad)
+    assert "remedy" in str(err.value) or "got" in str(err.value)
+
+
+def test_duplicate_cuda_is_rejected_even_without_gpu() -> None:
+    if torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="once"):
+            Cluster.from_devices(["cuda:0", "cuda:0"])
+    else:
+        with pytest.raises(DeviceError, match="available here"):
+            Cluster.from_devices(["cuda:0", "cuda:0"])
+
+
+def test_json_round_trip_and_from_any(tmp_path: Path) -> None:
+    c = Cluster.from_spec("4xK20c")
+    again = Cluster.from_json(c.to_json())
+    assert again == c
+    path = tmp_path / "cluster.json"
+    c.save(path)
+    assert Cluster.load(path) == c
+    assert Cluster.from_any(str(path)) == c
+    assert Cluster.from_any(path) == c
+    assert Cluster.from_any("4xK20c") == c
+    assert Cluster.from_any(c) is c
+    assert Cluster.from_any(["cpu", "cpu"]).names == ["cpu0", "cpu1"]
+    with pytest.raises(DeviceError):
+        Cluster.from_any(3.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "i", "j", "value", "match"),
+    [("bandwidth", 0, 1, -1.0, r"bandwidth\[0\]\[1\]"),
+     ("bandwidth", 1, 0, 0.0, r"bandwidth\[1\]\[0\]"),
+     ("latency", 0, 1, -1e-6, r"latency\[0\]\[1\]")],
+)  # fmt: skip
+def test_invalid_matrices(field: str, i: int, j: int, value: float, match: str) -> None:
+    data = Cluster.from_spec("2xV100").to_dict()
+    data[field][i][j] = value
+    with pytest.raises(DeviceError, match=match):
+        Cluster.from_json(json.dumps(data))
+
+
+def test_non_square_and_mismatched() -> None:
+    data = Cluster.from_spec("2xV100").to_dict()
+    data["latency"] = [[0.0, 1e-6]]
+    with pytest.raises(DeviceError, match="2x2"):
+        Cluster.from_dict(data)
+    data = Cluster.from_spec("2xV100").to_dict()
+    data["devices"][0]["mem_bw"] = -5
+    with pytest.raises(DeviceError, match="mem_bw"):
+        Cluster.from_dict(data)
+    with pytest.raises(DeviceError):
+        Cluster.from_json("[1, 2]")
+    with pytest.raises(DeviceError):
+        Cluster.from_json("{not json")
+
+
+def test_fit_alpha_beta_recovers_line() -> None:
+    sizes = [1000, 10_000, 100_000]
+    bw, lat = fit_alpha_beta(sizes, [5e-6 + s / 2e9 for s in sizes])
+    assert bw == pytest.approx(2e9, rel=1e-6)
+    assert lat == pytest.approx(5e-6, rel=1e-6)
+
+
+def test_measure_link_cpu() -> None:
+    bw, lat = measure_link("cpu", "cpu", sizes=(1 << 16, 1 << 20, 1 << 22), repeats=3, warmup=1)
+    assert bw > 1e8  # any machine copies faster than 100 MB/s
+    assert lat >= 0

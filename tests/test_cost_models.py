@@ -1,0 +1,209 @@
+"""CostTable, analytic roofline, memory model and profiled costs."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from crosscut.cost_models import (
+    Cluster,
+    CostTable,
+    NodeCost,
+    analytic_costs,
+    peak_memory,
+    profile_costs,
+)
+from crosscut.cost_models.analytic import node_times
+from crosscut.cost_models.devices import preset
+from crosscut.cost_models.memory import activation_bytes, resident_bytes, saved_by
+from crosscut.errors import CostModelError, InputError
+from crosscut.graph import OpGraph, OpNode
+
+MB = 10**6
+
+
+def _chain(flops: int = 10**9, params: int = 4 * MB) -> OpGraph:
+    """x -> conv -> relu -> flatten -> linear -> output, built by hand."""
+    nodes = [
+        OpNode("x", "placeholder", "placeholder", "x", [], [[8, 3, 32, 32]], out_bytes=MB),
+        OpNode("conv", "call_module", "conv2d", "conv", ["x"], out_bytes=8 * MB,
+               param_bytes=params, fwd_flops=flops, bwd_flops=2 * flops, read_bytes=MB + params),
+        OpNode("relu", "call_module", "relu", "relu", ["conv"], out_bytes=8 * MB,
+               read_bytes=8 * MB),
+        OpNode("flatten", "call_function", "flatten", "torch.flatten", ["relu"], out_bytes=8 * MB),
+        OpNode("fc", "call_module", "linear", "fc", ["flatten"], out_bytes=MB // 10,
+               param_bytes=params, fwd_flops=flops, bwd_flops=2 * flops, read_bytes=9 * MB),
+        OpNode("output", "output", "output", "output", ["fc"]),
+    ]  # fmt: skip
+    g = OpGraph(nodes, batch_size=8, mode="train")
+    g.lint()
+    return g
+
+
+def test_cost_table_round_trip_and_lookups() -> None:
+    t = CostTable(
+        {"a": NodeCost({"V100": 1e-3, "cpu": 5e-2}, {"V100": 2e-3, "cpu": 1e-1}, 100, 7),
+         "b": NodeCost({"V100": 0.5e-3, "cpu": 1e-2}, {"V100": 1e-3, "cpu": 2e-2}, 0, 3)},
+        source="profiled", meta={"k": [1, 2]},
+    )  # fmt: skip
+    again = CostTable.from_json(t.to_json())
+    assert again == t
+    assert t.node_time("a", "V100", training=True) == pytest.approx(3e-3)
+    assert t.node_time("a", "V100", training=False) == pytest.approx(1e-3)
+    assert t.total("cpu", "train") == pytest.approx(0.18)
+    assert t.total("cpu", "infer") == pytest.approx(0.06)
+    assert t.kinds == ["V100", "cpu"]
+    assert t.resident_bytes("a") == 100 and t.activation_bytes("b") == 3
+    with pytest.raises(CostModelError, match="no time for device kind"):
+        t.fwd_s("a", "H100")
+    with pytest.raises(CostModelError):
+        t.fwd_s("zz", "cpu")
+    with pytest.raises(CostModelError):
+        CostTable.from_json('{"nodes": {"a": {"fwd": 1}}}')
+
+
+def test_merge_keeps_both_kinds() -> None:
+    g = _chain()
+    a = analytic_costs(g, Cluster.from_spec("2xV100"))
+    b = analytic_costs(g, Cluster.from_spec("2xcpu"))
+    m = a.merge(b)
+    assert m.kinds == ["V100", "cpu"]
+    assert m.total("V100") == pytest.approx(a.total("V100"))
+
+
+def test_analytic_monotone_in_flops_and_faster_devices() -> None:
+    v100, k20 = Cluster.from_spec("1xV100"), Cluster.from_spec("1xK20c")
+    prev = 0.0
+    for flops in (10**8, 10**9, 10**10, 10**11):
+        t = analytic_costs(_chain(flops), v100).node_time("conv", "V100", training=True)
+        assert t > prev
+        prev = t
+    g = _chain(10**11)
+    assert analytic_costs(g, k20).total("K20c") > analytic_costs(g, v100).total("V100")
+    table = analytic_costs(g, v100)
+    assert table.fwd_s("x", "V100") == 0.0 and table.fwd_s("output", "V100") == 0.0
+    spec = preset("V100")
+    # compute-bound conv: roofline = flops / peak + launch overhead
+    assert node_times(g, g.node("conv"), spec)[0] == pytest.approx(1e11 / 15.7e12 + 5e-6)
+    # memory-bound relu: bytes / bandwidth; its backward moves twice the bytes
+    f, b = node_times(g, g.node("relu"), spec)
+    assert f == pytest.approx(16 * MB / 900e9 + 5e-6)
+    assert b == pytest.approx(32 * MB / 900e9 + 5e-6)
+    assert node_times(g, g.node("flatten"), spec) == (5e-6, 5e-6)  # a view moves nothing
+
+
+def test_infer_mode_has_no_backward_or_activations() -> None:
+    g = _chain()
+    g.mode = "infer"
+    t = analytic_costs(g, Cluster.from_spec("1xV100"))
+    assert all(t.bwd_s(n.name, "V100") == 0.0 for n in g.nodes)
+    assert all(t.activation_bytes(n.name) == 0 for n in g.nodes)
+    assert t.resident_bytes("conv") == 4 * MB  # params only
+
+
+def test_resident_adam_vs_sgd() -> None:
+    conv = _chain().node("conv")
+    assert resident_bytes(conv, "train", "sgd") == 8 * MB  # params + grads
+    assert resident_bytes(conv, "train", "momentum") == 12 * MB
+    assert resident_bytes(conv, "train", "adam") == 16 * MB  # + two moments
+    assert resident_bytes(conv, "infer", "adam") == 4 * MB
+    with pytest.raises(InputError):
+        resident_bytes(conv, "train", "lion")
+    g = _chain()
+    assert peak_memory(g, optimizer="adam") - peak_memory(g, optimizer="sgd") == 2 * 8 * MB
+
+
+def test_saved_activations_rule() -> None:
+    g = _chain()
+    assert saved_by(g, g.node("conv")) == (["x"], 0)  # conv saves its input
+    assert saved_by(g, g.node("relu")) == (["relu"], 0)  # relu saves its output
+    assert saved_by(g, g.node("flatten")) == ([], 0)  # a view saves nothing
+    acts = activation_bytes(g)
+    # fc saves flatten, a view of relu's output, which relu saves too: counted once, at relu.
+    assert acts == {"x": MB, "conv": 0, "relu": 8 * MB, "flatten": 0, "fc": 0, "output": 0}
+    one = peak_memory(g, inflight_microbatches=1)
+    four = peak_memory(g, inflight_microbatches=4)
+    assert four - one == 3 * 9 * MB  # three more micro-batches of saved activations
+    with pytest.raises(InputError):
+        peak_memory(g, inflight_microbatches=0)
+    sub = peak_memory(g, ["fc"])
+    assert sub < one
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.pool(self.relu(self.bn(self.conv(x))))
+        out: torch.Tensor = self.fc(torch.flatten(y, 1) + 1.0)
+        return out
+
+
+def _traced(mode: str = "train") -> OpGraph:
+    trace_mod = pytest.importorskip("crosscut.partitioner.trace")
+    graph: OpGraph = trace_mod.trace(_Tiny(), torch.randn(4, 3, 16, 16), mode=mode)
+    return graph
+
+
+def test_memory_model_matches_mem_tracker() -> None:
+    mt = pytest.importorskip("torch.distributed._tools.mem_tracker")
+    model, x = _Tiny().train(), torch.randn(32, 3, 16, 16)
+    trace_mod = pytest.importorskip("crosscut.partitioner.trace")
+    graph = trace_mod.trace(model, x, mode="train")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = mt.MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        for step in range(2):
+            opt.zero_grad(set_to_none=True)
+            batch = x.clone()
+            model(batch).sum().backward()
+            opt.step()
+            del batch
+            if step == 0:
+                tracker.reset_mod_stats()
+    measured = sum(int(v["Total"]) for v in tracker.get_tracker_snapshot("peak").values())
+    predicted = peak_memory(graph, grads_resident=False) + x.numel() * 4
+    assert predicted == pytest.approx(measured, rel=0.15)
+
+
+def test_profiled_costs_cache_and_corrupt_file(tmp_path: Path) -> None:
+    g = _traced()
+    t1 = profile_costs(g, "cpu", repeats=2, warmup=1, cache_dir=tmp_path)
+    assert t1.source == "profiled" and t1.meta["cache_hit"] is False
+    assert t1.fwd_s("conv", "cpu") > 0 and t1.bwd_s("conv", "cpu") > 0
+    assert t1.bwd_s("fc", "cpu") > 0
+    assert t1.fwd_s("x", "cpu") == 0.0
+    assert t1.resident_bytes("conv") == 2 * g.node("conv").param_bytes + g.node("conv").buffer_bytes
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1
+    t2 = profile_costs(g, "cpu", repeats=2, warmup=1, cache_dir=tmp_path)
+    assert t2.meta["cache_hit"] is True
+    assert t2.fwd_s("conv", "cpu") == t1.fwd_s("conv", "cpu")
+    files[0].write_text("{ this is not json")
+    with pytest.warns(RuntimeWarning, match="ignoring unreadable cost cache"):
+        t3 = profile_costs(g, "cpu", repeats=2, warmup=1, cache_dir=tmp_path)
+    assert t3.meta["cache_hit"] is False and t3.fwd_s("conv", "cpu") > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert profile_costs(g, "cpu", cache_dir=tmp_path).meta["cache_hit"] is True
+
+
+def test_profiled_costs_infer_and_errors(tmp_path: Path) -> None:
+    g = _traced("infer")
+    t = profile_costs(g, "cpu", repeats=1, warmup=0, cache_dir=None, kind="cpu-test")
+    assert t.kinds == ["cpu-test"]
+    assert all(t.bwd_s(n.name, "cpu-test") == 0.0 for n in g.nodes)
+    bare = _chain()
+    with pytest.raises(CostModelError, match="GraphModule"):
+        profile_costs(bare, "cpu", cache_dir=tmp_path)

@@ -1,0 +1,207 @@
+"""``CompiledModule``: the split model behind the original ``nn.Module`` surface.
+
+It looks like the model it came from — ``forward``, ``parameters()``,
+``train()/eval()``, and a ``state_dict()`` with exactly the original keys — so
+training loops, optimizers and checkpoints do not change. Placement is fixed
+by the plan: ``.to()``, ``.cuda()`` and ``.cpu()`` are refused (recompile
+for another placement).
+
+Batch norm over micro-batches (``bn_mode``):
+
+* ``"micro"`` (default): each micro-batch is normalised with its own
+  statistics — the same as training with batch size ``B/M`` — and running
+  statistics are updated ``M`` times per step. Eval mode is unaffected (it
+  uses running statistics), so inference is exact for any ``M``.
+* ``"exact"``: batch statistics must equal single-device training. That holds
+  trivially with one micro-batch; with ``M > 1`` a training-mode forward of a
+  model that contains batch norm raises :class:`~crosscut.errors.RuntimeError_`
+  rather than silently computing something else (a two-pass statistics
+  exchange is not implemented). Eval-mode calls are allowed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from crosscut.codegen.source import program_source
+from crosscut.codegen.split import StagedProgram, build_stages
+from crosscut.errors import InputError, RuntimeError_
+from crosscut.runtime.local import LocalExecutor
+
+__all__ = ["BN_MODES", "CompiledModule"]
+
+BN_MODES = ("micro", "exact")
+
+
+class CompiledModule(nn.Module):
+    """A model split into stages on devices, run by a pipelined local executor."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        gm: fx.GraphModule,
+        stage_of: Mapping[str, int],
+        stage_devices: Sequence[torch.device | str],
+        schedule: str = "gpipe",
+        microbatches: int = 1,
+        plan: Any = None,
+        *,
+        bn_mode: str = "micro",
+        example_inputs: Sequence[Any] | None = None,
+        timeout: float = 600.0,
+    ) -> None:
+        super().__init__()
+        if bn_mode not in BN_MODES:
+            raise InputError(
+                "bn_mode must be known", value=bn_mode, remedy=f"use one of {BN_MODES}"
+            )
+        self.plan = plan
+        self.bn_mode = bn_mode
+        program = build_stages(gm, stage_of, stage_devices, example_inputs=example_inputs)
+        self._program = program
+        self.stages = nn.ModuleList([s.module for s in program.stages])
+        self._executor = LocalExecutor(program, schedule, microbatches, timeout=timeout)
+        original = model.state_dict(keep_vars=True)
+        self._keys = list(original)
+        # tensors the traced graph never reads (unused submodules): kept on CPU so
+        # state_dict()/load_state_dict() still round-trip every original key
+        self._orphans: dict[str, torch.Tensor] = {
+            k: v.detach().to("cpu", copy=True)
+            for k, v in original.items()
+            if k not in program.key_sources
+        }
+        self._has_bn = any(
+            isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.stages.modules()
+        )
+        self.train(model.training)
+
+    # ---- introspection ------------------------------------------------------------
+    @property
+    def program(self) -> StagedProgram:
+        """The staged program (stages, transfers, key map) this module runs."""
+        return self._program
+
+    @property
+    def microbatches(self) -> int:
+        return self._executor.microbatches
+
+    @property
+    def code(self) -> str:
+        """Readable Python source of every stage with device/input/output headers."""
+        return program_source(self._program)
+
+    # ---- execution ----------------------------------------------------------------
+    def _check_bn(self) -> None:
+        if self.bn_mode == "exact" and self.training and self._has_bn and self.microbatches > 1:
+            raise RuntimeError_(
+                "bn_mode='exact' cannot match single-device batch statistics with "
+                f"{self.microbatches} micro-batches in training mode",
+                value={"microbatches": self.microbatches},
+                remedy="compile with microbatches=1, use bn_mode='micro', or call eval()",
+            )
+
+    def forward(self, *args: Any) -> Any:
+        """Same inputs and outputs as the original model (outputs on the last device)."""
+        self._check_bn()
+        return self._executor.forward(args)
+
+    def train_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+    ) -> torch.Tensor:
+        """One pipelined forward+backward by the compiled schedule; returns the mean loss.
+
+        ``inputs`` is one tensor or a tuple of the model's inputs. Gradients
+        accumulate into ``.grad``; step the optimizer afterwards.
+        """
+        self._check_bn()
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        return self._executor.train_step(args, targets, loss_fn)
+
+    # ---- state --------------------------------------------------------------------
+    def _source(self, key: str) -> torch.Tensor:
+        if key in self._orphans:
+            return self._orphans[key]
+        s, local = self._program.key_sources[key]
+        t = (
+            self.stages[s].get_parameter(local)
+            if self._is_param(s, local)
+            else (self.stages[s].get_buffer(local))
+        )
+        return t
+
+    def _is_param(self, s: int, local: str) -> bool:
+        mod_path, _, leaf = local.rpartition(".")
+        mod = self.stages[s].get_submodule(mod_path) if mod_path else self.stages[s]
+        return leaf in mod._parameters
+
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """Exactly the original model's keys, in its order, values copied to CPU."""
+        out: dict[str, Any] = OrderedDict() if destination is None else destination
+        for key in self._keys:
+            t = self._source(key)
+            out[prefix + key] = t if keep_vars else t.detach().to("cpu", copy=True)
+        return out
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Scatter an original-model checkpoint onto the stages (strict by default)."""
+        missing = [k for k in self._keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in set(self._keys)]
+        if strict and (missing or unexpected):
+            raise InputError(
+                "load_state_dict needs exactly the original model's keys",
+                value={"missing": missing[:10], "unexpected": unexpected[:10]},
+                remedy="load a state_dict of the original model, or pass strict=False",
+            )
+        with torch.no_grad():
+            for key in self._keys:
+                if key not in state_dict:
+                    continue
+                dst, src = self._source(key), state_dict[key]
+                if dst.shape != src.shape:
+                    raise InputError(
+                        f"shape of {key!r} does not match the model",
+                        value={"expected": tuple(dst.shape), "got": tuple(src.shape)},
+                        remedy="load a checkpoint of the same architecture",
+                    )
+                dst.copy_(src.to(dst.device))
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    # ---- placement is the plan's business -------------------------------------------
+    def _refuse(self, what: str) -> RuntimeError_:
+        return RuntimeError_(
+            f"CompiledModule.{what}() is refused: placement comes from the plan "
+            "(one device per stage)",
+            value=[str(s.device) for s in self._program.stages],
+            remedy="recompile with the devices you want (crosscut.compile(model, devices))",
+        )
+
+    def to(self, *args: Any, **kwargs: Any) -> CompiledModule:  # type: ignore[override]
+        raise self._refuse("to")
+
+    def cuda(self, device: Any = None) -> CompiledModule:
+        raise self._refuse("cuda")
+
+    def cpu(self) -> CompiledModule:
+        raise self._refuse("cpu")
+
+    def named_stage_parameters(self) -> Iterator[tuple[int, str, nn.Parameter]]:
+        """(stage, local name, parameter) for every stage parameter."""
+        for s, mod in enumerate(self.stages):
+            for name, p in mod.named_parameters():
+                yield s, name, p
+
+    def close(self) -> None:
+        """Stop the worker threads."""
+        self._executor.close()

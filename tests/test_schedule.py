@@ -1,0 +1,93 @@
+"""Schedules as data: text round-trips, rule checks, deadlock detection, in-flight counts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from crosscut.schedule import (
+    Action,
+    ScheduleError,
+    format_schedule,
+    gpipe,
+    inference,
+    make_schedule,
+    max_inflight,
+    one_f_one_b,
+    parse_schedule,
+    simulate,
+    validate_schedule,
+)
+
+sizes = st.tuples(st.integers(1, 6), st.integers(1, 9))
+
+
+def test_action_text_round_trips() -> None:
+    a = Action(2, "F", 0)
+    assert str(a) == "2F0"
+    assert Action.parse("2F0") == a
+    assert Action.parse("11B13") == Action(11, "B", 13)
+    with pytest.raises(ScheduleError, match=re.escape("<stage><F|B><microbatch>")):
+        Action.parse("2X0")
+
+
+@given(sizes, st.sampled_from(["gpipe", "1f1b", "inference"]))
+def test_builders_are_valid_and_round_trip(sm: tuple[int, int], name: str) -> None:
+    s, m = sm
+    sched = make_schedule(name, s, m)
+    validate_schedule(sched, s, m, training=name != "inference")
+    assert parse_schedule(format_schedule(sched)) == sched
+
+
+def test_text_form_of_a_schedule() -> None:
+    assert format_schedule(gpipe(2, 2)) == "0: 0F0 0F1 0B0 0B1\n1: 1F0 1F1 1B0 1B1"
+    assert format_schedule(one_f_one_b(2, 3)).splitlines()[1] == "1: 1F0 1B0 1F1 1B1 1F2 1B2"
+    with pytest.raises(ScheduleError, match="starts with its stage number"):
+        parse_schedule("1: 1F0")
+
+
+@given(sizes)
+def test_inflight_counts(sm: tuple[int, int]) -> None:
+    s, m = sm
+    for k in range(s):
+        assert max_inflight(gpipe(s, m), k) == m
+        assert max_inflight(one_f_one_b(s, m), k) == min(m, s - k)
+        assert max_inflight(inference(s, m), k) == m
+
+
+def test_deadlock_is_detected_and_named() -> None:
+    # stage 0 wants B0 before F1, but stage 1 holds B0 until after its F1: cycle
+    bad = parse_schedule("0: 0F0 0B0 0F1 0B1\n1: 1F0 1F1 1B0 1B1")
+    with pytest.raises(ScheduleError, match=r"deadlocks: action 0B0 waits for \['1B0'\]"):
+        validate_schedule(bad, 2, 2, training=True)
+
+
+def test_rule_violations_name_the_action() -> None:
+    with pytest.raises(ScheduleError, match="0B1 runs before its forward"):
+        validate_schedule(parse_schedule("0: 0F0 0B1 0F1 0B0"), 1, 2, training=True)
+    with pytest.raises(ScheduleError, match="0F0 appears more than once"):
+        validate_schedule(parse_schedule("0: 0F0 0F0"), 1, 1, training=False)
+    with pytest.raises(ScheduleError, match="1F1 is missing"):
+        validate_schedule(parse_schedule("0: 0F0 0F1\n1: 1F0"), 2, 2, training=False)
+    with pytest.raises(ScheduleError, match="not part of this run"):
+        validate_schedule(gpipe(2, 2), 2, 2, training=False)
+    with pytest.raises(ScheduleError, match="is on the row of stage 0"):
+        validate_schedule(parse_schedule("0: 1F0\n1: 0F0"), 2, 1, training=False)
+
+
+def test_simulated_makespan_matches_pipeline_formula() -> None:
+    # forward-only pipeline with unit stages: S + M - 1 steps
+    times = simulate(inference(4, 8), 4)
+    assert max(end for _, end in times.values()) == 4 + 8 - 1
+    # 1F1B and GPipe have the same bubble with uniform costs
+    g = max(e for _, e in simulate(gpipe(3, 4), 3).values())
+    o = max(e for _, e in simulate(one_f_one_b(3, 4), 3).values())
+    assert g == o == (3 - 1) * 3 + 4 * 3
+
+
+def test_unknown_schedule_name() -> None:
+    with pytest.raises(ScheduleError, match="schedule name must be known"):
+        make_schedule("zb", 2, 2)

@@ -261,13 +261,16 @@ def compile(
     optimizer: str = "sgd",
     cost: str = "analytic",
     seed: int = 0,
+    require_all_devices: bool = False,
     progress: Callable[[float, float, float], None] | None = None,
 ) -> Any:
     """Partition ``model`` over ``devices`` and return a CompiledModule that trains.
 
     With ``plan=`` the saved plan is replayed after checking that it was made
     for this model (fingerprint) and that enough devices are given; its stages
-    run on the given devices in order.
+    run on the given devices in order. ``require_all_devices`` makes the solver
+    use every device even where fewer stages would be faster (useful for tests
+    and for models that must be spread for memory).
     """
     from crosscut.cost_models import Cluster
     from crosscut.runtime import CompiledModule

@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from crosscut.coarsen import coarsen
 from crosscut.graph import OpGraph
 from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.build import CostLookup, plan_nodes, problem_from_parts
@@ -99,6 +98,8 @@ def partition_graph(
     fine = plan_nodes(graph, costs, [d.kind for d in pc.devices])
     by_name = {n.name: n for n in fine}
     if use_coarsening:
+        from crosscut.coarsen import coarsen
+
         coarse_graph, members = coarsen(graph)
     else:
         coarse_graph, members = graph, {n.name: [n.name] for n in graph.nodes}

@@ -177,8 +177,36 @@ class Plan:
         return len(self.stages)
 
     def stage_nodes(self, stage: int) -> list[str]:
-        """Names of the nodes in ``stage``, in topological order."""
-        return [n.name for n in self.nodes if self.assignment.get(n.name) == stage]
+        """Names of the nodes in ``stage``, in topological order (see :meth:`placement`)."""
+        placed = self.placement()
+        return [n.name for n in self.nodes if placed[n.name] == stage]
+
+    def placed_stage(self, name: str) -> int:
+        """The stage one node belongs to for display and counting (see :meth:`placement`)."""
+        return self.placement()[name]
+
+    def placement(self) -> dict[str, int]:
+        """Every node's stage, the unassigned ones included, in one O(nodes + edges) pass.
+
+        Placeholders are not assigned (the runtime hands inputs to every stage
+        that reads them), so they show with their first reader; the output
+        shows with its last producer.
+        """
+        placed = dict(self.assignment)
+        first_reader: dict[str, int] = {}
+        for n in self.nodes:
+            if n.name in self.assignment:
+                for src in n.inputs:
+                    k = self.assignment[n.name]
+                    first_reader[src] = min(k, first_reader.get(src, k))
+        for n in self.nodes:
+            if n.name in placed:
+                continue
+            if n.op == "output":
+                placed[n.name] = max((placed.get(i, 0) for i in n.inputs), default=0)
+            else:
+                placed[n.name] = first_reader.get(n.name, 0)
+        return placed
 
     def device_of(self, node: str) -> list[str]:
         return self.stages[self.assignment[node]].devices

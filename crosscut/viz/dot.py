@@ -244,7 +244,7 @@ def plan_to_dot(plan: Plan, *, coarse: bool | None = None, max_nodes: int = 400)
     coarse = groups is not None
     if groups is None:
         groups = [
-            NodeGroup(f"n{i}", plan.assignment[n.name], n.name, [n.name])
+            NodeGroup(f"n{i}", plan.placed_stage(n.name), n.name, [n.name])
             for i, n in enumerate(plan.nodes)
         ]
     box_of = {m: g for g in groups for m in g.members}

@@ -158,7 +158,7 @@ def verify_plan(
     return VerifyReport(
         ok=ok,
         max_output_diff=out_diff,
-        loss_diff=abs(float(loss) - ref_loss),
+        loss_diff=abs(float(loss.detach()) - ref_loss),
         max_state_diff=worst,
         worst_key=worst_key,
         checked_keys=len(ref_state),

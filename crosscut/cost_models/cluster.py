@@ -272,7 +272,7 @@ class Cluster:
 
     @classmethod
     def from_any(cls, x: ClusterLike) -> Cluster:
-        """Dispatch: Cluster, int, list of devices, JSON path, or spec string."""
+        """Dispatch: Cluster, int, list of devices, "a,b" device string, JSON path, spec string."""
         if isinstance(x, Cluster):
             x.validate()
             return x
@@ -287,7 +287,8 @@ class Cluster:
         if isinstance(x, str):
             if _SPEC_RE.match(x):
                 return cls.from_spec(x)
-            return cls.from_devices([x])
+            # "cuda:0,cuda:1" / "cpu,cpu": the CLI's device-list form
+            return cls.from_devices([d.strip() for d in x.split(",") if d.strip()] or [x])
         raise DeviceError(
             "a cluster is a Cluster, an int, a device list, a JSON path or a spec string",
             value=type(x).__name__,

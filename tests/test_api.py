@@ -1,0 +1,178 @@
+"""The public API end to end: compile, partition, plan replay, and bad input."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import crosscut
+from crosscut.cost_models import Cluster
+from crosscut.cost_models.devices import preset
+from crosscut.errors import DeviceError, InfeasiblePlanError, InputError, PlanError
+from crosscut.verify import verify_plan
+
+X = torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+CAP = 1_300_000_000
+
+
+@pytest.fixture(scope="module")
+def resnet18() -> nn.Module:
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(weights=None)
+
+
+@pytest.fixture(scope="module")
+def plan_2dev(resnet18: nn.Module) -> crosscut.Plan:
+    return crosscut.partition(
+        resnet18, ["cpu", "cpu"], X, microbatches=2, require_all_devices=True, time_limit=5
+    )
+
+
+def test_compile_trains_like_eager(resnet18: nn.Module) -> None:
+    eager = copy.deepcopy(resnet18)
+    compiled = crosscut.compile(copy.deepcopy(resnet18), ["cpu"] * 2, X, require_all_devices=True)
+    assert compiled.plan.num_stages == 2
+    # state_dict equals the original bit for bit right after compile
+    sd, ref = compiled.state_dict(), eager.state_dict()
+    assert list(sd) == list(ref)
+    assert all(torch.equal(sd[k], ref[k]) for k in ref)
+    y = torch.randint(0, 1000, (8,))
+    for m in (eager, compiled):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        loss = nn.functional.cross_entropy(m(X), y)
+        loss.backward()
+        opt.step()
+    sd, ref = compiled.state_dict(), eager.state_dict()
+    assert all(torch.equal(sd[k], ref[k]) for k in ref)  # one micro-batch: bit-exact
+
+
+def test_replay_saved_plan(resnet18: nn.Module, plan_2dev: crosscut.Plan, tmp_path: Path) -> None:
+    path = plan_2dev.save(tmp_path / "plan.json")
+    compiled = crosscut.compile(copy.deepcopy(resnet18), ["cpu", "cpu"], X, plan=path)
+    assert compiled.plan.assignment == plan_2dev.assignment
+    report = verify_plan(resnet18, X, path)
+    assert report.ok, report.text()
+    assert report.checked_keys == len(resnet18.state_dict())
+
+
+def test_plan_for_another_model_is_refused(plan_2dev: crosscut.Plan) -> None:
+    other = torchvision.models.resnet34(weights=None)
+    with pytest.raises(PlanError, match="fingerprint"):
+        crosscut.compile(other, ["cpu", "cpu"], X, plan=plan_2dev)
+
+
+def test_plan_for_other_devices_is_refused(resnet18: nn.Module, plan_2dev: crosscut.Plan) -> None:
+    with pytest.raises(PlanError, match="made for 2 devices but 3 were given"):
+        crosscut.compile(copy.deepcopy(resnet18), ["cpu"] * 3, X, plan=plan_2dev)
+
+
+def test_plan_for_another_batch_is_refused(resnet18: nn.Module, plan_2dev: crosscut.Plan) -> None:
+    with pytest.raises(PlanError, match="fingerprint"):
+        crosscut.compile(copy.deepcopy(resnet18), ["cpu", "cpu"], X[:4], plan=plan_2dev)
+
+
+def test_same_inputs_same_plan_json(resnet18: nn.Module) -> None:
+    a = crosscut.partition(resnet18, "4xV100", X, microbatches=2, time_limit=5)
+    b = crosscut.partition(resnet18, "4xV100", X, microbatches=2, time_limit=5)
+    for p in (a, b):
+        p.solver.wall_time_s = 0.0  # the only measured (non-deterministic) number
+    assert a.to_json() == b.to_json()
+
+
+def test_plan_fits_memory_one_device_cannot_hold() -> None:
+    """vgg11's training state (~1.6 GB with momentum) on 1.3 GB devices: spread to fit.
+
+    (Its first classifier layer alone needs 1.23 GB, so smaller caps need cross-shaped splits.)
+    """
+    torch.manual_seed(0)
+    model = torchvision.models.vgg11(weights=None)
+    small = [dataclasses.replace(preset("V100"), name=f"gpu{i}", mem_cap=CAP) for i in range(4)]
+    cluster = Cluster.from_specs(small, "nvlink")
+    plan = crosscut.partition(
+        model, cluster, torch.randn(2, 3, 64, 64), optimizer="momentum", time_limit=5
+    )
+    total = sum(n.resident_bytes for n in plan.nodes)
+    assert total > CAP  # one device cannot hold it
+    assert plan.num_stages >= 2
+    for dev, peak in plan.predicted.device_peak_bytes.items():
+        assert peak <= CAP, dev
+    plan.validate()
+
+
+def test_infeasible_memory_names_the_numbers() -> None:
+    model = torchvision.models.vgg11(weights=None)
+    tiny = [
+        dataclasses.replace(preset("V100"), name=f"gpu{i}", mem_cap=50_000_000) for i in range(2)
+    ]
+    with pytest.raises(InfeasiblePlanError) as info:
+        crosscut.partition(model, Cluster.from_specs(tiny, "nvlink"), torch.randn(2, 3, 64, 64))
+    msg = str(info.value)
+    assert "50" in msg and "remedy" in msg
+
+
+def test_latency_objective_on_branches() -> None:
+    """googlenet at batch 1 on 2 devices: the makespan is at most the one-device time."""
+    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False)
+    x = torch.randn(1, 3, 224, 224)
+    one = crosscut.partition(model, "1xV100", x, mode="infer", objective="latency", time_limit=5)
+    two = crosscut.partition(model, "2xV100", x, mode="infer", objective="latency", time_limit=5)
+    assert two.predicted.makespan_s <= one.predicted.makespan_s * (1 + 1e-6)
+    if two.num_stages == 1:
+        assert any("does not pay" in n for n in two.solver.notes)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"microbatches": 3}, InputError, "microbatches must divide the batch"),
+        ({"microbatches": 0}, InputError, "positive integer"),
+        ({"time_limit": 0}, InputError, "time_limit must be a positive"),
+        ({"time_limit": -1.0}, InputError, "time_limit must be a positive"),
+        ({"objective": "fast"}, InputError, "objective must be one of"),
+        ({"schedule": "zigzag"}, InputError, "schedule must be one of"),
+        ({"mode": "eval"}, InputError, "mode must be one of"),
+    ],
+)
+def test_bad_options(
+    resnet18: nn.Module, kwargs: dict[str, object], error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        crosscut.compile(copy.deepcopy(resnet18), ["cpu", "cpu"], X, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("devices", "match"),
+    [
+        ([], "empty|at least one"),
+        ("4xFoo", "preset|known"),
+        (["tpu:0"], "tpu"),
+        (["cuda:7"], "cuda"),
+    ],
+)
+def test_bad_devices(resnet18: nn.Module, devices: object, match: str) -> None:
+    with pytest.raises(DeviceError, match=match):
+        crosscut.compile(copy.deepcopy(resnet18), devices, X)
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(InputError, match=r"nn\.Module"):
+        crosscut.compile(torchvision.models.resnet18, ["cpu"], X)  # type: ignore[arg-type]
+
+
+def test_bad_example_inputs(resnet18: nn.Module) -> None:
+    with pytest.raises(InputError, match="Tensor"):
+        crosscut.compile(copy.deepcopy(resnet18), ["cpu"], [[1, 2, 3]])
+    with pytest.raises(InputError):  # one channel into a 3-channel conv
+        crosscut.compile(copy.deepcopy(resnet18), ["cpu"], torch.randn(2, 1, 64, 64))
+
+
+def test_compiled_module_refuses_to_move(resnet18: nn.Module) -> None:
+    compiled = crosscut.compile(copy.deepcopy(resnet18), ["cpu"], X)
+    with pytest.raises(crosscut.CrosscutError, match="plan"):
+        compiled.to("cpu")

@@ -1,0 +1,61 @@
+"""Every example runs, at a tiny size, and says what it promises."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from examples import (
+    digits_lenet,
+    inception_latency,
+    mariana_alexnet,
+    plan_roundtrip,
+    resnet50_pipeline,
+)
+
+
+def test_digits_lenet_same_accuracy_on_two_devices() -> None:
+    single, split = digits_lenet.run(epochs=2, batch=32, devices=2)
+    assert single > 50.0  # it learned something (10 classes: chance is 10%)
+    assert abs(single - split) <= 0.5
+
+
+def test_resnet_pipeline_trains() -> None:
+    loss = resnet50_pipeline.main(
+        [
+            "--model",
+            "resnet18",
+            "--batch",
+            "4",
+            "--size",
+            "32",
+            "--microbatches",
+            "2",
+            "--steps",
+            "2",
+        ]
+    )
+    assert 0.0 < loss < 20.0
+
+
+def test_mariana_alexnet_plan_checks_out() -> None:
+    assert mariana_alexnet.main(["--batch", "16", "--check-batch", "4"])
+
+
+def test_inception_latency_never_worse_than_one_device() -> None:
+    one, many = inception_latency.main(["--size", "75"])
+    assert many <= one * (1 + 1e-6)
+
+
+def test_plan_roundtrip(tmp_path: Path) -> None:
+    path = plan_roundtrip.main(["--out", str(tmp_path), "--size", "32"])
+    assert path.exists() and (tmp_path / "plan.html").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "module", [digits_lenet, inception_latency, mariana_alexnet, plan_roundtrip, resnet50_pipeline]
+)
+def test_examples_document_themselves(module: object) -> None:
+    doc = getattr(module, "__doc__", "") or ""
+    assert "python examples/" in doc

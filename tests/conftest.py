@@ -1,0 +1,75 @@
+# mypy: disable-error-code="no-any-return"
+"""Shared fixtures: torchvision models built on the meta device (no weights, no init cost)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+__all__ = ["SEGMENTATION", "build_meta", "classification_names", "input_size"]
+
+SEGMENTATION = (
+    "fcn_resnet50",
+    "deeplabv3_resnet50",
+    "deeplabv3_mobilenet_v3_large",
+    "lraspp_mobilenet_v3_large",
+)
+
+
+def classification_names() -> list[str]:
+    """Every classification model torchvision ships (the test matrix)."""
+    from torchvision import models
+
+    return list(models.list_models(module=models))
+
+
+def input_size(name: str) -> int:
+    """The smallest square input each family accepts (ViT/MaxViT fix 224, Inception 75+)."""
+    if name.startswith(("vit_", "maxvit")):
+        return 224
+    if name == "inception_v3":
+        return 75
+    return 64
+
+
+@contextmanager
+def _regnet_on_cpu() -> Iterator[None]:
+    """RegNet computes its block widths with ``tensor.tolist()``, which meta tensors refuse."""
+    from torchvision.models import regnet
+
+    original = regnet.BlockParams.from_init_params
+
+    def on_cpu(*args: Any, **kwargs: Any) -> Any:
+        with torch.device("cpu"):
+            return original(*args, **kwargs)
+
+    regnet.BlockParams.from_init_params = on_cpu  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        regnet.BlockParams.from_init_params = original  # type: ignore[method-assign]
+
+
+def build_meta(name: str, **kwargs: Any) -> nn.Module:
+    """Build a torchvision model with parameters on the meta device (weights=None)."""
+    from torchvision import models
+
+    if name in ("googlenet", "inception_v3"):
+        kwargs = {"aux_logits": False, "init_weights": False, **kwargs}
+    if name in SEGMENTATION:
+        kwargs = {"weights_backbone": None, **kwargs}
+    with torch.device("meta"), _regnet_on_cpu():
+        return models.get_model(name, weights=None, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def resnet50_graph() -> Any:
+    """resnet50 traced once at batch 1, 3x224x224, shared by the graph and trace tests."""
+    from crosscut.partitioner import trace
+
+    return trace(build_meta("resnet50"), torch.empty(1, 3, 224, 224, device="meta"))

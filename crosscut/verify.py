@@ -88,7 +88,7 @@ def _eager_step(model: nn.Module, x: torch.Tensor, micro: int, train: bool) -> t
     if train:
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         opt.zero_grad()
-        loss.backward()
+        torch.autograd.backward(loss)
         opt.step()
     return out, float(loss.detach())
 
@@ -132,7 +132,7 @@ def verify_plan(
         if train:
             opt = torch.optim.SGD(compiled.parameters(), lr=1.0)
             opt.zero_grad()
-            loss.backward()
+            torch.autograd.backward(loss)
             opt.step()
     out_diff = max(
         (
@@ -200,7 +200,7 @@ def bench_plan(
     def step(m: nn.Module) -> float:
         t0 = time.perf_counter()
         loss = loss_of(m(x))
-        loss.backward()
+        torch.autograd.backward(loss)
         return time.perf_counter() - t0
 
     step(eager)

@@ -305,6 +305,7 @@ def compile(
             optimizer=optimizer,
             cost=cost,
             seed=seed,
+            require_all_devices=require_all_devices,
             progress=progress,
         )
         the_plan.model.input_shapes = [list(t.shape) for t in _as_tuple(example_inputs)]

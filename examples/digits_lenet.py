@@ -80,8 +80,8 @@ def train(model: nn.Module, data: tuple[torch.Tensor, ...], epochs: int, batch: 
     return 100.0 * correct / total
 
 
-def run(epochs: int = 5, batch: int = 32, devices: int = 2) -> tuple[float, float]:
-    """Test accuracy of (single device, crosscut on ``devices`` CPU devices)."""
+def run(epochs: int = 5, batch: int = 32, devices: int = 2) -> tuple[float, float, int]:
+    """Test accuracy of (single device, crosscut on ``devices`` CPU devices), and the stages."""
     torch.manual_seed(0)
     data = load_digits()
     base = LeNet()
@@ -96,7 +96,7 @@ def run(epochs: int = 5, batch: int = 32, devices: int = 2) -> tuple[float, floa
     )
     acc_single = train(single, data, epochs, batch)
     acc_split = train(compiled, data, epochs, batch)
-    return acc_single, acc_split
+    return acc_single, acc_split, compiled.plan.num_stages
 
 
 def main() -> None:
@@ -105,8 +105,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
-    single, split = run(args.epochs, args.batch, args.devices)
-    print(f"test accuracy: single device {single:.2f}%, crosscut {split:.2f}%")
+    single, split, stages = run(args.epochs, args.batch, args.devices)
+    print(f"test accuracy: single device {single:.2f}%, crosscut ({stages} stages) {split:.2f}%")
     print(f"difference: {abs(single - split):.2f} points (target: within 0.5)")
 
 

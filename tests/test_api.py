@@ -61,6 +61,15 @@ def test_replay_saved_plan(resnet18: nn.Module, plan_2dev: crosscut.Plan, tmp_pa
     assert report.checked_keys == len(resnet18.state_dict())
 
 
+def test_require_all_devices_is_honoured_or_refused() -> None:
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(4, 4)
+    spread = crosscut.compile(copy.deepcopy(net), ["cpu"] * 2, x, require_all_devices=True)
+    assert spread.plan.num_stages == 2
+    with pytest.raises(crosscut.PartitionError, match="at least one node per device"):
+        crosscut.compile(nn.Sequential(nn.Linear(4, 4)), ["cpu"] * 3, x, require_all_devices=True)
+
+
 def test_plan_for_another_model_is_refused(plan_2dev: crosscut.Plan) -> None:
     other = torchvision.models.resnet34(weights=None)
     with pytest.raises(PlanError, match="fingerprint"):

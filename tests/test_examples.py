@@ -16,7 +16,8 @@ from examples import (
 
 
 def test_digits_lenet_same_accuracy_on_two_devices() -> None:
-    single, split = digits_lenet.run(epochs=2, batch=32, devices=2)
+    single, split, stages = digits_lenet.run(epochs=2, batch=32, devices=2)
+    assert stages == 2  # really split across the two devices
     assert single > 50.0  # it learned something (10 classes: chance is 10%)
     assert abs(single - split) <= 0.5
 

@@ -9,17 +9,17 @@ all three; ``crosscut.api`` translates anything else at the boundary.
 from __future__ import annotations
 
 __all__ = [
-    "CrosscutError",
-    "InputError",
-    "TraceError",
-    "DeviceError",
-    "CostModelError",
-    "PartitionError",
-    "InfeasiblePlanError",
-    "PlanError",
     "CodegenError",
-    "RuntimeError_",
+    "CostModelError",
+    "CrosscutError",
+    "DeviceError",
     "DistributedError",
+    "InfeasiblePlanError",
+    "InputError",
+    "PartitionError",
+    "PlanError",
+    "RuntimeError_",
+    "TraceError",
 ]
 
 

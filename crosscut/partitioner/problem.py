@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["PartitionProblem", "OBJECTIVES", "SCHEDULES"]
+__all__ = ["OBJECTIVES", "SCHEDULES", "PartitionProblem"]
 
 OBJECTIVES = ("throughput", "latency")
 SCHEDULES = ("gpipe", "1f1b")

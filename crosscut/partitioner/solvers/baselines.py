@@ -55,8 +55,9 @@ def device_order(problem: PartitionProblem) -> list[int]:
     sizes = sorted(b for b in problem.out_bytes if b > 0) or [0]
     ref = sizes[len(sizes) // 2]
 
-    def link(a: int, b: int) -> float:
-        return problem.latency[a][b] + ref / problem.bandwidth[a][b]
+    def link(a: int, b: int) -> int:
+        # integer picoseconds: exact sums, so equal paths tie exactly and keep natural order
+        return round(1e12 * (problem.latency[a][b] + ref / problem.bandwidth[a][b]))
 
     if num <= 2:
         return list(range(num))
@@ -70,7 +71,7 @@ def device_order(problem: PartitionProblem) -> list[int]:
     inf = float("inf")
     best: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {}
     for d in range(num):
-        best[(1 << d, d)] = (0.0, (d,))
+        best[(1 << d, d)] = (0, (d,))
     for mask in range(1, 1 << num):
         for last in range(num):
             cur = best.get((mask, last))
@@ -82,7 +83,7 @@ def device_order(problem: PartitionProblem) -> list[int]:
                 cand = (cur[0] + link(last, d), (*cur[1], d))
                 key = (mask | 1 << d, d)
                 old = best.get(key, (inf, ()))
-                if (cand[0], cand[1]) < (old[0] - 1e-15, old[1]):
+                if cand < old:
                     best[key] = cand
     full = (1 << num) - 1
     return list(min((best[(full, d)] for d in range(num)), key=lambda c: (c[0], c[1]))[1])

@@ -1,0 +1,221 @@
+"""Public entry points for multi-process runs: ``init``, ``compile_distributed``, checkpoints.
+
+A user script launched by ``crosscut run --plan plan.json script.py`` (or
+torchrun) calls :func:`init` once, then :func:`compile_distributed` with the
+model, a global example batch and the plan, and trains with
+``pipeline.train_step(x, y, loss_fn)`` on every rank. ``crosscut run`` puts
+the plan path in ``CROSSCUT_PLAN`` and the replica count in
+``CROSSCUT_REPLICAS``; :func:`compile_distributed` reads them when its own
+arguments are not given.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from crosscut.errors import DistributedError, InputError
+from crosscut.partitioner.plan import Plan
+from crosscut.runtime.checkpoint import assemble_checkpoint
+from crosscut.runtime.distributed import DistributedPipeline, plan_hash
+
+__all__ = [
+    "DistContext",
+    "DistributedPipeline",
+    "assemble_checkpoint",
+    "compile_distributed",
+    "init",
+    "plan_hash",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """What :func:`init` found: this process's place in the job and its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+
+def _env_int(name: str) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        raise DistributedError(
+            f"environment variable {name} is not set: this process was not started by a "
+            "distributed launcher",
+            remedy="launch with `crosscut run --plan plan.json script.py` or torchrun "
+            "(or set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT yourself)",
+        )
+    try:
+        return int(raw)
+    except ValueError:
+        raise DistributedError(f"{name} must be an integer", value=raw) from None
+
+
+def init(
+    *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None
+) -> DistContext:
+    """Join the job described by torchrun's environment variables (idempotent).
+
+    Backend: ``nccl`` when CUDA is available (and ``device`` is not ``"cpu"``),
+    else ``gloo``; the device is ``cuda:LOCAL_RANK`` or ``cpu``. On a loopback
+    rendezvous gloo is pinned to the loopback interface so that hosts whose
+    name resolves to an unreachable address still work.
+    """
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    want_cuda = torch.cuda.is_available() and device != "cpu"
+    chosen = backend or ("nccl" if want_cuda else "gloo")
+    dev = (
+        torch.device(device)
+        if device
+        else (torch.device("cuda", local) if chosen == "nccl" else torch.device("cpu"))
+    )
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if os.environ.get("MASTER_ADDR", "") in _LOOPBACK:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group(
+                chosen, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+            )
+        except (RuntimeError, ValueError) as exc:
+            raise DistributedError(
+                f"rank {rank} could not join the process group ({chosen}): "
+                f"{str(exc).splitlines()[0][:300]}",
+                value={
+                    "MASTER_ADDR": os.environ.get("MASTER_ADDR"),
+                    "MASTER_PORT": os.environ.get("MASTER_PORT"),
+                    "world_size": world,
+                },
+                remedy="check that every rank started and the rendezvous address is reachable",
+            ) from exc
+    return DistContext(rank, world, local, dist.get_backend(), dev)
+
+
+def _as_tuple(example_inputs: Any) -> tuple[torch.Tensor, ...]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)) and all(
+        isinstance(t, torch.Tensor) for t in example_inputs
+    ):
+        return tuple(example_inputs)
+    raise InputError(
+        "example_inputs must be a Tensor or a tuple of Tensors", value=type(example_inputs).__name__
+    )
+
+
+def _plan_on_rank0(
+    model: nn.Module,
+    replica_batch: tuple[torch.Tensor, ...],
+    stages: int,
+    device: torch.device,
+    microbatches: int,
+    schedule: str,
+) -> Plan:
+    """Rank 0 partitions (the solver need not be deterministic), everyone gets its plan."""
+    from crosscut.api import partition
+
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        plan = partition(
+            model,
+            [device.type] * stages,
+            replica_batch,
+            microbatches=microbatches,
+            schedule=schedule,
+            require_all_devices=True,
+        )
+        box[0] = plan.to_json()
+    dist.broadcast_object_list(box, src=0)
+    return Plan.from_json(str(box[0]))
+
+
+def compile_distributed(
+    model: nn.Module,
+    example_inputs: Any,
+    plan: Plan | str | Path | None = None,
+    *,
+    replicas: int | None = None,
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    timeout_s: float | None = None,
+    device: torch.device | str | None = None,
+) -> DistributedPipeline:
+    """This rank's :class:`DistributedPipeline` of ``model`` under ``plan``.
+
+    ``example_inputs`` is a GLOBAL batch (all replicas); the graph is traced at
+    ``batch / (replicas × microbatches)``, the micro-batch the plan was made
+    for. ``plan`` is a Plan, a path, ``None`` to read ``CROSSCUT_PLAN``, or —
+    when that is unset too — made by rank 0 for ``world_size / replicas`` CPU
+    or GPU stages and broadcast. Every rank must build ``model`` identically
+    (same seed) or load a checkpoint; replicas are synchronised from replica 0.
+    """
+    from crosscut.api import trace
+
+    if not dist.is_initialized():
+        init(timeout_s=timeout_s or DEFAULT_TIMEOUT_S)
+    reps = int(replicas if replicas is not None else os.environ.get("CROSSCUT_REPLICAS", "1"))
+    t_out = float(
+        timeout_s
+        if timeout_s is not None
+        else os.environ.get("CROSSCUT_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+    )
+    if device is None:
+        dev = (
+            torch.device("cuda", torch.cuda.current_device())
+            if (dist.get_backend() == "nccl")
+            else torch.device("cpu")
+        )
+    else:
+        dev = torch.device(device)
+    if plan is None and os.environ.get("CROSSCUT_PLAN"):
+        plan = os.environ["CROSSCUT_PLAN"]
+    inputs = _as_tuple(example_inputs)
+    world = dist.get_world_size()
+    if plan is None:
+        if world % reps:
+            raise DistributedError(
+                f"replicas ({reps}) must divide the world size ({world})",
+                remedy="launch replicas × stages processes",
+            )
+        mb = microbatches or 1
+        share = tuple(t[: t.shape[0] // reps] for t in inputs)
+        the_plan = _plan_on_rank0(model, share, world // reps, dev, mb, schedule or "1f1b")
+    else:
+        the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    m = microbatches or the_plan.options.microbatches
+    batch = int(inputs[0].shape[0])
+    if batch % (reps * m):
+        raise InputError(
+            f"the global batch ({batch}) must split into replicas × microbatches = {reps} × {m}",
+            value=batch,
+            remedy=f"use a batch that is a multiple of {reps * m}",
+        )
+    micro = tuple(t[: batch // (reps * m)] for t in inputs)
+    graph = trace(model, micro, mode=the_plan.model.mode)
+    the_plan.validate(graph)
+    return DistributedPipeline(
+        model,
+        graph.gm,
+        the_plan,
+        replicas=reps,
+        schedule=schedule,
+        microbatches=m,
+        timeout_s=t_out,
+        device=dev,
+    )

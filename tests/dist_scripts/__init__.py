@@ -1,0 +1,1 @@
+"""Scripts the distributed tests launch, one process per rank (not collected by pytest)."""

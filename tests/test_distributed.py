@@ -1,0 +1,357 @@
+"""Distributed executor: multi-process gloo runs on 127.0.0.1 against eager training.
+
+Each test launches ``tests/dist_scripts/train_check.py`` once per rank (plain
+processes with RANK/WORLD_SIZE/MASTER_* set, or torchrun where the launcher
+itself is under test), with a subprocess timeout, and compares what the ranks
+dumped with single-process eager training done here on one thread with the
+same micro-batching (so batch-norm statistics match bit for bit).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from crosscut.distributed import assemble_checkpoint
+from crosscut.errors import DistributedError
+from crosscut.launch import check_port_free, free_port, run_main
+from crosscut.partitioner.plan import Plan
+
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("dist")]
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "dist_scripts" / "train_check.py"
+sys.path.insert(0, str(SCRIPT.parent))
+
+from train_check import batch, build, make_plan  # type: ignore[import-not-found]  # noqa: E402
+
+MODELS = ("resnet18", "googlenet", "densenet121")
+
+
+@dataclass
+class Rank:
+    rc: int | None
+    output: str
+    seconds: float
+
+
+def launch(
+    n: int,
+    args: list[str],
+    *,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+    rank_env: dict[int, dict[str, str]] | None = None,
+) -> list[Rank]:
+    """Start ``n`` ranks of the script on a fresh loopback port; never hangs past ``timeout``."""
+    port = free_port()
+    procs = []
+    start = time.monotonic()
+    for r in range(n):
+        e = dict(
+            os.environ,
+            RANK=str(r),
+            WORLD_SIZE=str(n),
+            LOCAL_RANK=str(r),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            **(env or {}),
+            **(rank_env or {}).get(r, {}),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), *args],
+                env=e,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    out = []
+    for p in procs:
+        left = max(1.0, timeout - (time.monotonic() - start))
+        try:
+            text, _ = p.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            text, _ = p.communicate()
+            text += "\n<killed by the test timeout>"
+        out.append(Rank(p.returncode, text, time.monotonic() - start))
+    return out
+
+
+def ok(ranks: list[Rank]) -> None:
+    bad = [(i, r.rc, r.output[-2000:]) for i, r in enumerate(ranks) if r.rc != 0]
+    assert not bad, bad
+
+
+def eager(name: str, n: int, size: int, chunks: int, steps: int = 1) -> dict[str, Any]:
+    """Single-process training on one thread, the batch cut into ``chunks`` micro-batches."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build(name)
+        x, y = batch(n, size)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(steps):
+            opt.zero_grad()
+            total = 0.0
+            for xm, ym in zip(x.chunk(chunks), y.chunk(chunks)):
+                loss = nn.functional.cross_entropy(model(xm), ym) / chunks
+                loss.backward()  # type: ignore[no-untyped-call]
+                total += float(loss.detach())
+            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+            opt.step()
+        return {"loss": total, "grads": grads, "state": model.state_dict()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def merged(out: Path, tag: str, world: int, stages: int) -> dict[str, Any]:
+    grads: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    losses = []
+    for r in range(world):
+        d = torch.load(out / f"{tag}_rank{r}.pt", weights_only=False)
+        grads.update(d["grads"])  # replicas hold the same (all-reduced) gradients
+        if r < stages:
+            state.update(d["state"])
+        losses += [x for x in d["losses"] if x is not None]
+    return {"grads": grads, "state": state, "losses": losses}
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Equal up to float re-association (fan-out gradients are summed in another order)."""
+    scale = max(1.0, float(want.abs().max())) if want.is_floating_point() else 1.0
+    torch.testing.assert_close(
+        got, want, rtol=1e-4, atol=2e-6 * scale, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def compare(got: dict[str, Any], ref: dict[str, Any], *, buffers: bool = True) -> None:
+    assert got["losses"], "no last-stage rank reported a loss"
+    for loss in got["losses"]:
+        assert loss == pytest.approx(ref["loss"], rel=1e-5)
+    assert set(got["grads"]) == set(ref["grads"])
+    for k, g in ref["grads"].items():
+        close(got["grads"][k], g, f"grad {k}")
+    assert set(got["state"]) == set(ref["state"])
+    for k, v in ref["state"].items():
+        if buffers or k in ref["grads"]:
+            close(got["state"][k], v, f"state {k}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_matches_eager(world: int, tmp_path: Path) -> None:
+    """GPipe and 1F1B over 2 and 4 ranks: loss, gradients and the SGD step equal eager."""
+    ranks = launch(
+        world,
+        [
+            "--models",
+            ",".join(MODELS),
+            "--schedules",
+            "gpipe,1f1b",
+            "--microbatches",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+    )
+    ok(ranks)
+    for name in MODELS:
+        ref = eager(name, 8, 32, 2)
+        for schedule in ("gpipe", "1f1b"):
+            got = merged(tmp_path, f"{name}_{schedule}", world, world)
+            assert len(got["losses"]) == 1  # only the last stage returns the loss
+            compare(got, ref)
+        layout = torch.load(tmp_path / f"{name}_gpipe_rank0.pt", weights_only=False)["layout"]
+        assert layout["stages"] == world and layout["edges"], layout
+
+
+def test_worker_groups_allreduce(tmp_path: Path) -> None:
+    """2 replicas × 2 stages: each replica takes half the batch; the all-reduce averages."""
+    ok(
+        launch(
+            4,
+            [
+                "--models",
+                "resnet18",
+                "--schedules",
+                "1f1b",
+                "--replicas",
+                "2",
+                "--microbatches",
+                "2",
+                "--out",
+                str(tmp_path),
+            ],
+        )
+    )
+    for name in ("resnet18",):
+        got = merged(tmp_path, f"{name}_1f1b", 4, 2)
+        assert len(got["losses"]) == 2  # both replicas' last stages return the global loss
+        # BN running statistics are per replica (as in DDP); parameters and grads must match
+        compare(got, eager(name, 8, 32, 4), buffers=False)
+
+
+def test_two_node_groups_on_loopback(tmp_path: Path) -> None:
+    """Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1) train one step."""
+    port = free_port()
+    procs = []
+    for node in range(2):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "nodes",
+            "--max-restarts",
+            "0",
+            str(SCRIPT),
+            "--schedules",
+            "gpipe",
+            "--out",
+            str(tmp_path),
+        ]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outs = []
+    for p in procs:
+        try:
+            outs.append((p.communicate(timeout=180)[0], p.returncode))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("the two-node run hung")
+    assert all(rc == 0 for _, rc in outs), [o[-2000:] for o, _ in outs]
+    compare(merged(tmp_path, "resnet18_gpipe", 2, 2), eager("resnet18", 8, 32, 2))
+
+
+def test_lost_rank_is_named_within_timeout(tmp_path: Path) -> None:
+    """Rank 2 of 3 dies after its first forward: ranks 0 and 1 fail naming rank 2, quickly."""
+    timeout = 15.0
+    ranks = launch(
+        3,
+        ["--schedules", "gpipe", "--timeout", str(timeout), "--out", str(tmp_path)],
+        env={"CROSSCUT_TEST_KILL_RANK": "2"},
+        timeout=120,
+    )
+    assert ranks[2].rc == 1 and "exiting on purpose" in ranks[2].output
+    started = min(r.seconds for r in ranks)  # all exit well within the bound
+    for r in ranks[:2]:
+        assert r.rc == 3, r.output[-2000:]
+        assert "DistributedError" in r.output and "rank 2 lost" in r.output, r.output[-2000:]
+        assert "micro-batch" in r.output
+    assert max(r.seconds for r in ranks) < started + timeout + 30
+
+
+def test_hung_rank_times_out_with_its_name(tmp_path: Path) -> None:
+    """A rank that stops answering (alive but stuck) is reported after timeout_s, not never."""
+    timeout = 6.0
+    start = time.monotonic()
+    ranks = launch(
+        2,
+        ["--schedules", "gpipe", "--timeout", str(timeout), "--out", str(tmp_path)],
+        env={"CROSSCUT_TEST_HANG_RANK": "1"},
+        timeout=120,
+    )
+    assert ranks[0].rc == 3, ranks[0].output[-2000:]
+    assert "rank 1 lost" in ranks[0].output and "did not answer within" in ranks[0].output
+    assert ranks[0].seconds < 60 and time.monotonic() - start < 90
+
+
+@pytest.fixture(scope="module")
+def plan2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A resnet18 plan over two CPU stages (batch 8, 2 micro-batches), saved as JSON."""
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    make_plan("resnet18", 2, 1, 2, 8, 32, "1f1b").save(path)
+    return path
+
+
+def test_plan_mismatch_world_size_and_port(plan2: Path, tmp_path: Path) -> None:
+    """Different plans per rank, a world that is not stages × replicas, a busy port."""
+    other = Plan.load(plan2)
+    other.options.schedule = "gpipe"  # same cut, another schedule: another hash
+    other_path = other.save(tmp_path / "other.json")
+    ranks = launch(
+        2,
+        ["--out", str(tmp_path)],
+        timeout=120,
+        rank_env={0: {"CROSSCUT_PLAN": str(plan2)}, 1: {"CROSSCUT_PLAN": str(other_path)}},
+    )
+    for r in ranks:
+        assert r.rc == 3 and "every rank must run the same plan" in r.output, r.output[-2000:]
+        assert "ranks [0]" in r.output and "ranks [1]" in r.output
+    (one,) = launch(1, ["--plan", str(plan2), "--out", str(tmp_path)], timeout=120)
+    assert one.rc == 3 and "2 × 1 = 2, but 1 ranks were started" in one.output, one.output[-2000:]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(DistributedError, match=f"port {port} on 127.0.0.1 is already in use"):
+            check_port_free(port)
+        assert run_main(["--plan", str(plan2), "--port", str(port), str(SCRIPT)]) == 2
+
+
+def test_checkpoint_resume_equals_uninterrupted(plan2: Path, tmp_path: Path) -> None:
+    """Save after step 1, restart from the files, step 2 == two uninterrupted steps."""
+    ckpt, a, b = tmp_path / "ckpt", tmp_path / "a", tmp_path / "b"
+    common = ["--plan", str(plan2), "--schedules", "1f1b"]
+    ok(launch(2, [*common, "--steps", "1", "--save", str(ckpt), "--out", str(a)]))
+    assembled = assemble_checkpoint(ckpt)
+    one = eager("resnet18", 8, 32, 2, steps=1)
+    assert list(assembled) == list(one["state"])  # original keys, original order
+    for k, v in one["state"].items():
+        close(assembled[k], v, f"checkpoint {k}")
+    ok(launch(2, [*common, "--steps", "1", "--load", str(ckpt), "--out", str(b)]))
+    # the uninterrupted run goes through the launcher: `crosscut run --plan ... script`
+    c = tmp_path / "c"
+    rc = run_main(
+        [
+            "--plan",
+            str(plan2),
+            "--port",
+            "0",
+            str(SCRIPT),
+            "--schedules",
+            "1f1b",
+            "--steps",
+            "2",
+            "--out",
+            str(c),
+        ]
+    )
+    assert rc == 0
+    resumed = merged(b, "resnet18_1f1b", 2, 2)["state"]
+    straight = merged(c, "resnet18_1f1b", 2, 2)["state"]
+    two = eager("resnet18", 8, 32, 2, steps=2)
+    for k in two["state"]:
+        close(resumed[k], straight[k], f"resumed vs uninterrupted {k}")
+        close(straight[k], two["state"][k], f"uninterrupted vs eager {k}")

@@ -222,6 +222,13 @@ def partition(
     )
 
 
+def _distributed_run() -> bool:
+    """True inside a torchrun job with more than one rank (see crosscut.distributed.init)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _load_plan(plan: Plan | str | Path) -> Plan:
     if isinstance(plan, Plan):
         return plan
@@ -268,7 +275,10 @@ def compile(
 
     With ``plan=`` the saved plan is replayed after checking that it was made
     for this model (fingerprint) and that enough devices are given; its stages
-    run on the given devices in order. ``require_all_devices`` makes the solver
+    run on the given devices in order. Inside a torchrun job (after
+    ``crosscut.distributed.init()``, world size > 1) each rank gets a
+    :class:`~crosscut.runtime.distributed.DistributedPipeline` running its own
+    stage instead, and ``devices`` is ignored. ``require_all_devices`` makes the solver
     use every device even where fewer stages would be faster (useful for tests
     and for models that must be spread for memory).
     """
@@ -280,6 +290,17 @@ def compile(
             "model must be a torch.nn.Module",
             value=type(model).__name__,
             remedy="pass the module itself, not its class or a function",
+        )
+    if _distributed_run():
+        # Under torchrun every rank runs its own stage; the devices come from the ranks.
+        from crosscut.distributed import compile_distributed
+
+        return compile_distributed(
+            model,
+            example_inputs,
+            plan,
+            schedule=None if plan is not None else schedule,
+            microbatches=None if plan is not None else microbatches,
         )
     cl = Cluster.from_any(devices)
     if plan is None:

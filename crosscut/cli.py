@@ -112,6 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", required=True)
     p.add_argument("--steps", type=_positive_int, default=3)
 
+    p = sub.add_parser(
+        "run",
+        help="launch a training script under torchrun, one process per plan stage",
+        add_help=False,
+    )
+    p.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        help="--plan plan.json [--replicas R] [--nnodes N ...] script.py [args]",
+    )
+
     p = sub.add_parser("diff", help="say what moved between two plans")
     p.add_argument("a")
     p.add_argument("b")
@@ -119,6 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        # `run` passes everything through to the launcher (argparse's REMAINDER
+        # would swallow or reject leading options such as --plan or --help)
+        from crosscut.launch import run_main
+
+        try:
+            return run_main(argv[1:])
+        except CrosscutError as exc:
+            print(f"crosscut: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = _COMMANDS[args.command]

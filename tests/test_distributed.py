@@ -355,3 +355,52 @@ def test_checkpoint_resume_equals_uninterrupted(plan2: Path, tmp_path: Path) -> 
     for k in two["state"]:
         close(resumed[k], straight[k], f"resumed vs uninterrupted {k}")
         close(straight[k], two["state"][k], f"uninterrupted vs eager {k}")
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("dist")
+def test_crosscut_run_with_a_user_script(tmp_path: Path) -> None:
+    """`crosscut run --plan plan.json script.py`: init() + crosscut.compile() in each rank."""
+    import crosscut
+    from crosscut.cli import main as cli_main
+    from tests.dist_scripts import user_script
+
+    x, y = user_script.data()
+    plan = crosscut.partition(
+        user_script.model(), ["cpu", "cpu"], x, microbatches=2, require_all_devices=True
+    )
+    path = plan.save(tmp_path / "plan.json")
+    script = Path(user_script.__file__)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(script.parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    port = str(free_port())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "crosscut.cli",
+            "run",
+            "--plan",
+            str(path),
+            "--port",
+            port,
+            "--timeout",
+            "60",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [
+        float(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("LOSS")
+    ]
+    assert len(losses) == 1  # printed by the last stage only
+    eager = torch.nn.functional.cross_entropy(user_script.model()(x), y)
+    assert losses[0] == pytest.approx(float(eager.detach()), rel=1e-5)
+    assert cli_main(["run", "--plan", str(path), "--dry-run", str(script)]) == 0

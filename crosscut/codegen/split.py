@@ -31,6 +31,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.fx.passes.split_module import split_module
 
+from crosscut.codegen.order import order_by_stage
 from crosscut.codegen.transfers import INPUT, Transfer, plan_transfers
 from crosscut.errors import CodegenError
 
@@ -325,6 +326,7 @@ def build_stages(
     ga_targets = {n.name: str(n.target) for n in work.graph.nodes if n.op == "get_attr"}
     placeholders = [n.name for n in work.graph.nodes if n.op == "placeholder"]
 
+    order_by_stage(work, st)  # stage calls in pipeline order (see codegen/order.py)
     split = split_module(
         work, work, lambda n: st[n.name], keep_original_order=True, keep_original_node_name=True
     )

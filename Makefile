@@ -17,7 +17,7 @@ setup: $(STAMP)
 
 demo: setup
 	mkdir -p $(OUT)
-	$(PY) -m crosscut.cli partition torchvision:resnet50 --devices 4xV100 --batch 32 -o $(OUT)/resnet50-plan.json
+	$(PY) -m crosscut.cli partition torchvision:resnet50 --devices 4xV100 --batch 32 --microbatches 4 -o $(OUT)/resnet50-plan.json
 	$(PY) -m crosscut.cli show $(OUT)/resnet50-plan.json -o $(OUT)/resnet50-plan.html
 	@echo "plan: $(OUT)/resnet50-plan.json   picture: $(OUT)/resnet50-plan.html"
 

@@ -167,12 +167,20 @@ def partition(
     require_all_devices: bool = False,
     model_name: str = "",
     progress: Callable[[float, float, float], None] | None = None,
+    cross_shaped: bool = False,
+    widths: Sequence[int] | None = None,
+    splits: Sequence[str] = ("batch", "channel"),
 ) -> Plan:
     """Find the best plan for a model (or an already traced OpGraph) on ``cluster``.
 
     ``cluster`` is anything :meth:`crosscut.Cluster.from_any` accepts: a spec
     string (``"4xV100"``), a list of devices (``["cpu", "cpu"]``), an int, a
     cluster JSON path or a Cluster.
+
+    ``cross_shaped=True`` lets a stage run on a group of devices split by
+    ``splits`` (``"batch"``: data parallel inside the stage; ``"channel"``:
+    conv/linear split by output channels) with group widths from ``widths``
+    (default: 2, 4, 8, ... up to the device count, and the count itself).
     """
     from crosscut.cost_models import Cluster
     from crosscut.partitioner.partition import partition_graph
@@ -187,6 +195,7 @@ def partition(
         cost=cost,
     )
     cl = Cluster.from_any(cluster)
+    group_widths, group_splits = _cross_options(cross_shaped, widths, splits, len(cl.devices))
     shapes: list[list[int]] = []
     if isinstance(model_or_graph, OpGraph):
         graph = model_or_graph
@@ -208,6 +217,8 @@ def partition(
         time_limit_s=float(time_limit),
         seed=seed,
         cost_source=cost,
+        widths=group_widths,
+        splits=group_splits,
     )
     costs = get_costs(graph, cl, cost=cost, optimizer=optimizer)
     return partition_graph(
@@ -227,6 +238,30 @@ def _distributed_run() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _cross_options(
+    cross_shaped: bool, widths: Sequence[int] | None, splits: Sequence[str], devices: int
+) -> tuple[list[int], list[str]]:
+    """PlanOptions.widths/splits for the cross-shaped switch, checked up front."""
+    if not cross_shaped:
+        return [1], []
+    bad = [x for x in splits if x not in ("batch", "channel")]
+    if bad or not splits:
+        raise InputError(
+            "splits must name 'batch' and/or 'channel'",
+            value=list(splits),
+            remedy="e.g. splits=('batch', 'channel')",
+        )
+    if widths is None:
+        out, w = [1], 2
+        while w <= devices:
+            out.append(w)
+            w *= 2
+        widths = sorted({*out, devices})
+    if any(not isinstance(w, int) or w < 1 for w in widths):
+        raise InputError("widths must be positive integers", value=list(widths), remedy="(1, 2, 4)")
+    return sorted({1, *widths}), sorted(set(splits))
 
 
 def _load_plan(plan: Plan | str | Path) -> Plan:
@@ -270,8 +305,14 @@ def compile(
     seed: int = 0,
     require_all_devices: bool = False,
     progress: Callable[[float, float, float], None] | None = None,
+    cross_shaped: bool = False,
+    widths: Sequence[int] | None = None,
+    splits: Sequence[str] = ("batch", "channel"),
 ) -> Any:
     """Partition ``model`` over ``devices`` and return a CompiledModule that trains.
+
+    ``cross_shaped``/``widths``/``splits``: see :func:`partition`; stages of the
+    plan that run on device groups are width-split by ``codegen/width.py``.
 
     With ``plan=`` the saved plan is replayed after checking that it was made
     for this model (fingerprint) and that enough devices are given; its stages
@@ -328,6 +369,9 @@ def compile(
             seed=seed,
             require_all_devices=require_all_devices,
             progress=progress,
+            cross_shaped=cross_shaped,
+            widths=widths,
+            splits=splits,
         )
         the_plan.model.input_shapes = [list(t.shape) for t in _as_tuple(example_inputs)]
     else:
@@ -340,10 +384,14 @@ def compile(
         the_plan.validate(graph)
         _check_plan_devices(the_plan, cl)
     given = list(cl.devices)
-    stage_devices = [
-        torch.device(given[the_plan.cluster.index(stage.devices[0])].device)
+    groups = [
+        (
+            [torch.device(given[the_plan.cluster.index(d)].device) for d in stage.devices],
+            stage.split,
+        )
         for stage in the_plan.stages
     ]
+    stage_devices = [devs[0] for devs, _ in groups]
     return CompiledModule(
         model,
         graph.gm,
@@ -352,4 +400,5 @@ def compile(
         schedule=the_plan.options.schedule,
         microbatches=the_plan.options.microbatches,
         plan=the_plan,
+        groups=groups if any(len(devs) > 1 for devs, _ in groups) else None,
     )

@@ -14,7 +14,10 @@ Placement is a callback (``stage_of[node.name]``) into torch.fx's
   destination stage);
 * safety checks: backward edges, empty stages, tied parameters on different
   stages, and in-place ops on values that cross a cut (rewritten so every
-  consumer sees what it would see in eager mode).
+  consumer sees what it would see in eager mode);
+* for cross-shaped plans (``groups``), the width split of a stage over its
+  device group (``codegen/width.py``): channel shards with explicit gathers,
+  or batch replicas whose gradients reduce onto the group leader.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.fx.passes.split_module import split_module
 
+from crosscut.codegen.groups import apply_groups, check_groups
 from crosscut.codegen.order import order_by_stage
 from crosscut.codegen.transfers import INPUT, Transfer, plan_transfers
+from crosscut.codegen.width import Collective
 from crosscut.errors import CodegenError
 
 __all__ = ["Stage", "StagedProgram", "ValueRef", "build_stages", "map_structure"]
@@ -68,9 +73,14 @@ class Stage:
     outputs: list[str]  # values it returns, in tuple order
     param_keys: dict[str, list[str]] = field(default_factory=dict)  # local name -> original keys
     mutated_inputs: set[str] = field(default_factory=set)  # inputs the stage changes in place
+    devices: list[torch.device] = field(default_factory=list)  # the group (leader = device)
+    split: str = "none"  # "none" | "channel" | "batch"
+    collectives: list[Collective] = field(default_factory=list)  # per micro-batch, forward
 
     @property
     def name(self) -> str:
+        if len(self.devices) > 1:
+            return f"stage{self.index}@{self.device}+{len(self.devices) - 1}({self.split})"
         return f"stage{self.index}@{self.device}"
 
 
@@ -86,6 +96,8 @@ class StagedProgram:
     node_bytes: dict[str, int]
     key_sources: dict[str, tuple[int, str]]  # original state_dict key -> (stage, local name)
     clones: list[str] = field(default_factory=list)  # clone nodes inserted for in-place safety
+    # original key of a channel-sharded tensor -> (stage, shard local names, cat dim or None)
+    shard_sources: dict[str, tuple[int, list[str], int | None]] = field(default_factory=dict)
 
 
 def map_structure(fn: Any, obj: Any) -> Any:
@@ -300,15 +312,19 @@ def build_stages(
     stage_devices: Sequence[torch.device | str],
     *,
     example_inputs: Sequence[Any] | None = None,
+    groups: Sequence[tuple[Sequence[torch.device | str], str]] | None = None,
 ) -> StagedProgram:
     """Split ``gm`` by ``stage_of`` into stages placed on ``stage_devices``.
 
     ``gm`` is not modified; parameters are deep-copied. ``example_inputs``
     (optional) are only used to size transfers when ``gm`` carries no shape
-    metadata. Raises :class:`~crosscut.errors.CodegenError` naming the edge,
-    node or parameter when the assignment cannot be honoured.
+    metadata. ``groups[k] = (devices, split)`` (optional) runs stage ``k`` on a
+    device group split by ``"channel"`` or ``"batch"``; its first device must be
+    ``stage_devices[k]``. Raises :class:`~crosscut.errors.CodegenError` naming
+    the edge, node or parameter when the assignment cannot be honoured.
     """
     devices = [torch.device(d) for d in stage_devices]
+    check_groups(groups, devices)
     if not devices:
         raise _fail("at least one stage device is needed", list(stage_devices), "pass ['cpu']")
     _check_assignment(gm, stage_of, len(devices))
@@ -359,7 +375,7 @@ def build_stages(
             and (m := _mutated_input(n, sub_mods)) is not None
             and m.op == "placeholder"
         }
-        stages.append(Stage(s, dev, sub, inputs, outputs, param_keys, mutated))
+        stages.append(Stage(s, dev, sub, inputs, outputs, param_keys, mutated, [dev]))
 
     for tid, where in owners.items():
         if len(where) > 1:
@@ -371,6 +387,7 @@ def build_stages(
             )
     for stage in stages:
         stage.module.to(stage.device)
+    shard_sources = apply_groups(stages, groups or [], origin, key_sources)
 
     out_node = work.graph.output_node()
     template = map_structure(
@@ -384,5 +401,13 @@ def build_stages(
         node_bytes,
     )
     return StagedProgram(
-        stages, placeholders, template, output_sources, transfers, node_bytes, key_sources, clones
+        stages,
+        placeholders,
+        template,
+        output_sources,
+        transfers,
+        node_bytes,
+        key_sources,
+        clones,
+        shard_sources,
     )

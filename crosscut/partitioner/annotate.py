@@ -8,7 +8,7 @@ of a solver's internal (integer-scaled) values.
 
 from __future__ import annotations
 
-from crosscut.partitioner.build import plan_to_problem
+from crosscut.partitioner.build import plan_groups, plan_to_problem
 from crosscut.partitioner.evaluate import evaluate
 from crosscut.partitioner.plan import Plan, PlanTransfer, Prediction
 from crosscut.partitioner.simulate import simulate
@@ -19,12 +19,14 @@ __all__ = ["annotate"]
 def annotate(plan: Plan) -> Plan:
     """Recompute stage prices, transfers and predictions from the plan's own numbers."""
     problem, stage_of, stage_device = plan_to_problem(plan)
-    ev = evaluate(problem, stage_of, stage_device)
+    groups = plan_groups(plan)
+    ev = evaluate(problem, stage_of, stage_device, groups)
     for k, stage in enumerate(plan.stages):
         stage.compute_s = ev.stage_compute[k]
         stage.comm_s = ev.stage_comm[k]
         stage.time_s = ev.stage_time[k]
-        stage.memory_bytes = ev.device_memory[stage_device[k]]
+        # a group's busiest device (its leader holds the whole ops and receive buffers)
+        stage.memory_bytes = max(ev.device_memory[plan.cluster.index(d)] for d in stage.devices)
     mult = 2 if problem.training else 1
     plan.transfers = [
         PlanTransfer(

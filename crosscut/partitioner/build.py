@@ -16,9 +16,17 @@ from typing import Protocol
 from crosscut.errors import PlanError
 from crosscut.graph import OpGraph
 from crosscut.partitioner.plan import Plan, PlanCluster, PlanNode, PlanOptions
-from crosscut.partitioner.problem import PartitionProblem
+from crosscut.partitioner.problem import PartitionProblem, StageGroup
+from crosscut.partitioner.shard import shard_kind
 
-__all__ = ["CostLookup", "assigned_names", "plan_nodes", "plan_to_problem", "problem_from_parts"]
+__all__ = [
+    "CostLookup",
+    "assigned_names",
+    "plan_groups",
+    "plan_nodes",
+    "plan_to_problem",
+    "problem_from_parts",
+]
 
 
 class CostLookup(Protocol):
@@ -37,6 +45,7 @@ def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[
     for n in graph.nodes:
         fwd = {k: 0.0 if n.is_io else costs.fwd_s(n.name, k) for k in sorted(set(kinds))}
         bwd = {k: 0.0 if n.is_io or not training else costs.bwd_s(n.name, k) for k in fwd}
+        shard, channels = shard_kind(graph, n)
         out.append(
             PlanNode(
                 name=n.name,
@@ -50,6 +59,9 @@ def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[
                 time_s={k: fwd[k] + bwd[k] for k in fwd},
                 bwd_s=bwd if training else {},
                 module_path=n.module_path,
+                param_bytes=0 if n.is_io else int(n.param_bytes),
+                shard=shard,
+                channels=channels,
             )
         )
     return out
@@ -71,8 +83,13 @@ def problem_from_parts(
     *,
     training: bool,
     ties: Sequence[Sequence[str]] = (),
+    batch: int = 0,
 ) -> PartitionProblem:
-    """The PartitionProblem over the assigned nodes of ``nodes``."""
+    """The PartitionProblem over the assigned nodes of ``nodes``.
+
+    ``batch`` (samples per micro-batch) prices uneven batch splits; the
+    cross-shaped fields come from the nodes and from ``options.widths/splits``.
+    """
     names = assigned_names(nodes)
     index = {name: i for i, name in enumerate(names)}
     by_name = {n.name: n for n in nodes}
@@ -114,7 +131,23 @@ def problem_from_parts(
         objective=options.objective,
         training=training,
         overlap_comm=options.overlap_comm,
+        widths=tuple(options.widths) or (1,),
+        splits=tuple(options.splits),
+        shard=[by_name[n].shard for n in names],
+        channels=[by_name[n].channels for n in names],
+        param_bytes=[by_name[n].param_bytes for n in names],
+        batch=batch,
     )
+
+
+def plan_groups(plan: Plan) -> list[StageGroup] | None:
+    """Every stage's device group, or None when each stage is one device (a pipeline)."""
+    if all(len(stage.devices) == 1 for stage in plan.stages):
+        return None
+    return [
+        StageGroup(tuple(plan.cluster.index(d) for d in stage.devices), stage.split)
+        for stage in plan.stages
+    ]
 
 
 def plan_to_problem(plan: Plan) -> tuple[PartitionProblem, list[int], list[int]]:
@@ -125,6 +158,7 @@ def plan_to_problem(plan: Plan) -> tuple[PartitionProblem, list[int], list[int]]
         plan.options,
         training=plan.model.mode == "train",
         ties=plan.ties,
+        batch=plan.model.batch_size // max(1, plan.options.microbatches),
     )
     stage_of = [plan.assignment[name] for name in problem.names]
     stage_device = [plan.cluster.index(stage.devices[0]) for stage in plan.stages]

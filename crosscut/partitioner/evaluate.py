@@ -30,13 +30,24 @@ The model (``PartitionProblem``'s docstring, DESIGN.md "The partition problem"):
   on another stage). Node times are ``compute[v][d]`` as given (forward+backward
   when training) and transfers are doubled when training, exactly as in the
   throughput model; it approximates a training step's latency with one DAG pass.
+* cross-shaped stages (``groups``: a stage on several devices, split by batch or
+  by channel) follow the formulas in ``partitioner/groups.py``; when every
+  stage is one device they reduce to the ones above, and the plain path is used.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from crosscut.partitioner.problem import PartitionProblem
+from crosscut.partitioner.groups import (
+    collective_time,
+    group_problems,
+    node_share,
+    ring_allreduce_time,
+)
+from crosscut.partitioner.problem import PartitionProblem, StageGroup
 
 __all__ = [
     "Evaluation",
@@ -48,6 +59,7 @@ __all__ = [
     "evaluate",
     "lower_bound",
     "renumber",
+    "single_groups",
     "transfer_time",
 ]
 
@@ -64,6 +76,7 @@ class Evaluation:
     stage_time: list[float]
     device_memory: list[int]  # [device] bytes needed (0 for unused devices)
     transfers: list[tuple[int, int, int, float]]  # (node, from stage, to stage, seconds)
+    stage_collective: list[float] = field(default_factory=list)  # group collectives in comm
 
     @property
     def num_stages(self) -> int:
@@ -104,8 +117,30 @@ def buffer_factor(problem: PartitionProblem, k: int, num_stages: int) -> int:
     return activation_factor(problem, k, num_stages)
 
 
-def evaluate(problem: PartitionProblem, stage_of: list[int], stage_device: list[int]) -> Evaluation:
-    """Price an assignment. Assumes it is well formed; :func:`check` says whether it is."""
+def single_groups(stage_device: Sequence[int]) -> list[StageGroup]:
+    """One single-device group per stage: the pipeline-only layout."""
+    return [StageGroup((d,)) for d in stage_device]
+
+
+def _is_pipeline(groups: Sequence[StageGroup] | None) -> bool:
+    return groups is None or all(g.width == 1 for g in groups)
+
+
+def evaluate(
+    problem: PartitionProblem,
+    stage_of: list[int],
+    stage_device: list[int],
+    groups: Sequence[StageGroup] | None = None,
+) -> Evaluation:
+    """Price an assignment. Assumes it is well formed; :func:`check` says whether it is.
+
+    ``groups[k]`` (optional) is stage ``k``'s device group; its leader must be
+    ``stage_device[k]``. Without groups, or with one device per stage, the
+    plain pipeline model prices it.
+    """
+    if not _is_pipeline(groups):
+        assert groups is not None
+        return _evaluate_groups(problem, stage_of, list(groups))
     num_stages = len(stage_device)
     mult = comm_multiplier(problem)
     comp = [0.0] * num_stages
@@ -152,7 +187,114 @@ def evaluate(problem: PartitionProblem, stage_of: list[int], stage_device: list[
     )
 
 
-def _makespan(problem: PartitionProblem, stage_of: list[int], stage_device: list[int]) -> float:
+def _evaluate_groups(
+    problem: PartitionProblem, stage_of: list[int], groups: list[StageGroup]
+) -> Evaluation:
+    """The cross-shaped cost model (``partitioner/groups.py``'s docstring)."""
+    num_stages = len(groups)
+    mult = comm_multiplier(problem)
+    lead = [g.leader for g in groups]
+    per_dev: list[dict[int, float]] = [{d: 0.0 for d in g.devices} for g in groups]
+    memory = [0] * problem.num_devices
+    shares = [node_share(problem, v, groups[stage_of[v]]) for v in range(problem.n)]
+    for v in range(problem.n):
+        k = stage_of[v]
+        g, f = groups[k], shares[v]
+        af = activation_factor(problem, k, num_stages)
+        whole_on_leader = g.split == "channel" and problem.shard_of(v) == "full"
+        for d in g.devices:
+            if whole_on_leader and d != g.leader:
+                continue
+            per_dev[k][d] += problem.compute[v][d] * f
+            res = problem.resident[v] * (f if g.split == "channel" else 1.0)
+            memory[d] += math.ceil(res + af * problem.activation[v] * f)
+    comp = [max(t.values()) for t in per_dev]
+    comm = [0.0] * num_stages
+    coll = [0.0] * num_stages
+    transfers: list[tuple[int, int, int, float]] = []
+    cons = consumers(problem)
+    received: list[set[int]] = [set() for _ in range(num_stages)]
+    for u, cs in enumerate(cons):
+        j = stage_of[u]
+        for k in sorted({stage_of[v] for v in cs} - {j}):
+            t = mult * transfer_time(problem, u, lead[j], lead[k])
+            comm[j] += t
+            comm[k] += t
+            received[k].add(u)
+            transfers.append((u, j, k, t))
+    for k, g in enumerate(groups):
+        if g.width == 1:
+            continue
+        nbytes = _group_collective_bytes(problem, stage_of, k, g, received[k], cons)
+        t = mult * sum(collective_time(problem, g, b) for b in nbytes)
+        if problem.training and g.split == "batch":
+            grads = sum(problem.grad_bytes(v) for v in range(problem.n) if stage_of[v] == k)
+            t += ring_allreduce_time(problem, g, grads) / max(1, problem.microbatches)
+        coll[k] = t
+        comm[k] += t
+    for k, g in enumerate(groups):
+        bf = buffer_factor(problem, k, num_stages)
+        for u in received[k]:
+            for d in g.devices:
+                part = 1.0 if d == g.leader or g.split != "batch" else node_share(problem, u, g)
+                if g.split == "channel" and d != g.leader:
+                    part = 0.0
+                memory[d] += math.ceil(bf * problem.out_bytes[u] * part)
+    if problem.overlap_comm:
+        times = [max(c, m) for c, m in zip(comp, comm)]
+    else:
+        times = [c + m for c, m in zip(comp, comm)]
+    bottleneck = max(times, default=0.0)
+    span = _makespan(problem, stage_of, lead, shares)
+    return Evaluation(
+        objective=span if problem.objective == "latency" else bottleneck,
+        bottleneck=bottleneck,
+        makespan=span,
+        stage_compute=comp,
+        stage_comm=comm,
+        stage_time=times,
+        device_memory=memory,
+        transfers=transfers,
+        stage_collective=coll,
+    )
+
+
+def _group_collective_bytes(
+    problem: PartitionProblem,
+    stage_of: list[int],
+    k: int,
+    g: StageGroup,
+    received: set[int],
+    cons: list[list[int]],
+) -> list[int]:
+    """Bytes of every one-way collective stage ``k``'s group runs per micro-batch."""
+    out: list[int] = []
+    if g.split == "batch":
+        out += [problem.out_bytes[u] for u in sorted(received)]
+        for u in range(problem.n):
+            if stage_of[u] == k and any(stage_of[v] != k for v in cons[u]):
+                out.append(problem.out_bytes[u])
+        return out
+    for u in range(problem.n):
+        inside = stage_of[u] == k
+        if not inside and u not in received:
+            continue
+        here = [v for v in cons[u] if stage_of[v] == k]
+        sharded = inside and problem.shard_of(u) != "full"
+        if sharded:
+            if any(stage_of[v] != k or problem.shard_of(v) != "channel" for v in cons[u]):
+                out.append(problem.out_bytes[u])  # all-gather of its shards
+        elif any(problem.shard_of(v) == "split" for v in here):
+            out.append(problem.out_bytes[u])  # broadcast of a whole value
+    return out
+
+
+def _makespan(
+    problem: PartitionProblem,
+    stage_of: list[int],
+    stage_device: list[int],
+    shares: list[float] | None = None,
+) -> float:
     """List schedule of one micro-batch in index order (see the module docstring)."""
     mult = comm_multiplier(problem)
     preds: list[set[int]] = [set() for _ in range(problem.n)]
@@ -170,14 +312,30 @@ def _makespan(problem: PartitionProblem, stage_of: list[int], stage_device: list
             if j != k:
                 arrive += mult * transfer_time(problem, u, stage_device[j], d)
             start = max(start, arrive)
-        finish[v] = start + problem.compute[v][d]
+        finish[v] = start + problem.compute[v][d] * (shares[v] if shares is not None else 1.0)
         free[k] = finish[v]
     return max(finish, default=0.0)
 
 
-def check(problem: PartitionProblem, stage_of: list[int], stage_device: list[int]) -> list[str]:
+def check(
+    problem: PartitionProblem,
+    stage_of: list[int],
+    stage_device: list[int],
+    groups: Sequence[StageGroup] | None = None,
+) -> list[str]:
     """Every rule the assignment breaks, as readable strings (empty list = valid)."""
     errors: list[str] = []
+    if groups is not None:
+        if len(groups) != len(stage_device):
+            return [f"{len(groups)} device groups for {len(stage_device)} stages"]
+        errors += group_problems(problem, groups)
+        errors += [
+            f"stage {k}'s group leader {g.leader} is not its device {d}"
+            for k, (g, d) in enumerate(zip(groups, stage_device))
+            if g.devices and g.leader != d
+        ]
+        if errors:
+            return errors
     num_stages = len(stage_device)
     if len(stage_of) != problem.n:
         return [f"stage_of has {len(stage_of)} entries for {problem.n} nodes (node missing)"]
@@ -207,7 +365,7 @@ def check(problem: PartitionProblem, stage_of: list[int], stage_device: list[int
         )
     if errors:
         return errors
-    ev = evaluate(problem, stage_of, stage_device)
+    ev = evaluate(problem, stage_of, stage_device, groups)
     for d, need in enumerate(ev.device_memory):
         if need > problem.mem_cap[d]:
             errors.append(
@@ -227,7 +385,8 @@ def lower_bound(problem: PartitionProblem, devices: int | None = None) -> float:
     """A valid lower bound on the objective for any plan.
 
     Throughput: the fastest-device compute spread evenly over the devices, and
-    no stage is faster than its slowest single node on its best device.
+    no stage is faster than its slowest single node on its best device (or, with
+    cross-shaped stages allowed, that node's smallest share on a group).
     Latency: the longest chain of nodes on their fastest device (no transfers).
     """
     fastest = [min(row) for row in problem.compute]
@@ -242,4 +401,18 @@ def lower_bound(problem: PartitionProblem, devices: int | None = None) -> float:
             longest[v] = fastest[v] + max((longest[u] for u in preds[v]), default=0.0)
         return max(longest)
     num = devices or problem.num_devices
-    return max(sum(fastest) / num, max(fastest))
+    largest = max(fastest)
+    if problem.cross_shaped:
+        # a node may be shared by a group: its floor is its smallest share's time
+        largest = max(t * _min_share(problem, v, num) for v, t in enumerate(fastest))
+    return max(sum(fastest) / num, largest)
+
+
+def _min_share(problem: PartitionProblem, v: int, num: int) -> float:
+    best = 1.0
+    for w in problem.widths:
+        if 1 < w <= num:
+            for split in problem.splits:
+                g = StageGroup(tuple(range(w)), split)
+                best = min(best, node_share(problem, v, g))
+    return best

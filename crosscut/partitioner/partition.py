@@ -10,6 +10,7 @@ what validation and the simulator check.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,8 @@ from crosscut.partitioner.plan import (
     PlanStage,
     SolverRecord,
 )
-from crosscut.partitioner.solvers import solve
+from crosscut.partitioner.solvers import SolveResult, solve
+from crosscut.partitioner.solvers.cross import solve_cross
 
 __all__ = ["partition_graph", "plan_cluster"]
 
@@ -105,6 +107,7 @@ def partition_graph(
         coarse_graph, members = graph, {n.name: [n.name] for n in graph.nodes}
     nodes = _coarse_nodes(coarse_graph, members, by_name)
     problem = problem_from_parts(nodes, pc, options, training=training, ties=coarse_graph.ties)
+    problem = dataclasses.replace(problem, widths=(1,), splits=())  # the pipeline-only solve
     result = solve(
         problem,
         time_limit=options.time_limit_s,
@@ -117,6 +120,23 @@ def partition_graph(
     for cname, stage in zip(problem.names, result.stage_of):
         for member in members.get(cname, [cname]):
             assignment[member] = stage
+    split_of = ["none"] * len(result.stage_device)
+    groups = [[d] for d in result.stage_device]
+    lb_problem = problem
+    if any(w > 1 for w in options.widths) and options.splits and not require_all_devices:
+        # cross-shaped: on the fine graph (its nodes know how they split), the
+        # pipeline plan above competes with data parallelism and the group DP
+        fine_pb = problem_from_parts(
+            fine, pc, options, training=training, ties=graph.ties, batch=graph.batch_size
+        )
+        pipe = ([assignment[n] for n in fine_pb.names], list(result.stage_device))
+        cross = solve_cross(fine_pb, pipe, pipeline_name=f"pipeline_{result.solver}")
+        result = _merge(result, cross)
+        assert cross.groups is not None
+        assignment = dict(zip(fine_pb.names, cross.stage_of))
+        split_of = [g.split for g in cross.groups]
+        groups = [list(g.devices) for g in cross.groups]
+        lb_problem = fine_pb
     plan = Plan(
         model=ModelInfo(
             name=graph.model_name,
@@ -132,8 +152,8 @@ def partition_graph(
         edges=[(src, dst, by_name[src].out_bytes) for src, dst in graph.edges()],
         assignment=assignment,
         stages=[
-            PlanStage(index=k, devices=[pc.devices[d].name])
-            for k, d in enumerate(result.stage_device)
+            PlanStage(index=k, devices=[pc.devices[d].name for d in group], split=split_of[k])
+            for k, group in enumerate(groups)
         ],
         ties=[list(t) for t in graph.ties],
         solver=SolverRecord(
@@ -142,7 +162,7 @@ def partition_graph(
             objective=result.objective,
             best_bound=result.best_bound,
             gap=result.gap,
-            lower_bound=lower_bound(problem),
+            lower_bound=lower_bound(lb_problem),
             wall_time_s=result.wall_time_s,
             seed=result.seed,
             workers=result.workers,
@@ -160,6 +180,22 @@ def partition_graph(
 
     plan.crosscut_version = __version__
     return annotate(plan)
+
+
+def _merge(pipeline: SolveResult, cross: SolveResult) -> SolveResult:
+    """The cross-shaped result, keeping the pipeline solve's record in its notes."""
+    cross.wall_time_s += pipeline.wall_time_s
+    cross.notes = [
+        f"pipeline-only {pipeline.solver}: {pipeline.status}, objective "
+        f"{pipeline.objective:.6g} s on the coarse graph (gap {pipeline.gap:.3g})",
+        *pipeline.notes,
+        *cross.notes,
+    ]
+    cross.baselines = {
+        **{f"pipeline:{k}": v for k, v in pipeline.baselines.items()},
+        **cross.baselines,
+    }
+    return cross
 
 
 def _dtype(graph: OpGraph) -> str:

@@ -79,6 +79,9 @@ class PlanNode:
     time_s: dict[str, float]  # device kind -> seconds per micro-batch (fwd, or fwd+bwd)
     module_path: str = ""
     bwd_s: dict[str, float] = field(default_factory=dict)  # the backward part of time_s
+    param_bytes: int = 0  # parameter (= gradient) bytes: what a batch-split group all-reduces
+    shard: str = "full"  # in a channel split: "split" | "channel" | "full" (problem.SHARD_KINDS)
+    channels: int = 0  # output channels a channel split divides (0: unknown)
 
 
 @dataclass
@@ -113,6 +116,8 @@ class PlanOptions:
     time_limit_s: float = 10.0
     seed: int = 0
     cost_source: str = "analytic"
+    widths: list[int] = field(default_factory=lambda: [1])  # group widths the solver may use
+    splits: list[str] = field(default_factory=list)  # "batch", "channel": cross-shaped stages
 
 
 @dataclass

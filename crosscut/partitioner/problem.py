@@ -18,16 +18,46 @@ The model (``docs/ARCHITECTURE.md``, "The partition problem"):
   each such stage, directly (not relayed), costing
   ``latency[a][b] + out_bytes[u] / bandwidth[a][b]`` between their devices;
   in training its gradient flows back along the same pair.
+
+Cross-shaped (2-D) splits, opt-in (``partitioner/groups.py`` prices them): a
+stage may run on a :class:`StageGroup` of ``w`` devices, split by ``batch``
+(each device takes its share of the micro-batch, gradients are reduced over
+the group) or by ``channel`` (conv/linear split by output channels). The solver
+may use the widths in ``widths`` and the kinds in ``splits``; the per-node
+fields ``shard``, ``channels`` and ``param_bytes`` say how a node splits. With
+the defaults (``widths=(1,)``, no splits) nothing changes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["OBJECTIVES", "SCHEDULES", "PartitionProblem"]
+__all__ = ["OBJECTIVES", "SCHEDULES", "SHARD_KINDS", "SPLITS", "PartitionProblem", "StageGroup"]
 
 OBJECTIVES = ("throughput", "latency")
 SCHEDULES = ("gpipe", "1f1b")
+SPLITS = ("none", "batch", "channel")
+# how a node behaves in a channel-split stage: "split" needs its whole input and
+# makes channel shards (conv2d, linear: weights sharded by output channel);
+# "channel" works shard by shard (batch norm, activations, pooling);
+# "full" needs its whole input and runs once, on the group's first device
+SHARD_KINDS = ("split", "channel", "full")
+
+
+@dataclass(frozen=True)
+class StageGroup:
+    """The devices (indices, first one leads) of one stage and how they split it."""
+
+    devices: tuple[int, ...]
+    split: str = "none"  # "none" (one device) | "batch" | "channel"
+
+    @property
+    def width(self) -> int:
+        return len(self.devices)
+
+    @property
+    def leader(self) -> int:
+        return self.devices[0]
 
 
 @dataclass(frozen=True)
@@ -50,6 +80,13 @@ class PartitionProblem:
     objective: str = "throughput"
     training: bool = True
     overlap_comm: bool = False  # count a stage as max(compute, comm) instead of their sum
+    # ---- cross-shaped stages (opt-in; empty lists mean "all 0" / "all full") ----------
+    widths: tuple[int, ...] = (1,)  # group widths the solver may use
+    splits: tuple[str, ...] = ()  # split kinds the solver may use: "batch", "channel"
+    shard: list[str] = field(default_factory=list)  # [node] one of SHARD_KINDS
+    channels: list[int] = field(default_factory=list)  # [node] output channels (0: unknown)
+    param_bytes: list[int] = field(default_factory=list)  # [node] gradient bytes to reduce
+    batch: int = 0  # samples per micro-batch (0: unknown, shares priced as 1/w)
 
     @property
     def n(self) -> int:
@@ -58,3 +95,17 @@ class PartitionProblem:
     @property
     def num_devices(self) -> int:
         return len(self.devices)
+
+    @property
+    def cross_shaped(self) -> bool:
+        """Whether the solver may put a stage on a group of devices."""
+        return bool(self.splits) and any(w > 1 for w in self.widths)
+
+    def shard_of(self, v: int) -> str:
+        return self.shard[v] if self.shard else "full"
+
+    def channels_of(self, v: int) -> int:
+        return self.channels[v] if self.channels else 0
+
+    def grad_bytes(self, v: int) -> int:
+        return self.param_bytes[v] if self.param_bytes else 0

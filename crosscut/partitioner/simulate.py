@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from crosscut import schedule as sched
 from crosscut.errors import PlanError
-from crosscut.partitioner.build import plan_to_problem
+from crosscut.partitioner.build import plan_groups, plan_to_problem
 from crosscut.partitioner.evaluate import Evaluation, evaluate
 from crosscut.partitioner.plan import Plan
 
@@ -62,6 +62,14 @@ def stage_durations(plan: Plan, ev: Evaluation) -> tuple[list[float], list[float
             continue
         kind = kinds[plan.stages[k].devices[0]]
         fwd[k] += node.time_s[kind] - node.bwd_s.get(kind, 0.0)
+    for k, stage in enumerate(plan.stages):
+        if len(stage.devices) > 1:  # a group: its F share of the (shared) compute
+            whole = sum(
+                n.time_s[kinds[stage.devices[0]]]
+                for n in plan.nodes
+                if plan.assignment.get(n.name) == k
+            )
+            fwd[k] = ev.stage_compute[k] * (fwd[k] / whole if whole > 0 else 1.0)
     mult = 2 if plan.model.mode == "train" else 1
     f_out: list[float] = []
     b_out: list[float] = []
@@ -89,7 +97,7 @@ def _actions(plan: Plan) -> list[list[sched.Action]]:
 def simulate(plan: Plan) -> Simulation:
     """Replay ``plan``'s schedule; see the module docstring for the rules."""
     problem, stage_of, stage_device = plan_to_problem(plan)
-    ev = evaluate(problem, stage_of, stage_device)
+    ev = evaluate(problem, stage_of, stage_device, plan_groups(plan))
     fwd, bwd = stage_durations(plan, ev)
     senders: list[set[int]] = [set() for _ in range(plan.num_stages)]
     receivers: list[set[int]] = [set() for _ in range(plan.num_stages)]
@@ -114,7 +122,8 @@ def simulate(plan: Plan) -> Simulation:
                 end = start + (fwd[k] if a.kind == "F" else bwd[k])
                 done[(k, a.kind, a.microbatch)] = end
                 free[k] = end
-                events.append(Event(plan.stages[k].devices[0], k, a.kind, a.microbatch, start, end))
+                for dev in plan.stages[k].devices:  # every device of a group is busy
+                    events.append(Event(dev, k, a.kind, a.microbatch, start, end))
                 head[k] += 1
                 remaining -= 1
                 progressed = True
@@ -129,9 +138,9 @@ def simulate(plan: Plan) -> Simulation:
     busy: dict[str, float] = {}
     for e in events:
         busy[e.device] = busy.get(e.device, 0.0) + (e.end - e.start)
-    capacity = step * plan.num_stages
+    capacity = step * sum(len(s.devices) for s in plan.stages)
     bubble = 1.0 - sum(busy.values()) / capacity if capacity > 0 else 0.0
-    peaks = {plan.cluster.devices[d].name: ev.device_memory[d] for d in stage_device}
+    peaks = {d: ev.device_memory[plan.cluster.index(d)] for s in plan.stages for d in s.devices}
     return Simulation(
         events=sorted(events, key=lambda e: (e.start, e.stage)),
         step_time_s=step,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from crosscut.errors import PlanError
-from crosscut.partitioner.build import assigned_names, plan_to_problem
+from crosscut.partitioner.build import assigned_names, plan_groups, plan_to_problem
 from crosscut.partitioner.plan import Plan
 
 __all__ = ["plan_problems", "validate_plan"]
@@ -30,7 +30,7 @@ def plan_problems(plan: Plan, graph: Any = None) -> list[str]:
     from crosscut.partitioner.evaluate import check
 
     problem, stage_of, stage_device = plan_to_problem(plan)
-    return [f"{msg}" for msg in check(problem, stage_of, stage_device)]
+    return [f"{msg}" for msg in check(problem, stage_of, stage_device, plan_groups(plan))]
 
 
 def validate_plan(plan: Plan, graph: Any = None) -> None:

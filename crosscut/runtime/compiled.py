@@ -17,6 +17,14 @@ Batch norm over micro-batches (``bn_mode``):
   model that contains batch norm raises :class:`~crosscut.errors.RuntimeError_`
   rather than silently computing something else (a two-pass statistics
   exchange is not implemented). Eval-mode calls are allowed.
+
+Cross-shaped stages (``groups``): a channel-split stage holds each conv/linear
+weight as shards on its group's devices; ``state_dict()`` concatenates them
+back into the original full tensors under the original keys, and
+``load_state_dict()`` cuts a full checkpoint into the same shards. A
+batch-split stage normalises each device's share of the micro-batch with its
+own batch-norm statistics (like micro-batches), so ``bn_mode="exact"`` refuses
+training-mode calls when such a stage contains batch norm.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class CompiledModule(nn.Module):
         bn_mode: str = "micro",
         example_inputs: Sequence[Any] | None = None,
         timeout: float = 600.0,
+        groups: Sequence[tuple[Sequence[torch.device | str], str]] | None = None,
     ) -> None:
         super().__init__()
         if bn_mode not in BN_MODES:
@@ -62,7 +71,9 @@ class CompiledModule(nn.Module):
             )
         self.plan = plan
         self.bn_mode = bn_mode
-        program = build_stages(gm, stage_of, stage_devices, example_inputs=example_inputs)
+        program = build_stages(
+            gm, stage_of, stage_devices, example_inputs=example_inputs, groups=groups
+        )
         self._program = program
         self.stages = nn.ModuleList([s.module for s in program.stages])
         self._executor = LocalExecutor(program, schedule, microbatches, timeout=timeout)
@@ -73,10 +84,15 @@ class CompiledModule(nn.Module):
         self._orphans: dict[str, torch.Tensor] = {
             k: v.detach().to("cpu", copy=True)
             for k, v in original.items()
-            if k not in program.key_sources
+            if k not in program.key_sources and k not in program.shard_sources
         }
         self._has_bn = any(
             isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.stages.modules()
+        )
+        self._batch_split_bn = any(
+            s.split == "batch"
+            and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in s.module.modules())
+            for s in program.stages
         )
         self.train(model.training)
 
@@ -97,6 +113,13 @@ class CompiledModule(nn.Module):
 
     # ---- execution ----------------------------------------------------------------
     def _check_bn(self) -> None:
+        if self.bn_mode == "exact" and self.training and self._batch_split_bn:
+            raise RuntimeError_(
+                "bn_mode='exact' cannot match single-device batch statistics in a batch-split "
+                "stage (each device normalises its share of the micro-batch)",
+                value=[s.name for s in self._program.stages if s.split == "batch"],
+                remedy="split that stage by channel, use bn_mode='micro', or call eval()",
+            )
         if self.bn_mode == "exact" and self.training and self._has_bn and self.microbatches > 1:
             raise RuntimeError_(
                 "bn_mode='exact' cannot match single-device batch statistics with "
@@ -126,9 +149,21 @@ class CompiledModule(nn.Module):
         return self._executor.train_step(args, targets, loss_fn)
 
     # ---- state --------------------------------------------------------------------
+    def _shards(self, key: str) -> tuple[list[torch.Tensor], int | None]:
+        s, names, dim = self._program.shard_sources[key]
+        mod = self.stages[s]
+        return [
+            mod.get_parameter(n) if self._is_param(s, n) else mod.get_buffer(n) for n in names
+        ], dim
+
     def _source(self, key: str) -> torch.Tensor:
         if key in self._orphans:
             return self._orphans[key]
+        if key in self._program.shard_sources:
+            parts, dim = self._shards(key)
+            if dim is None:  # a replicated scalar (batch norm's step count): shard 0 speaks
+                return parts[0]
+            return torch.cat([p.detach().to(parts[0].device) for p in parts], dim)
         s, local = self._program.key_sources[key]
         t = (
             self.stages[s].get_parameter(local)
@@ -169,6 +204,15 @@ class CompiledModule(nn.Module):
                 if key not in state_dict:
                     continue
                 dst, src = self._source(key), state_dict[key]
+                if key in self._program.shard_sources and dst.shape == src.shape:
+                    parts, dim = self._shards(key)
+                    pieces = [src] * len(parts) if dim is None else None
+                    if pieces is None:
+                        assert dim is not None
+                        pieces = list(src.split([p.shape[dim] for p in parts], dim))
+                    for part, piece in zip(parts, pieces):
+                        part.copy_(piece.to(part.device))
+                    continue
                 if dst.shape != src.shape:
                     raise InputError(
                         f"shape of {key!r} does not match the model",

@@ -7,6 +7,7 @@ re-priced by :func:`crosscut.partitioner.evaluate.evaluate`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -14,11 +15,12 @@ from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
 from crosscut.partitioner.evaluate import evaluate, lower_bound
 from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers.baselines import all_baselines, chain_dp, device_order, greedy
-from crosscut.partitioner.solvers.bruteforce import brute_force
+from crosscut.partitioner.solvers.bruteforce import brute_force, brute_force_groups
 from crosscut.partitioner.solvers.cpsat import infeasibility_report, solve_cpsat
+from crosscut.partitioner.solvers.cross import solve_cross
 from crosscut.partitioner.solvers.result import SolveResult, relative_gap
 
-__all__ = ["SOLVERS", "SolveResult", "brute_force", "solve", "solve_cpsat"]
+__all__ = ["SOLVERS", "SolveResult", "brute_force", "solve", "solve_cpsat", "solve_cross"]
 
 SOLVERS = ("cpsat", "dp", "greedy", "brute")
 
@@ -41,7 +43,22 @@ def solve(
     PartitionError when there are fewer nodes than devices); otherwise a solver
     may leave devices idle when another stage would not pay, and says so in
     ``notes``.
+
+    When ``problem.cross_shaped`` (widths > 1 and split kinds allowed), the
+    named solver first finds the pipeline-only plan, then :func:`solve_cross`
+    weighs it against data parallelism and the cross-shaped group DP
+    (``solver="brute"``: brute force over the cross-shaped space).
     """
+    if problem.cross_shaped and not require_all_devices:
+        if solver == "brute":
+            return brute_force_groups(problem)
+        plain = dataclasses.replace(problem, widths=(1,), splits=())
+        try:
+            pipe = solve(plain, time_limit=time_limit, seed=seed, solver=solver, workers=workers)
+            pipeline: tuple[list[int], list[int]] | None = (pipe.stage_of, pipe.stage_device)
+        except InfeasiblePlanError:
+            pipeline = None
+        return solve_cross(problem, pipeline, pipeline_name=f"pipeline_{solver}", seed=seed)
     if solver not in SOLVERS:
         raise InputError(f"unknown solver {solver!r}", value=solver, remedy=f"use one of {SOLVERS}")
     if require_all_devices and problem.n < problem.num_devices:

@@ -18,7 +18,7 @@ from crosscut.partitioner.evaluate import check, evaluate
 from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers.result import SolveResult
 
-__all__ = ["brute_force", "stage_assignments"]
+__all__ = ["brute_force", "brute_force_groups", "stage_assignments"]
 
 MAX_NODES = 14
 
@@ -82,4 +82,61 @@ def brute_force(problem: PartitionProblem, *, require_all_devices: bool = False)
         seed=0,
         workers=1,
         solver="brute",
+    )
+
+
+def brute_force_groups(problem: PartitionProblem) -> SolveResult:
+    """The optimal cross-shaped plan among stages on contiguous groups of the device order.
+
+    Every topological stage assignment (not only contiguous chunks) times every
+    sequence of stage shapes ``(width, split)`` whose groups take consecutive
+    devices of :func:`device_order`: the space the group DP searches, and more.
+    """
+    from crosscut.partitioner.problem import StageGroup
+    from crosscut.partitioner.solvers.baselines import device_order
+    from crosscut.partitioner.solvers.cross import group_types
+
+    if problem.n > MAX_NODES:
+        raise ValueError(f"brute force is for tiny problems (n <= {MAX_NODES}), got {problem.n}")
+    t0 = time.perf_counter()
+    order = device_order(problem)
+    types = group_types(problem)
+    best: tuple[float, list[int], list[StageGroup]] | None = None
+    for stage_of in stage_assignments(problem, min(problem.n, problem.num_devices)):
+        if any(len({stage_of[v] for v in g}) > 1 for g in problem.ties):
+            continue
+        num = max(stage_of) + 1
+        for shapes in itertools.product(types, repeat=num):
+            if sum(w for w, _ in shapes) > len(order):
+                continue
+            groups, d = [], 0
+            for w, split in shapes:
+                groups.append(StageGroup(tuple(order[d : d + w]), split))
+                d += w
+            leaders = [g.leader for g in groups]
+            obj = evaluate(problem, stage_of, leaders, groups).objective
+            if best is not None and obj >= best[0]:
+                continue
+            if check(problem, stage_of, leaders, groups):
+                continue
+            best = (obj, list(stage_of), groups)
+    if best is None:
+        raise InfeasiblePlanError(
+            "no cross-shaped plan fits the memory caps (brute force)",
+            value=f"caps {problem.mem_cap}",
+            remedy="add devices or memory",
+        )
+    obj, stage_of, groups = best
+    return SolveResult(
+        stage_of=stage_of,
+        stage_device=[g.leader for g in groups],
+        objective=obj,
+        status="OPTIMAL",
+        best_bound=obj,
+        gap=0.0,
+        wall_time_s=time.perf_counter() - t0,
+        seed=0,
+        workers=1,
+        solver="brute",
+        groups=groups,
     )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from crosscut.partitioner.problem import StageGroup
+
 __all__ = ["SolveResult", "relative_gap"]
 
 
@@ -35,6 +37,7 @@ class SolveResult:
     solver: str = "cpsat"
     baselines: dict[str, float] = field(default_factory=dict)  # name -> objective (inf: infeasible)
     notes: list[str] = field(default_factory=list)
+    groups: list[StageGroup] | None = None  # device group of every stage (cross-shaped plans)
 
     @property
     def num_stages(self) -> int:

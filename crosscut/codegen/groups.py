@@ -1,0 +1,120 @@
+"""Applying a plan's device groups to built stages (cross-shaped plans).
+
+``build_stages`` first splits the model into one GraphModule per stage as for
+a pipeline, then hands every stage whose group has several devices to
+:func:`apply_groups`, which swaps in its width-split module
+(``codegen/width.py``) and remaps the stage's parameters to the ORIGINAL
+``state_dict`` keys: whole tensors stay in ``key_sources``; tensors cut into
+channel shards move to ``shard_sources`` (key → stage, shard names, dim), from
+which ``CompiledModule.state_dict()`` re-assembles them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from crosscut.codegen.width import BatchSplitStage, Collective, channel_split
+from crosscut.errors import CodegenError
+
+if TYPE_CHECKING:
+    from crosscut.codegen.split import Stage
+
+__all__ = ["ShardSources", "apply_groups", "check_groups"]
+
+Group = tuple[Sequence[torch.device | str], str]
+ShardSources = dict[str, tuple[int, list[str], int | None]]
+
+
+def check_groups(groups: Sequence[Group] | None, devices: list[torch.device]) -> None:
+    """One group per stage, a known split, the stage's device first in its group."""
+    if groups is None:
+        return
+    if len(groups) != len(devices):
+        raise CodegenError(
+            f"{len(groups)} device groups for {len(devices)} stages",
+            value=len(groups),
+            remedy="pass one (devices, split) group per stage",
+        )
+    for k, (group_devs, kind) in enumerate(groups):
+        if kind not in ("none", "channel", "batch"):
+            raise CodegenError(
+                f"stage {k} has unknown split {kind!r}", value=kind, remedy="use none/channel/batch"
+            )
+        if not group_devs or torch.device(group_devs[0]) != devices[k]:
+            raise CodegenError(
+                f"stage {k}'s group must start with its stage device {devices[k]}",
+                value=[str(d) for d in group_devs],
+                remedy="list the stage device first in its group",
+            )
+        if len(group_devs) == 1 and kind != "none":
+            raise CodegenError(
+                f"stage {k} splits by {kind!r} over one device",
+                value=[str(d) for d in group_devs],
+                remedy="give the stage two or more devices, or use split 'none'",
+            )
+
+
+def apply_groups(
+    stages: list[Stage],
+    groups: Sequence[Group],
+    origin: dict[int, list[str]],
+    key_sources: dict[str, tuple[int, str]],
+) -> ShardSources:
+    """Width-split every multi-device stage in place; returns the shard sources."""
+    shards: ShardSources = {}
+    for s, (group_devs, kind) in enumerate(groups):
+        if len(group_devs) > 1 and kind != "none":
+            devs = [torch.device(d) for d in group_devs]
+            shards.update(_split_stage(stages[s], devs, kind, origin, key_sources))
+    return shards
+
+
+def _split_stage(
+    stage: Stage,
+    devs: list[torch.device],
+    kind: str,
+    origin: dict[int, list[str]],
+    key_sources: dict[str, tuple[int, str]],
+) -> ShardSources:
+    sub = stage.module
+    old_keys = stage.param_keys
+    stage.devices, stage.split = devs, kind
+    names = tuple(str(d) for d in devs)
+    if kind == "batch":
+        mutated = [j for j, (v, _) in enumerate(stage.inputs) if v in stage.mutated_inputs]
+        stage.module = BatchSplitStage(sub, devs, mutated)  # type: ignore[assignment]
+        stage.param_keys = {f"inner.{k}": v for k, v in old_keys.items()}
+        for local, originals in stage.param_keys.items():
+            for k in originals:
+                if key_sources.get(k, (-1, ""))[0] == stage.index:
+                    key_sources[k] = (stage.index, local)
+        grads = sum(p.numel() * p.element_size() for p in sub.parameters() if p.requires_grad)
+        stage.collectives = [
+            *(Collective("scatter", v, 0, names) for v, _ in stage.inputs),
+            *(Collective("gather", v, 0, names) for v in stage.outputs),
+            Collective("all_reduce", "gradients", int(grads), names),
+        ]
+        return {}
+    cs = channel_split(sub, devs)
+    stage.module = cs.module
+    sharded = {name for shard_names, _ in cs.shards.values() for name in shard_names}
+    keys: dict[str, list[str]] = {}
+    for local, t in [
+        *cs.module.named_parameters(remove_duplicate=False),
+        *cs.module.named_buffers(remove_duplicate=False),
+    ]:
+        keys[local] = [] if local in sharded else origin.get(id(t), [])
+        for k in keys[local]:
+            if key_sources.get(k, (-1, ""))[0] == stage.index:
+                key_sources[k] = (stage.index, local)
+    stage.param_keys = keys
+    stage.collectives = cs.collectives
+    out: ShardSources = {}
+    for old_local, (shard_names, dim) in cs.shards.items():
+        for k in old_keys.get(old_local, []):
+            key_sources.pop(k, None)
+            out[k] = (stage.index, shard_names, dim)
+    return out

@@ -1,0 +1,131 @@
+"""The cost model of cross-shaped (2-D) stages: a stage on a group of devices.
+
+:func:`crosscut.partitioner.evaluate.evaluate` hands a plan here when one of its
+stages runs on more than one device, so there is still one cost model; a plan
+whose stages are all single devices is priced by evaluate()'s own path and
+prices exactly as before. The formulas (docs/PLAN_FORMAT.md, "Cross-shaped
+stages"), for stage ``k`` on group ``G`` of ``w`` devices, leader ``G[0]``:
+
+* **share.** A node's work on one device of the group is ``share(n, w) =
+  ceil(n / w) / n`` of its full work, ``n`` being the micro-batch size (batch
+  split) or the node's output channels (channel split); uneven splits therefore
+  cost what the largest shard costs. Unknown ``n`` prices ``1 / w``.
+* **compute** = ``max`` over the group's devices of ``Σ compute[v][d] · share``.
+  In a channel split only ``split``/``channel`` nodes are shared; ``full`` nodes
+  run whole on the leader.
+* **collectives** (charged to the stage, ×2 when training: the backward moves
+  the same bytes the other way), ``coll(B) = lat_G + (w - 1) / w · B / bw_G``
+  with ``bw_G``/``lat_G`` the slowest link inside the group:
+
+  - batch split: every received tensor is scattered over the group and every
+    sent tensor gathered on the leader, ``coll(B)`` each; when training the
+    gradients are all-reduced once per step (ring: ``2 (w-1)/w · grad bytes /
+    bw_G + 2 (w-1) lat_G``), amortised over the step's micro-batches;
+  - channel split: a shard-producing node (``split``/``channel``) whose value is
+    needed whole (by a ``split`` or ``full`` node of the stage, or by another
+    stage) costs one all-gather ``coll(B)``; a whole value (received, or made
+    by a ``full`` node) read by a ``split`` node costs one broadcast ``coll(B)``.
+* **transfers** between stages go leader to leader, priced as for single
+  devices.
+* **memory** per device, ``f`` = the node's share: batch split: ``resident +
+  inflight · activation · f`` on every device, plus the receive buffers (whole
+  on the leader, ``f`` of them elsewhere); channel split: ``f · (resident +
+  inflight · activation)`` of shared nodes on every device, plus the ``full``
+  nodes and the receive buffers on the leader.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from crosscut.partitioner.problem import PartitionProblem, StageGroup
+
+__all__ = [
+    "collective_time",
+    "group_link",
+    "group_problems",
+    "node_share",
+    "ring_allreduce_time",
+    "share",
+]
+
+
+def share(total: int, width: int) -> float:
+    """Fraction of ``total`` items the busiest of ``width`` near-equal parts holds."""
+    if width <= 1:
+        return 1.0
+    if total <= 0:
+        return 1.0 / width
+    return math.ceil(total / width) / total
+
+
+def node_share(problem: PartitionProblem, v: int, group: StageGroup) -> float:
+    """Fraction of node ``v``'s work (and memory) on each device of ``group``.
+
+    For a ``full`` node in a channel group this is 1: it runs on the leader only.
+    """
+    if group.width <= 1 or group.split == "none":
+        return 1.0
+    if group.split == "batch":
+        return share(problem.batch, group.width)
+    if problem.shard_of(v) == "full":
+        return 1.0
+    return share(problem.channels_of(v), group.width)
+
+
+def group_link(problem: PartitionProblem, devices: Sequence[int]) -> tuple[float, float]:
+    """(bandwidth, latency) of the slowest link inside a group of devices."""
+    pairs = [(a, b) for a in devices for b in devices if a != b]
+    if not pairs:
+        return math.inf, 0.0
+    bw = min(problem.bandwidth[a][b] for a, b in pairs)
+    lat = max(problem.latency[a][b] for a, b in pairs)
+    return bw, lat
+
+
+def collective_time(problem: PartitionProblem, group: StageGroup, nbytes: int) -> float:
+    """One all-gather / scatter / broadcast of ``nbytes`` over the group, one way."""
+    w = group.width
+    if w <= 1:
+        return 0.0
+    bw, lat = group_link(problem, group.devices)
+    return lat + (w - 1) / w * nbytes / bw
+
+
+def ring_allreduce_time(problem: PartitionProblem, group: StageGroup, nbytes: int) -> float:
+    """Ring all-reduce of ``nbytes`` over the group: ``2 (w-1)/w · bytes / bw + 2 (w-1) lat``."""
+    w = group.width
+    if w <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = group_link(problem, group.devices)
+    return 2 * (w - 1) / w * nbytes / bw + 2 * (w - 1) * lat
+
+
+def group_problems(problem: PartitionProblem, groups: Sequence[StageGroup]) -> list[str]:
+    """Rules a list of stage groups breaks (disjoint devices, widths and splits that fit)."""
+    errors: list[str] = []
+    seen: dict[int, int] = {}
+    for k, g in enumerate(groups):
+        if not g.devices:
+            errors.append(f"stage {k} has an empty device group")
+            continue
+        for d in g.devices:
+            if not 0 <= d < problem.num_devices:
+                errors.append(f"stage {k} names device {d}, outside 0..{problem.num_devices - 1}")
+            elif d in seen:
+                errors.append(f"device {problem.devices[d]!r} is in stages {seen[d]} and {k}")
+            seen.setdefault(d, k)
+        if g.width == 1 and g.split != "none":
+            errors.append(f"stage {k} splits by {g.split!r} over one device; use split 'none'")
+        if g.width > 1 and g.split not in ("batch", "channel"):
+            errors.append(
+                f"stage {k} runs on {g.width} devices with split {g.split!r}; "
+                "a group splits by 'batch' or 'channel'"
+            )
+        if g.split == "batch" and 0 < problem.batch < g.width:
+            errors.append(
+                f"stage {k} splits a micro-batch of {problem.batch} over {g.width} devices; "
+                "some devices would get no sample"
+            )
+    return errors

@@ -1,0 +1,80 @@
+"""How each traced node behaves in a channel-split stage (for the cost model).
+
+``codegen/width.py`` decides for real, op by op, when it rewrites a stage; this
+is the same classification ahead of time, from the OpGraph, so the solver can
+price a channel split: ``split`` nodes (``Conv2d`` with ``groups == 1``,
+``Linear``) need their whole input and make channel shards, ``channel`` nodes
+(batch norm, activations, pooling, element-wise arithmetic) work shard by
+shard, and every other node (``full``) runs whole on the group's leader.
+Dropout is ``full`` on purpose: it must draw eager mode's random numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from crosscut.graph import OpGraph, OpNode
+
+__all__ = ["shard_kind"]
+
+_CHANNEL_MODULES = (
+    "ReLU",
+    "ReLU6",
+    "LeakyReLU",
+    "SiLU",
+    "GELU",
+    "Sigmoid",
+    "Tanh",
+    "Hardswish",
+    "Hardsigmoid",
+    "ELU",
+    "Identity",
+    "MaxPool2d",
+    "AvgPool2d",
+    "AdaptiveAvgPool2d",
+    "AdaptiveMaxPool2d",
+    "BatchNorm2d",
+)
+_CHANNEL_FUNCTIONS = {
+    "add",
+    "iadd",
+    "mul",
+    "imul",
+    "relu",
+    "relu_",
+    "relu6",
+    "sigmoid",
+    "tanh",
+    "silu",
+    "hardswish",
+    "adaptive_avg_pool2d",
+    "max_pool2d",
+    "avg_pool2d",
+}
+
+
+def _channels(node: OpNode) -> int:
+    shape = node.shapes[0] if node.shapes else []
+    return int(shape[1]) if len(shape) > 1 else 0
+
+
+def shard_kind(graph: OpGraph, node: OpNode) -> tuple[str, int]:
+    """``(kind, output channels)`` of ``node``; kind is "split", "channel" or "full"."""
+    if node.op == "call_module" and graph.gm is not None:
+        try:
+            mod: Any = graph.gm.get_submodule(node.target)
+        except AttributeError:
+            return "full", 0
+        name = type(mod).__name__
+        if name == "Conv2d" and getattr(mod, "groups", 1) == 1:
+            return "split", int(mod.out_channels)
+        if name == "Linear":
+            return "split", int(mod.out_features)
+        if name in _CHANNEL_MODULES:
+            return "channel", _channels(node)
+        return "full", 0
+    if node.op in ("call_function", "call_method"):
+        leaf = node.target.rsplit(".", 1)[-1]
+        if node.kind in _CHANNEL_FUNCTIONS or leaf in _CHANNEL_FUNCTIONS:
+            return "channel", _channels(node)
+    return "full", 0

@@ -1,0 +1,219 @@
+"""Cross-shaped stages: the group cost model, the group DP against brute force.
+
+Problems are tiny (5-7 nodes, 4 identical devices on uniform links) so brute
+force over every topological assignment x every stage shape stays exact. On
+chains the DP's prefix-sum prices are evaluate()'s, so it must reach the brute
+force optimum; on DAGs it may only lose (it searches contiguous chunks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+
+from crosscut.partitioner.evaluate import check, evaluate, lower_bound, single_groups
+from crosscut.partitioner.groups import share
+from crosscut.partitioner.problem import PartitionProblem, StageGroup
+from crosscut.partitioner.solvers import solve
+from crosscut.partitioner.solvers.bruteforce import brute_force_groups
+from crosscut.partitioner.solvers.cross import cross_dp, data_parallel
+
+GB = 1 << 30
+
+
+def make(
+    rng: random.Random,
+    n: int,
+    *,
+    chain: bool,
+    devices: int = 4,
+    training: bool = True,
+    cap: int = 64 * GB,
+    microbatches: int = 1,
+) -> PartitionProblem:
+    edges = [(v - 1, v) for v in range(1, n)]
+    if not chain:
+        edges += [(u, v) for v in range(2, n) for u in range(v - 1) if rng.random() < 0.3]
+    shard = [rng.choice(["split", "channel", "full"]) for _ in range(n)]
+    compute = [rng.uniform(0.5, 5.0) for _ in range(n)]
+    return PartitionProblem(
+        names=[f"n{v}" for v in range(n)],
+        compute=[[c] * devices for c in compute],
+        resident=[rng.randint(0, 4) * GB // 4 for _ in range(n)],
+        activation=[rng.randint(1, 8) * (1 << 20) for _ in range(n)],
+        out_bytes=[rng.randint(1, 64) * (1 << 20) for _ in range(n)],
+        edges=sorted(set(edges)),
+        devices=[f"d{i}" for i in range(devices)],
+        mem_cap=[cap] * devices,
+        bandwidth=[[50e9] * devices for _ in range(devices)],
+        latency=[[1e-5] * devices for _ in range(devices)],
+        microbatches=microbatches,
+        training=training,
+        widths=(1, 2, 4),
+        splits=("batch", "channel"),
+        shard=shard,
+        channels=[rng.choice([0, 6, 64, 3]) for _ in range(n)],
+        param_bytes=[rng.randint(0, 256) * (1 << 20) for _ in range(n)],
+        batch=rng.choice([8, 6, 0]),
+    )
+
+
+def test_share_prices_the_largest_shard() -> None:
+    assert share(64, 4) == 0.25
+    assert share(6, 4) == pytest.approx(2 / 6)  # shards 2,2,1,1
+    assert share(3, 4) == pytest.approx(1 / 3)  # one device idles
+    assert share(0, 4) == 0.25  # unknown size: an even split
+    assert share(10, 1) == 1.0
+
+
+def test_single_device_groups_price_as_the_pipeline_model() -> None:
+    rng = random.Random(3)
+    pb = make(rng, 6, chain=False)
+    stage_of, stage_device = [0, 0, 1, 1, 2, 2], [2, 0, 1]
+    plain = evaluate(pb, stage_of, stage_device)
+    grouped = evaluate(pb, stage_of, stage_device, single_groups(stage_device))
+    assert grouped == plain
+
+
+def test_batch_group_formulas_by_hand() -> None:
+    pb = PartitionProblem(
+        names=["a", "b"],
+        compute=[[4.0] * 4, [2.0] * 4],
+        resident=[100, 50],
+        activation=[40, 20],
+        out_bytes=[1000, 10],
+        edges=[(0, 1)],
+        devices=["d0", "d1", "d2", "d3"],
+        mem_cap=[10**6] * 4,
+        bandwidth=[[1000.0] * 4 for _ in range(4)],
+        latency=[[0.0] * 4 for _ in range(4)],
+        microbatches=2,
+        widths=(1, 2),
+        splits=("batch",),
+        param_bytes=[400, 0],
+        batch=8,
+    )
+    groups = [StageGroup((0, 1), "batch"), StageGroup((2,))]
+    ev = evaluate(pb, [0, 1], [0, 2], groups)
+    assert ev.stage_compute == [2.0, 2.0]  # 4 s over two devices, half a batch each
+    send = 1000 / 1000  # leader -> stage 1, one way
+    gather = 0.5 * 1000 / 1000  # (w-1)/w of the output gathered on the leader
+    ring = 2 * 0.5 * 400 / 1000 / 2  # all-reduce of 400 gradient bytes, per micro-batch
+    assert ev.stage_collective[0] == pytest.approx(2 * gather + ring)
+    assert ev.stage_comm[0] == pytest.approx(2 * send + 2 * gather + ring)
+    assert ev.stage_comm[1] == pytest.approx(2 * send)
+    # 1F1B, 2 stages: stage 0 keeps 2 micro-batches; every replica holds the weights
+    assert ev.device_memory[0] == 100 + 2 * 40 * 0.5
+    assert ev.device_memory[1] == ev.device_memory[0]
+    assert ev.device_memory[2] == 50 + 1 * 20 + 1 * 1000
+
+
+def test_channel_group_gathers_only_where_a_whole_value_is_needed() -> None:
+    # conv(split) -> bn(channel) -> relu(channel) -> conv(split) -> flatten(full)
+    pb = PartitionProblem(
+        names=["c1", "bn", "relu", "c2", "flat"],
+        compute=[[8.0] * 2, [2.0] * 2, [2.0] * 2, [8.0] * 2, [1.0] * 2],
+        resident=[800, 16, 0, 800, 0],
+        activation=[100, 100, 100, 100, 100],
+        out_bytes=[100] * 5,
+        edges=[(0, 1), (1, 2), (2, 3), (3, 4)],
+        devices=["d0", "d1"],
+        mem_cap=[10**6] * 2,
+        bandwidth=[[100.0] * 2 for _ in range(2)],
+        latency=[[0.0] * 2 for _ in range(2)],
+        training=False,
+        widths=(1, 2),
+        splits=("channel",),
+        shard=["split", "channel", "channel", "split", "full"],
+        channels=[64, 64, 64, 64, 0],
+    )
+    ev = evaluate(pb, [0] * 5, [0], [StageGroup((0, 1), "channel")])
+    assert ev.stage_compute == [(8 + 2 + 2 + 8) / 2 + 1]  # flatten runs whole on the leader
+    # gathers: relu's shards before c2, c2's shards before flatten (50 bytes each way)
+    assert ev.stage_collective == [pytest.approx(2 * 0.5 * 100 / 100)]
+    assert ev.device_memory == [808, 808]  # inference: weights halved, no activations kept
+
+
+def test_overlapping_groups_and_bad_splits_are_named() -> None:
+    pb = make(random.Random(0), 4, chain=True)
+    bad = [StageGroup((0, 1), "batch"), StageGroup((1, 2), "channel")]
+    assert any("in stages 0 and 1" in e for e in check(pb, [0, 0, 1, 1], [0, 1], bad))
+    one = [StageGroup((0,), "batch")]
+    assert any("over one device" in e for e in check(pb, [0] * 4, [0], one))
+    tiny = dataclasses.replace(pb, batch=2)
+    wide = [StageGroup((0, 1, 2, 3), "batch")]
+    assert any("no sample" in e for e in check(tiny, [0] * 4, [0], wide))
+
+
+def test_memory_caps_differ_within_a_group() -> None:
+    pb = make(random.Random(5), 5, chain=True, training=True)
+    groups = [StageGroup((0, 1), "channel")]
+    need = evaluate(pb, [0] * 5, [0], groups).device_memory
+    assert need[0] >= need[1] > 0  # the leader also holds the whole ("full") nodes
+    caps = [need[0], need[1] - 1, 10 * need[0], 10 * need[0]]
+    tight = dataclasses.replace(pb, mem_cap=caps)
+    assert any("'d1' needs" in e for e in check(tight, [0] * 5, [0], groups))
+    assert not check(
+        dataclasses.replace(pb, mem_cap=[need[0], need[1], 1, 1]), [0] * 5, [0], groups
+    )
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_group_dp_matches_brute_force_on_chains(seed: int) -> None:
+    rng = random.Random(seed)
+    pb = make(rng, rng.randint(4, 6), chain=True, training=seed % 3 != 0)
+    if seed % 2:  # channel splits only: the gather / broadcast prices are exercised
+        pb = dataclasses.replace(pb, splits=("channel",))
+    if seed % 4 == 1:  # tight memory: some shapes only fit when split
+        total = sum(pb.resident) + sum(pb.activation)
+        pb = dataclasses.replace(pb, mem_cap=[total // 3] * 4)
+    try:
+        brute = brute_force_groups(pb)
+    except Exception:
+        assert cross_dp(pb) is None
+        return
+    found = cross_dp(pb)
+    assert found is not None
+    stage_of, groups = found
+    leaders = [g.leader for g in groups]
+    assert not check(pb, stage_of, leaders, groups)
+    obj = evaluate(pb, stage_of, leaders, groups).objective
+    assert obj == pytest.approx(brute.objective, rel=1e-9)
+    assert obj >= lower_bound(pb) * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_group_dp_valid_on_dags_and_never_beats_brute_force(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    pb = make(rng, rng.randint(5, 7), chain=False, microbatches=rng.choice([1, 2]))
+    brute = brute_force_groups(pb)
+    res = solve(pb, time_limit=2.0)
+    assert res.groups is not None
+    leaders = [g.leader for g in res.groups]
+    assert not check(pb, res.stage_of, leaders, res.groups)
+    assert res.objective == pytest.approx(evaluate(pb, res.stage_of, leaders, res.groups).objective)
+    assert res.objective >= brute.objective * (1 - 1e-9)
+    assert res.objective <= min(v for v in res.baselines.values()) * (1 + 1e-12)
+    assert res.best_bound <= brute.objective * (1 + 1e-9)
+
+
+def test_cross_never_worse_than_pipeline_or_data_parallel() -> None:
+    rng = random.Random(7)
+    pb = make(rng, 7, chain=False)
+    res = solve(pb, time_limit=2.0)
+    plain = solve(dataclasses.replace(pb, widths=(1,), splits=()), time_limit=2.0)
+    dp = data_parallel(pb)
+    assert dp is not None
+    dp_obj = evaluate(pb, dp[0], [g.leader for g in dp[1]], dp[1]).objective
+    assert res.objective <= plain.objective * (1 + 1e-12)
+    assert res.objective <= dp_obj * (1 + 1e-12)
+    assert math.isfinite(res.baselines["data_parallel"])
+
+
+def test_defaults_leave_the_pipeline_solver_alone() -> None:
+    pb = dataclasses.replace(make(random.Random(2), 6, chain=False), widths=(1,), splits=())
+    res = solve(pb, time_limit=2.0)
+    assert res.groups is None and res.solver == "cpsat"

@@ -162,10 +162,6 @@ def evaluate(
             comm[k] += t
             recv[k] += problem.out_bytes[u]
             transfers.append((u, j, k, t))
-    if problem.overlap_comm:
-        times = [max(c, m) for c, m in zip(comp, comm)]
-    else:
-        times = [c + m for c, m in zip(comp, comm)]
     memory = [0] * problem.num_devices
     for k, d in enumerate(stage_device):
         memory[d] += (
@@ -173,8 +169,25 @@ def evaluate(
             + activation_factor(problem, k, num_stages) * act[k]
             + buffer_factor(problem, k, num_stages) * recv[k]
         )
-    bottleneck = max(times, default=0.0)
     span = _makespan(problem, stage_of, stage_device)
+    return _assemble(problem, comp, comm, memory, transfers, span)
+
+
+def _assemble(
+    problem: PartitionProblem,
+    comp: list[float],
+    comm: list[float],
+    memory: list[int],
+    transfers: list[tuple[int, int, int, float]],
+    span: float,
+    coll: list[float] | None = None,
+) -> Evaluation:
+    """Stage times (compute + comm, or their max when overlapped) and the objective."""
+    if problem.overlap_comm:
+        times = [max(c, m) for c, m in zip(comp, comm)]
+    else:
+        times = [c + m for c, m in zip(comp, comm)]
+    bottleneck = max(times, default=0.0)
     return Evaluation(
         objective=span if problem.objective == "latency" else bottleneck,
         bottleneck=bottleneck,
@@ -184,6 +197,7 @@ def evaluate(
         stage_time=times,
         device_memory=memory,
         transfers=transfers,
+        stage_collective=coll if coll is not None else [0.0] * len(comp),
     )
 
 
@@ -240,23 +254,8 @@ def _evaluate_groups(
                 if g.split == "channel" and d != g.leader:
                     part = 0.0
                 memory[d] += math.ceil(bf * problem.out_bytes[u] * part)
-    if problem.overlap_comm:
-        times = [max(c, m) for c, m in zip(comp, comm)]
-    else:
-        times = [c + m for c, m in zip(comp, comm)]
-    bottleneck = max(times, default=0.0)
     span = _makespan(problem, stage_of, lead, shares)
-    return Evaluation(
-        objective=span if problem.objective == "latency" else bottleneck,
-        bottleneck=bottleneck,
-        makespan=span,
-        stage_compute=comp,
-        stage_comm=comm,
-        stage_time=times,
-        device_memory=memory,
-        transfers=transfers,
-        stage_collective=coll,
-    )
+    return _assemble(problem, comp, comm, memory, transfers, span, coll)
 
 
 def _group_collective_bytes(

@@ -86,11 +86,16 @@ def _eager_step(model: nn.Module, x: torch.Tensor, micro: int, train: bool) -> t
     out = _cat(outs)
     loss = loss_of(out)
     if train:
-        opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        opt.zero_grad()
-        torch.autograd.backward(loss)
-        opt.step()
+        _sgd_step(model, loss)
     return out, float(loss.detach())
+
+
+def _sgd_step(model: nn.Module, loss: torch.Tensor) -> None:
+    """One SGD step with learning rate 1: each parameter moves by exactly its gradient."""
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt.zero_grad()
+    torch.autograd.backward(loss)
+    opt.step()
 
 
 def _cat(outs: list[Any]) -> Any:
@@ -130,10 +135,7 @@ def verify_plan(
         out = compiled(x)
         loss = loss_of(out)
         if train:
-            opt = torch.optim.SGD(compiled.parameters(), lr=1.0)
-            opt.zero_grad()
-            torch.autograd.backward(loss)
-            opt.step()
+            _sgd_step(compiled, loss)
     out_diff = max(
         (
             float((a.detach().cpu().float() - b.detach().float()).abs().max())

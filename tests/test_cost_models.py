@@ -207,3 +207,25 @@ def test_profiled_costs_infer_and_errors(tmp_path: Path) -> None:
     bare = _chain()
     with pytest.raises(CostModelError, match="GraphModule"):
         profile_costs(bare, "cpu", cache_dir=tmp_path)
+
+
+def test_in_context_and_isolated_methods(tmp_path: Path) -> None:
+    g = _traced()
+    ctx = profile_costs(g, "cpu", repeats=2, warmup=1, cache_dir=tmp_path)
+    iso = profile_costs(g, "cpu", repeats=2, warmup=1, cache_dir=tmp_path, method="isolated")
+    assert ctx.meta["method"] == "context" and iso.meta["method"] == "isolated"
+    assert len(list(tmp_path.glob("*.json"))) == 2  # cached apart
+    for table in (ctx, iso):
+        assert table.fwd_s("conv", "cpu") > 0 and table.bwd_s("conv", "cpu") > 0
+        assert table.bwd_s("fc", "cpu") > 0
+    with pytest.raises(CostModelError, match="context"):
+        profile_costs(g, "cpu", cache_dir=None, method="guess")
+
+
+def test_backward_intervals_tile_the_pass() -> None:
+    from crosscut.cost_models.context import _backward_times
+
+    stamps = [(2.0, "b"), (1.0, "c"), (3.5, "a"), (2.5, "c2")]
+    times = _backward_times(stamps, end=4.0)
+    assert times == {"c": 1.0, "b": 0.5, "c2": 1.0, "a": 0.5}
+    assert sum(times.values()) == pytest.approx(4.0 - 1.0)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from crosscut.cost_models.context import measure_in_context
 from crosscut.cost_models.memory import activation_bytes, is_alias, resident_bytes
 from crosscut.cost_models.table import CostTable, NodeCost
 from crosscut.errors import CostModelError
@@ -198,6 +199,20 @@ def _measure(
     return times
 
 
+def _measure_context(
+    graph: OpGraph, dev: torch.device, warmup: int, repeats: int
+) -> dict[str, tuple[float, float]]:
+    gm: torch.fx.GraphModule = copy.deepcopy(graph.gm).to(dev)
+    training = graph.mode == "train"
+    gm.train(training)
+    inputs = [
+        _placeholder(op.shapes[0] if op.shapes else [], op.dtype, dev)
+        for op in graph.nodes
+        if op.op == "placeholder"
+    ]
+    return measure_in_context(gm, inputs, dev, training, warmup, repeats)
+
+
 def _fetch(gm: torch.nn.Module, target: str) -> Any:
     obj: Any = gm
     for part in target.split("."):
@@ -230,12 +245,20 @@ def profile_costs(
     cache_dir: str | Path | None = ".crosscut-cache",
     optimizer: str = "sgd",
     kind: str | None = None,
+    method: str = "context",
 ) -> CostTable:
     """Measured forward/backward seconds of every node on ``device``.
 
     ``kind`` names the column the times go in (default: the device's preset
     kind, e.g. "cpu" or "V100"); ``cache_dir=None`` turns the cache off.
+    ``method="context"`` (default) times every node inside whole training steps
+    (``context.py``); ``"isolated"`` runs each node alone, which needs no memory
+    for a whole step but over-prices ops that normally run back to back.
     """
+    if method not in ("context", "isolated"):
+        raise CostModelError(
+            "method is 'context' or 'isolated'", value=method, remedy="use method='context'"
+        )
     if graph.gm is None:
         raise CostModelError(
             "profiling needs the traced GraphModule (OpGraph.gm)",
@@ -246,12 +269,16 @@ def profile_costs(
         raise CostModelError("repeats >= 1 and warmup >= 0", value=(repeats, warmup))
     dev = torch.device(device)
     kind = kind or device_kind(dev)
-    path = Path(cache_dir) / f"{cache_key(graph, kind)}.json" if cache_dir is not None else None
+    stem = f"{cache_key(graph, kind)}-{method}"
+    path = Path(cache_dir) / f"{stem}.json" if cache_dir is not None else None
     cached = _load_cache(path, graph) if path is not None else None
     if cached is not None:
         return _with_memory(cached, graph, optimizer)
     t0 = time.perf_counter()
-    times = _measure(graph, dev, warmup, repeats)
+    if method == "context":
+        times = _measure_context(graph, dev, warmup, repeats)
+    else:
+        times = _measure(graph, dev, warmup, repeats)
     table = CostTable(
         nodes={
             n.name: NodeCost(
@@ -268,6 +295,7 @@ def profile_costs(
             "device": str(dev),
             "kind": kind,
             "repeats": repeats,
+            "method": method,
             "warmup": warmup,
             "profile_s": time.perf_counter() - t0,
             "cache_hit": False,

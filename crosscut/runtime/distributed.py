@@ -84,6 +84,17 @@ class DistributedPipeline(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        grouped = [st.index for st in plan.stages if len(st.devices) > 1]
+        if grouped:
+            raise InputError(
+                "the distributed runtime runs one device per stage; this plan has "
+                f"cross-shaped stages {grouped}",
+                value=[
+                    (st.index, st.devices, st.split) for st in plan.stages if st.index in grouped
+                ],
+                remedy="run it with crosscut.compile on one machine, or re-partition without "
+                "cross_shaped=True (worker groups across ranks: replicas=R)",
+            )
         if not dist.is_available() or not dist.is_initialized():
             raise DistributedError(
                 "a DistributedPipeline needs an initialised torch.distributed process group",

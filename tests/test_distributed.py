@@ -321,7 +321,7 @@ def test_plan_mismatch_world_size_and_port(plan2: Path, tmp_path: Path) -> None:
 
 
 def test_checkpoint_resume_equals_uninterrupted(plan2: Path, tmp_path: Path) -> None:
-    """Save after step 1, restart from the files, step 2 == two uninterrupted steps."""
+    """Save after step 1, lose a rank in step 2, resume from the files: == two clean steps."""
     ckpt, a, b = tmp_path / "ckpt", tmp_path / "a", tmp_path / "b"
     common = ["--plan", str(plan2), "--schedules", "1f1b"]
     ok(launch(2, [*common, "--steps", "1", "--save", str(ckpt), "--out", str(a)]))
@@ -330,6 +330,27 @@ def test_checkpoint_resume_equals_uninterrupted(plan2: Path, tmp_path: Path) -> 
     assert list(assembled) == list(one["state"])  # original keys, original order
     for k, v in one["state"].items():
         close(assembled[k], v, f"checkpoint {k}")
+    # step 2, interrupted: rank 1 dies mid-step; rank 0 must name it within the timeout
+    died = launch(
+        2,
+        [
+            *common,
+            "--steps",
+            "1",
+            "--load",
+            str(ckpt),
+            "--timeout",
+            "15",
+            "--out",
+            str(tmp_path / "died"),
+        ],
+        env={"CROSSCUT_TEST_KILL_RANK": "1"},
+        timeout=120,
+    )
+    assert died[1].rc == 1 and died[0].rc == 3, died[0].output[-2000:]
+    assert "rank 1 lost" in died[0].output
+    assert died[0].seconds < 15 + 30
+    # resume from the same checkpoint: step 2 again, this time to the end
     ok(launch(2, [*common, "--steps", "1", "--load", str(ckpt), "--out", str(b)]))
     # the uninterrupted run goes through the launcher: `crosscut run --plan ... script`
     c = tmp_path / "c"

@@ -38,6 +38,22 @@ def _is_meta(n: OpNode) -> bool:
 def coarsen(graph: OpGraph) -> tuple[OpGraph, dict[str, list[str]]]:
     """Merge chains no sensible plan separates; return the coarse graph and coarse -> members.
 
+    The rules of :func:`_coarsen_once` are applied until nothing merges: folding
+    size arithmetic into its reader can expose a chain the first pass could not
+    see (``conv -> size -> batch_norm``), and a coarse graph should not coarsen
+    further. Members always name nodes of the original ``graph``.
+    """
+    coarse, mapping = _coarsen_once(graph)
+    while True:
+        again, mapping_again = _coarsen_once(coarse)
+        if len(again) == len(coarse):
+            return coarse, mapping
+        coarse, mapping = again, mapping_again
+
+
+def _coarsen_once(graph: OpGraph) -> tuple[OpGraph, dict[str, list[str]]]:
+    """One pass of the merge rules.
+
     Why only chains: a node ``v`` in :data:`FOLLOWER_KINDS` joins its producer
     ``u`` only when ``u``'s sole consumer is ``v`` and ``u`` is ``v``'s sole data
     input, so every cut the coarse graph loses is a cut through a single edge in

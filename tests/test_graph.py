@@ -177,3 +177,31 @@ def test_lint_names_the_offender() -> None:
     )
     with pytest.raises(GraphLintError, match="'a' reads 'b'"):
         bad.lint()
+
+
+def test_coarsen_reaches_a_fixed_point_through_size_arithmetic() -> None:
+    """conv -> size -> batch_norm: folding the size op exposes a chain; one call merges it."""
+
+    def node(name: str, op: str, kind: str, inputs: list[str], shapes: list[list[int]]) -> OpNode:
+        return OpNode(
+            name=name,
+            op=op,
+            kind=kind,
+            target=kind,
+            inputs=inputs,
+            shapes=shapes,
+            out_bytes=16 if shapes else 0,
+        )
+
+    g = OpGraph(
+        [
+            node("x", "placeholder", "placeholder", [], [[1, 4]]),
+            node("n0", "call_function", "conv2d", ["x"], [[1, 4]]),
+            node("n1", "call_function", "size", ["n0"], []),
+            node("n2", "call_function", "batch_norm", ["n1"], [[1, 4]]),
+            node("output", "output", "output", ["n2"], []),
+        ]
+    )
+    coarse, mapping = coarsen(g)
+    assert mapping["n0"] == ["n0", "n1", "n2"]
+    assert len(coarsen(coarse)[0]) == len(coarse) == 3

@@ -34,6 +34,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.fx.passes.split_module import split_module
 
+from crosscut.codegen.attrs import get_attr, set_attr
 from crosscut.codegen.groups import apply_groups, check_groups
 from crosscut.codegen.order import order_by_stage
 from crosscut.codegen.transfers import INPUT, Transfer, plan_transfers
@@ -263,29 +264,6 @@ def _node_bytes(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dic
     return out
 
 
-def _set_attr(root: nn.Module, qualname: str, value: Any) -> None:
-    """Register ``value`` at dotted ``qualname`` under ``root``, creating parents."""
-    *path, leaf = qualname.split(".")
-    mod = root
-    for p in path:
-        if not hasattr(mod, p):
-            mod.add_module(p, nn.Module())
-        mod = getattr(mod, p)
-    if isinstance(value, nn.Parameter):
-        mod.register_parameter(leaf, value)
-    elif isinstance(value, torch.Tensor):
-        mod.register_buffer(leaf, value)
-    else:
-        setattr(mod, leaf, value)
-
-
-def _get_attr(root: nn.Module, qualname: str) -> Any:
-    obj: Any = root
-    for p in qualname.split("."):
-        obj = getattr(obj, p)
-    return obj
-
-
 def _inline_get_attrs(
     sub: fx.GraphModule, root: fx.GraphModule, targets: Mapping[str, str]
 ) -> None:
@@ -294,7 +272,7 @@ def _inline_get_attrs(
     first = next(n for n in graph.nodes if n.op != "placeholder") if len(graph.nodes) else None
     for ph in [n for n in graph.nodes if n.op == "placeholder" and n.name in targets]:
         target = targets[ph.name]
-        _set_attr(sub, target, _get_attr(root, target))
+        set_attr(sub, target, get_attr(root, target))
         with graph.inserting_before(first):
             ga = graph.get_attr(target)
         ph.replace_all_uses_with(ga)

@@ -42,6 +42,7 @@ import torch
 from torch import fx, nn
 from torch.func import functional_call
 
+from crosscut.codegen.attrs import get_attr, set_attr
 from crosscut.errors import CodegenError
 
 __all__ = [
@@ -240,18 +241,7 @@ class _Rewriter:
             self.whole[n] = self.graph.placeholder(n.name)
         elif n.op == "get_attr":
             target = str(n.target)
-            *path, leaf = target.split(".")
-            holder: Any = self.sub
-            for p in path:
-                holder = getattr(holder, p)
-            owner = self._ensure_path(path)
-            val = getattr(holder, leaf)
-            if isinstance(val, nn.Parameter):
-                owner.register_parameter(leaf, val)
-            elif isinstance(val, torch.Tensor):
-                owner.register_buffer(leaf, val)
-            else:
-                setattr(owner, leaf, val)
+            set_attr(self.root, target, get_attr(self.sub, target))
             self.whole[n] = self.graph.get_attr(target)
         elif n.op == "output":
             self.graph.output(fx.map_arg(n.args[0], self.value))

@@ -308,8 +308,12 @@ def compile(
     cross_shaped: bool = False,
     widths: Sequence[int] | None = None,
     splits: Sequence[str] = ("batch", "channel"),
+    bn_mode: str = "micro",
 ) -> Any:
     """Partition ``model`` over ``devices`` and return a CompiledModule that trains.
+
+    ``bn_mode`` (``"micro"``, ``"step"``, ``"exact"``): batch norm over
+    micro-batches, see :mod:`crosscut.runtime.compiled`.
 
     ``cross_shaped``/``widths``/``splits``: see :func:`partition`; stages of the
     plan that run on device groups are width-split by ``codegen/width.py``.
@@ -335,6 +339,13 @@ def compile(
     if _distributed_run():
         # Under torchrun every rank runs its own stage; the devices come from the ranks.
         from crosscut.distributed import compile_distributed
+
+        if bn_mode != "micro":
+            raise InputError(
+                "the distributed runtime runs batch norm per micro-batch (bn_mode='micro') for now",
+                value=bn_mode,
+                remedy="drop bn_mode under torchrun, or compile locally for 'step'/'exact'",
+            )
 
         return compile_distributed(
             model,
@@ -401,4 +412,5 @@ def compile(
         microbatches=the_plan.options.microbatches,
         plan=the_plan,
         groups=groups if any(len(devs) > 1 for devs, _ in groups) else None,
+        bn_mode=bn_mode,
     )

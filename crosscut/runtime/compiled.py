@@ -6,25 +6,51 @@ training loops, optimizers and checkpoints do not change. Placement is fixed
 by the plan: ``.to()``, ``.cuda()`` and ``.cpu()`` are refused (recompile
 for another placement).
 
-Batch norm over micro-batches (``bn_mode``):
+Batch norm over micro-batches (``bn_mode``). A pipeline normalises each
+micro-batch when it arrives; normalising with the whole batch's statistics
+would need a barrier at every batch norm (every micro-batch through the layers
+before it first), which is what pipelining avoids. The modes differ in what
+they promise about that and about the running statistics:
 
 * ``"micro"`` (default): each micro-batch is normalised with its own
   statistics — the same as training with batch size ``B/M`` — and running
-  statistics are updated ``M`` times per step. Eval mode is unaffected (it
-  uses running statistics), so inference is exact for any ``M``.
+  statistics are updated ``M`` times per step (so ``num_batches_tracked``
+  counts micro-batches, the effective momentum is ``1 - (1 - m)^M``, and each
+  update uses the ``n/(n-1)`` correction of one micro-batch).
+* ``"step"``: normalisation as ``"micro"`` (and, in a batch-split stage, each
+  device's share with its own statistics), but the running mean/var and
+  ``num_batches_tracked`` are updated ONCE per step, at the end of
+  :meth:`CompiledModule.forward` / :meth:`CompiledModule.train_step`, from the
+  whole batch's statistics combined exactly from the per-micro-batch (per
+  share) means and variances (``crosscut/runtime/batchnorm.py``). The running
+  statistics are then those of single-device training that normalises the
+  same chunks ("ghost" batch norm with whole-batch running statistics). They
+  equal plain full-batch training wherever a batch norm's input does not
+  depend on an earlier batch norm's normalisation (a network's first batch
+  norm; every one whose predecessors are frozen in eval mode) — deeper layers
+  see activations normalised per micro-batch, so no running update can make
+  them match. Cost: one extra ``var_mean`` over each batch-norm input. With
+  one micro-batch and no batch-split stage it is ``"exact"`` (torch's own
+  batch norm, nothing swapped).
 * ``"exact"``: batch statistics must equal single-device training. That holds
-  trivially with one micro-batch; with ``M > 1`` a training-mode forward of a
-  model that contains batch norm raises :class:`~crosscut.errors.RuntimeError_`
-  rather than silently computing something else (a two-pass statistics
-  exchange is not implemented). Eval-mode calls are allowed.
+  with one micro-batch (bit-exact); with ``M > 1``, or a batch-split stage
+  holding batch norm, a training-mode forward raises
+  :class:`~crosscut.errors.RuntimeError_` rather than silently computing
+  something else. Eval-mode calls are allowed.
+
+Eval mode is the same in every mode (running statistics), so inference is
+exact for any ``M`` — except for batch norms built with
+``track_running_stats=False``, which always normalise with batch statistics,
+hence per micro-batch.
 
 Cross-shaped stages (``groups``): a channel-split stage holds each conv/linear
 weight as shards on its group's devices; ``state_dict()`` concatenates them
 back into the original full tensors under the original keys, and
 ``load_state_dict()`` cuts a full checkpoint into the same shards. A
 batch-split stage normalises each device's share of the micro-batch with its
-own batch-norm statistics (like micro-batches), so ``bn_mode="exact"`` refuses
-training-mode calls when such a stage contains batch norm.
+own batch-norm statistics (like micro-batches): ``bn_mode="exact"`` refuses
+training-mode calls when such a stage contains batch norm, and ``"step"``
+combines the shares' statistics into the step's single update.
 """
 
 from __future__ import annotations
@@ -39,11 +65,16 @@ from torch import fx, nn
 from crosscut.codegen.source import program_source
 from crosscut.codegen.split import StagedProgram, build_stages
 from crosscut.errors import InputError, RuntimeError_
+from crosscut.runtime.batchnorm import (
+    commit_batchnorm,
+    discard_batchnorm,
+    install_step_batchnorm,
+)
 from crosscut.runtime.local import LocalExecutor
 
 __all__ = ["BN_MODES", "CompiledModule"]
 
-BN_MODES = ("micro", "exact")
+BN_MODES = ("micro", "step", "exact")
 
 
 class CompiledModule(nn.Module):
@@ -94,6 +125,11 @@ class CompiledModule(nn.Module):
             and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in s.module.modules())
             for s in program.stages
         )
+        # "step" with one micro-batch and no batch-split stage is already exact: keep
+        # torch's own batch norm there (bit-exact against eager mode)
+        self._step_bn = bn_mode == "step" and (microbatches > 1 or self._batch_split_bn)
+        if self._step_bn:
+            install_step_batchnorm(self.stages)
         self.train(model.training)
 
     # ---- introspection ------------------------------------------------------------
@@ -118,20 +154,22 @@ class CompiledModule(nn.Module):
                 "bn_mode='exact' cannot match single-device batch statistics in a batch-split "
                 "stage (each device normalises its share of the micro-batch)",
                 value=[s.name for s in self._program.stages if s.split == "batch"],
-                remedy="split that stage by channel, use bn_mode='micro', or call eval()",
+                remedy="split that stage by channel, use bn_mode='step' (running statistics "
+                "of the whole batch) or 'micro', or call eval()",
             )
         if self.bn_mode == "exact" and self.training and self._has_bn and self.microbatches > 1:
             raise RuntimeError_(
                 "bn_mode='exact' cannot match single-device batch statistics with "
                 f"{self.microbatches} micro-batches in training mode",
                 value={"microbatches": self.microbatches},
-                remedy="compile with microbatches=1, use bn_mode='micro', or call eval()",
+                remedy="compile with microbatches=1, use bn_mode='step' (running statistics "
+                "of the whole batch) or 'micro', or call eval()",
             )
 
     def forward(self, *args: Any) -> Any:
         """Same inputs and outputs as the original model (outputs on the last device)."""
         self._check_bn()
-        return self._executor.forward(args)
+        return self._committed(lambda: self._executor.forward(args))
 
     def train_step(
         self,
@@ -146,7 +184,23 @@ class CompiledModule(nn.Module):
         """
         self._check_bn()
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        return self._executor.train_step(args, targets, loss_fn)
+        loss: torch.Tensor = self._committed(
+            lambda: self._executor.train_step(args, targets, loss_fn)
+        )
+        return loss
+
+    def _committed(self, call: Callable[[], Any]) -> Any:
+        """Run one step; with ``bn_mode="step"`` its batch-norm statistics are committed
+        after every micro-batch went forward, or dropped if the step failed."""
+        if not self._step_bn:
+            return call()
+        try:
+            out = call()
+        except BaseException:
+            discard_batchnorm(self.stages)
+            raise
+        commit_batchnorm(self.stages)
+        return out
 
     # ---- state --------------------------------------------------------------------
     def _shards(self, key: str) -> tuple[list[torch.Tensor], int | None]:

@@ -5,10 +5,12 @@ on 2, 4 and 8 devices of a preset cluster, prints one row: nodes before/after
 coarsening, status, wall time, gap, bottleneck ÷ lower bound (max of total
 compute / devices and the largest node), and the ratio of each baseline's
 bottleneck to crosscut's. Ends with the summary the acceptance criteria ask
-for: share of rows OPTIMAL or gap ≤ 1% within 10 s, median wall time, and the
-geometric-mean advantage over the parameter-balanced split.
+for: share of rows OPTIMAL or gap ≤ 1% within 10 s (column ``met``: a solve
+stopped at the limit with gap ≤ 1 % counts, as the issue words it), median
+wall time, and the geometric-mean advantage over the parameter-balanced split.
 
     python benchmarks/solver.py                      # all models, ~15-25 min on 2 cores
+    python benchmarks/solver.py --models swin_v2_s swin_v2_b   # issue 3's last misses
     python benchmarks/solver.py --models resnet50 densenet121 --devices 8
 """
 
@@ -57,6 +59,9 @@ def run_model(
                 "nodes": len(graph),
                 "coarse": rec.coarse_nodes,
                 "status": rec.status,
+                "met": "yes"
+                if meets_target(rec.status, rec.gap, rec.wall_time_s, time_limit)
+                else "NO",
                 "solve_s": rec.wall_time_s,
                 "wall_s": wall,
                 "trace_s": trace_s,
@@ -69,6 +74,16 @@ def run_model(
     return rows
 
 
+def meets_target(status: str, gap: float, solve_s: float, time_limit: float) -> bool:
+    """Issue 3's target: "status OPTIMAL or gap <= 1 % within 10 s" (the time limit).
+
+    A solve that stops at its time limit with its incumbent proven within 1 %
+    meets it as much as one that finishes the proof; both must return within
+    the limit (the solver keeps a reserve for re-pricing, so it does).
+    """
+    return (status == "OPTIMAL" or gap <= 0.01) and solve_s <= time_limit
+
+
 # (column key, header, width, format) of the printed table
 COLUMNS = [
     ("model", "model", 22, "s"),
@@ -76,6 +91,7 @@ COLUMNS = [
     ("nodes", "nodes", 5, "d"),
     ("coarse", "coarse", 6, "d"),
     ("status", "status", 8, "s"),
+    ("met", "met", 3, "s"),
     ("solve_s", "solve_s", 7, ".2f"),
     ("gap", "gap", 7, ".2%"),
     ("lb_ratio", "obj/LB", 6, ".3f"),
@@ -129,16 +145,17 @@ def main() -> int:
     if not rows:
         return 1
     solve = [float(r["solve_s"]) for r in rows]  # type: ignore[arg-type]
-    good = [
-        r
-        for r in rows
-        if (r["status"] == "OPTIMAL" or float(r["gap"]) <= 0.01)  # type: ignore[arg-type]
-        and float(r["solve_s"]) <= 10.0
-    ]  # type: ignore[arg-type]
+    good = [r for r in rows if r["met"] == "yes"]
     param = [float(r["x_param_balanced"]) for r in rows if "x_param_balanced" in r]  # type: ignore[arg-type]
     worse_than_chain = [r for r in rows if float(r.get("x_chain_dp", 1.0)) < 1.0 - 1e-9]  # type: ignore[arg-type]
     print()
-    print(f"rows: {len(rows)}; OPTIMAL or gap<=1% within 10 s: {len(good)}/{len(rows)}")
+    limit = f"{args.time_limit:g} s"
+    print(f"rows: {len(rows)}; OPTIMAL or gap<=1% within {limit}: {len(good)}/{len(rows)}")
+    optimal = [r for r in rows if r["status"] == "OPTIMAL" and r["met"] == "yes"]
+    print(
+        f"  of which OPTIMAL (proof finished): {len(optimal)}; stopped at the limit "
+        f"with gap<=1%: {len(good) - len(optimal)}"
+    )
     print(f"solve time: median {statistics.median(solve):.2f} s, max {max(solve):.2f} s")
     if param:
         gm = math.exp(sum(math.log(p) for p in param) / len(param))

@@ -185,3 +185,13 @@ def test_compiled_module_refuses_to_move(resnet18: nn.Module) -> None:
     compiled = crosscut.compile(copy.deepcopy(resnet18), ["cpu"], X)
     with pytest.raises(crosscut.CrosscutError, match="plan"):
         compiled.to("cpu")
+
+
+def test_one_device_partition_is_one_optimal_stage() -> None:
+    # regression: the CP-SAT bounds once took min() over the links of a 1-device
+    # cluster (there are none) and crashed before solving
+    model = torchvision.models.resnet18(num_classes=10)
+    for cluster in (["cpu"], "1xV100"):
+        plan = crosscut.partition(model, cluster, torch.randn(2, 3, 32, 32))
+        assert plan.solver.status == "OPTIMAL"
+        assert [s.devices for s in plan.stages] == [[plan.cluster.devices[0].name]]

@@ -8,6 +8,7 @@ never lose to a baseline.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from crosscut.errors import InfeasiblePlanError, PartitionError
-from crosscut.partitioner.evaluate import check, evaluate
+from crosscut.partitioner.evaluate import check, evaluate, lower_bound
 from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers import solve, solve_cpsat
 from crosscut.partitioner.solvers.baselines import (
@@ -24,6 +25,7 @@ from crosscut.partitioner.solvers.baselines import (
     param_balanced,
     uniform_by_count,
 )
+from crosscut.partitioner.solvers.bounds import comm_lower_bound, tree_relaxation
 from crosscut.partitioner.solvers.bruteforce import brute_force
 from crosscut.partitioner.solvers.synthetic import (
     densenet_like,
@@ -188,3 +190,189 @@ def test_heterogeneous_many_devices_gets_a_valid_relaxed_bound() -> None:
     assert check(pb, res.stage_of, res.stage_device) == []
     assert 0.0 < res.best_bound <= res.objective
     assert any("heuristic" in note for note in res.notes)
+
+
+# ---- lower bounds beyond lower_bound(): transfers every plan makes, side trees ----------
+
+
+def _chain4(**kw: object) -> PartitionProblem:
+    """a -> b -> c -> d, 1 s each, 1 s per transfer (inference), two devices."""
+    base = PartitionProblem(
+        names=list("abcd"),
+        compute=[[1.0, 1.0]] * 4,
+        resident=[0] * 4,
+        activation=[0] * 4,
+        out_bytes=[1000] * 4,
+        edges=[(0, 1), (1, 2), (2, 3)],
+        devices=["d0", "d1"],
+        mem_cap=[10**6] * 2,
+        bandwidth=[[1e3, 1e3], [1e3, 1e3]],
+        latency=[[0.0, 0.0], [0.0, 0.0]],
+        training=False,
+    )
+    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+
+
+def test_comm_bound_by_hand() -> None:
+    pb = _chain4()
+    assert lower_bound(pb) == pytest.approx(2.0)  # 4 s of compute over 2 devices
+    # two stages: the second receives >= 1 s and the first sends >= 1 s, so 2 B >= 4 + 2
+    assert comm_lower_bound(pb) == pytest.approx(3.0)
+    assert brute_force(pb).objective == pytest.approx(3.0)  # {a,b} | {c,d}: 2 + 1 each
+    assert comm_lower_bound(_chain4(overlap_comm=True)) == pytest.approx(2.0)  # not applied
+
+
+def _with_side_trees(rng: random.Random, core: int, trees: int) -> PartitionProblem:
+    """A random DAG plus small chains of 1-2 source nodes, each feeding one core node."""
+    edges = random_dag(rng, core)
+    n = core
+    for _ in range(trees):
+        target = rng.randrange(1, core)
+        length = rng.randint(1, 2)
+        for i in range(length):
+            edges.append((n + i, n + i + 1) if i + 1 < length else (n + i, target))
+        n += length
+    # renumber topologically: side nodes before the core node they feed
+    order = sorted(range(n), key=lambda v: (_depth_key(v, edges, core), v))
+    pos = {v: i for i, v in enumerate(order)}
+    d = rng.randint(2, 3)
+    compute = [rng.uniform(0.5, 3.0) if v < core else rng.uniform(0.01, 0.3) for v in order]
+    return PartitionProblem(
+        names=[f"v{v}" for v in order],
+        compute=[[c] * d for c in compute],
+        resident=[rng.randrange(0, 500) for _ in range(n)],
+        activation=[rng.randrange(0, 400) for _ in range(n)],
+        out_bytes=[rng.randrange(0, 3000) for _ in range(n)],
+        edges=sorted({(pos[u], pos[v]) for u, v in edges}),
+        devices=[f"d{i}" for i in range(d)],
+        mem_cap=[10**7] * d,
+        bandwidth=[[rng.choice((1e3, 4e3))] * d for _ in range(d)],
+        latency=[[rng.choice((0.0, 0.05))] * d for _ in range(d)],
+        microbatches=rng.randint(1, 3),
+        training=rng.random() < 0.5,
+        overlap_comm=rng.random() < 0.2,
+    )
+
+
+def _depth_key(v: int, edges: list[tuple[int, int]], core: int) -> float:
+    """Core nodes at their index; a side node just before the core node it leads to."""
+    if v < core:
+        return float(v)
+    nxt = {u: w for u, w in edges if u >= core}  # a side node's one consumer
+    steps = 0
+    while v >= core:
+        v, steps = nxt[v], steps + 1
+    return v - 0.1 * steps
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_bounds_never_exceed_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    pb = _with_side_trees(rng, rng.randint(4, 6), rng.randint(1, 3))
+    assert pb.n <= 12
+    try:
+        best = brute_force(pb).objective
+    except InfeasiblePlanError:
+        return
+    assert comm_lower_bound(pb) <= best * (1 + 1e-9)
+    relaxed = tree_relaxation(pb, fraction=1.0)  # any choice of trees is a valid relaxation
+    assert relaxed is not None
+    assert relaxed.problem.n < pb.n
+    floating = relaxed.floating
+    assert comm_lower_bound(relaxed.problem, floating=floating) <= best * (1 + 1e-9)
+    sub = brute_force(relaxed.problem)
+    assert sub.objective <= best * (1 + 1e-9)
+    with_c10 = solve_cpsat(relaxed.problem, time_limit=5.0, relax=False, floating=floating)
+    assert with_c10.best_bound <= best * (1 + 1e-6)
+    # the expanded plan is a plan of the original (placement rules; memory may differ)
+    plan = relaxed.expand(
+        sub.stage_of, evaluate(relaxed.problem, sub.stage_of, sub.stage_device).stage_time
+    )
+    assert not [e for e in check(pb, plan, sub.stage_device) if "needs" not in e]
+    full = solve_cpsat(pb, time_limit=5.0)
+    assert full.status == "OPTIMAL"
+    assert full.objective == pytest.approx(best, rel=REL)
+    assert full.best_bound <= best * (1 + 1e-6)
+
+
+def test_tree_relaxation_by_hand() -> None:
+    # main chain m0 -> m1 -> m2 (10 s each); side tree s0 -> s1 -> m2, 0.3 s and 0.1 s
+    pb = PartitionProblem(
+        names=["m0", "s0", "m1", "s1", "m2"],
+        compute=[[10.0] * 2, [0.3] * 2, [10.0] * 2, [0.1] * 2, [10.0] * 2],
+        resident=[0] * 5,
+        activation=[0] * 5,
+        out_bytes=[1000, 1000, 1000, 50, 0],  # s1's output: 0.05 s over a 1000 B/s link
+        edges=[(0, 2), (1, 3), (2, 4), (3, 4)],
+        devices=["d0", "d1"],
+        mem_cap=[10**6] * 2,
+        bandwidth=[[1e3, 1e3], [1e3, 1e3]],
+        latency=[[0.0, 0.0], [0.0, 0.0]],
+        training=False,
+    )
+    rx = tree_relaxation(pb)
+    assert rx is not None
+    assert rx.problem.names == ["m0", "m1", "m2"]
+    # m2's stage runs s1 (0.1 s + s0's 0.3 s, or s0 sent: 1 s) or receives s1: 0.05 s
+    assert rx.problem.compute[2] == pytest.approx([10.05, 10.05])
+    assert rx.floating == pytest.approx(0.4 - 0.05)
+    assert rx.expand([0, 1, 1]) == [0, 1, 1, 1, 1]  # the tree follows m2
+
+
+@SETTINGS
+@given(problems(max_nodes=9))
+def test_comm_bound_never_exceeds_brute_force(pb: PartitionProblem) -> None:
+    best = _brute_or_none(pb)
+    if best is not None and pb.objective == "throughput":
+        assert comm_lower_bound(pb) <= best * (1 + 1e-9)
+
+
+def _transformer_with_bias_trees(blocks: int, devices: int) -> PartitionProblem:
+    """Blocks of attention + MLP on a residual stream; each attention reads a small
+    bias computed from parameters alone (swin's relative-position-bias MLP)."""
+    rng = random.Random(0)
+    names: list[str] = []
+    compute: list[float] = []
+    out: list[int] = []
+    edges: list[tuple[int, int]] = []
+
+    def node(name: str, ms: float, nbytes: int, *ins: int) -> int:
+        names.append(name)
+        compute.append(ms * 1e-3)
+        out.append(nbytes)
+        edges.extend((u, len(names) - 1) for u in ins)
+        return len(names) - 1
+
+    x = node("embed", 1.0, 4_000_000)
+    for b in range(blocks):
+        bias = node(f"b{b}.bias", 0.01, 2_700, node(f"b{b}.bias_mlp", 0.04, 460_000))
+        attn = node(f"b{b}.attn", rng.uniform(1.5, 2.5), 2_400_000, x, bias)
+        res = node(f"b{b}.add1", 0.05, 2_400_000, x, attn)
+        x = node(f"b{b}.add2", 0.05, 2_400_000, res, node(f"b{b}.mlp", 3.0, 2_400_000, res))
+    node("head", 0.5, 4_000, x)
+    n = len(names)
+    return PartitionProblem(
+        names=names,
+        compute=[[c] * devices for c in compute],
+        resident=[0] * n,
+        activation=[0] * n,
+        out_bytes=out,
+        edges=edges,
+        devices=[f"d{i}" for i in range(devices)],
+        mem_cap=[1 << 40] * devices,
+        bandwidth=[[50e9] * devices for _ in range(devices)],
+        latency=[[5e-6] * devices for _ in range(devices)],
+        microbatches=4,
+    )
+
+
+def test_side_tree_phase_proves_the_same_optimum() -> None:
+    pb = _transformer_with_bias_trees(12, 8)
+    plain = solve_cpsat(pb, time_limit=10.0, relax=False)
+    res = solve_cpsat(pb, time_limit=10.0)
+    assert any("side-tree relaxation (24 of 74 nodes removed)" in note for note in res.notes)
+    assert res.status == plain.status == "OPTIMAL"
+    assert res.objective == pytest.approx(plain.objective, rel=1e-5)
+    assert res.best_bound <= res.objective
+    assert res.best_bound >= comm_lower_bound(pb) >= lower_bound(pb)
+    assert check(pb, res.stage_of, res.stage_device) == []

@@ -8,6 +8,17 @@ devices on uniform links need one; otherwise every order up to 4 devices is
 tried (exact), and above that a few sensible ones (heuristic; the bound then
 only comes from :func:`lower_bound`).
 
+Bounds: besides CP-SAT's own, :mod:`crosscut.partitioner.solvers.bounds`
+gives two valid ones. The static bound (B) counts the transfers every plan
+must make; and when small side trees make up a good share of the graph
+(swin's relative-position-bias MLPs), CP-SAT first solves the problem without
+them (a relaxation, their least cost charged to their consumers) for a share
+of the time: its bound is valid here, its plan (each tree in its consumer's
+stage) is an incumbent, and when the two meet the solve stops, optimal.
+
+The time limit covers everything: baselines, the relaxation, building the
+models; a small reserve is kept for re-pricing the answer.
+
 Determinism: with ``workers=1`` the search is sequential, so a solve that ends
 before its time limit (status OPTIMAL) returns the same plan every run; with
 ``deterministic=True`` the limit is CP-SAT's deterministic time, so time-limited
@@ -29,12 +40,17 @@ from crosscut.errors import InfeasiblePlanError, PartitionError
 from crosscut.partitioner.evaluate import check, evaluate, lower_bound, renumber
 from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers.baselines import Plan, all_baselines, device_order
+from crosscut.partitioner.solvers.bounds import comm_lower_bound, tree_relaxation
 from crosscut.partitioner.solvers.cpsat_model import OrderModel
 from crosscut.partitioner.solvers.result import SolveResult, relative_gap
 
 __all__ = ["candidate_orders", "infeasibility_report", "solve_cpsat"]
 
 RESTART_SLICE_S = math.inf  # seconds before rebuilding with a tighter incumbent; inf = never
+RELAX_SHARE = 0.25  # most of the time limit the side-tree relaxation may take
+RELAX_MIN_REMOVED = 0.03  # ... and only when it removes at least this share of the nodes
+ROUNDING_GAP = 1e-5  # a relative gap this small is the integer model's rounding: optimal
+RESERVE_SHARE = 0.03  # of the time limit, kept for re-pricing and CP-SAT's own overshoot
 
 Progress = Callable[[float, float, float], None]
 
@@ -107,18 +123,27 @@ def _precheck(pb: PartitionProblem) -> None:
 
 
 class _Callback(cp_model.CpSolverSolutionCallback):  # type: ignore[misc]
-    """Reports each new incumbent as (wall seconds, objective s, bound s)."""
+    """Reports each new incumbent as (wall seconds, objective s, bound s), and stops
+    the search once one reaches ``target`` units (it then meets a proven bound)."""
 
-    def __init__(self, progress: Progress, unit: float, t0: float) -> None:
+    def __init__(self, progress: Progress | None, unit: float, t0: float, target: int) -> None:
         super().__init__()
-        self._progress, self._unit, self._t0 = progress, unit, t0
+        self._progress, self._unit, self._t0, self._target = progress, unit, t0, target
 
     def on_solution_callback(self) -> None:
-        self._progress(
-            time.perf_counter() - self._t0,
-            self.objective_value * self._unit,
-            self.best_objective_bound * self._unit,
-        )
+        if self._progress is not None:
+            self._progress(
+                time.perf_counter() - self._t0,
+                self.objective_value * self._unit,
+                self.best_objective_bound * self._unit,
+            )
+        if self.objective_value <= self._target:
+            self.stop_search()
+
+
+def _meets(obj: float, bound: float, om: OrderModel) -> bool:
+    """Whether ``obj`` is within the integer model's rounding of a proven ``bound``."""
+    return obj - bound <= max(2 * om.slack * om.unit, ROUNDING_GAP * obj)
 
 
 def _solver(workers: int, seed: int, seconds: float, deterministic: bool) -> cp_model.CpSolver:
@@ -149,9 +174,47 @@ def _relaxed_bound(
     )
     left = max(time_limit - (time.perf_counter() - t0), 0.005)
     try:
-        return solve_cpsat(relaxed, time_limit=left, seed=seed, workers=workers).best_bound
+        return solve_cpsat(
+            relaxed, time_limit=left, seed=seed, workers=workers, relax=False
+        ).best_bound
     except PartitionError:
         return 0.0
+
+
+def _side_tree_phase(
+    pb: PartitionProblem,
+    time_limit: float,
+    seed: int,
+    workers: int,
+    deterministic: bool,
+) -> tuple[float, Plan | None, str]:
+    """(bound, plan or None, note) from the side-tree relaxation (module docstring)."""
+    relaxation = tree_relaxation(pb)
+    if relaxation is None or len(relaxation.kept) > (1 - RELAX_MIN_REMOVED) * pb.n:
+        return 0.0, None, ""
+    # the transfers every plan makes, counted on the relaxation: without the side trees
+    # the first and last node of every stage are on the main path (module docstring)
+    averaged = comm_lower_bound(relaxation.problem, floating=relaxation.floating)
+    try:
+        sub = solve_cpsat(
+            relaxation.problem,
+            time_limit=RELAX_SHARE * time_limit,
+            seed=seed,
+            workers=workers,
+            deterministic=deterministic,
+            relax=False,
+            floating=relaxation.floating,
+        )
+    except PartitionError:  # no plan of the relaxation within its share
+        return averaged, None, ""
+    loads = evaluate(relaxation.problem, sub.stage_of, sub.stage_device).stage_time
+    plan = renumber(relaxation.expand(sub.stage_of, loads), sub.stage_device)
+    note = (
+        f"side-tree relaxation ({pb.n - len(relaxation.kept)} of {pb.n} nodes removed): "
+        f"{sub.status}, bound {sub.best_bound:.6g} s in {sub.wall_time_s:.2f} s, "
+        f"averaged transfer bound {averaged:.6g} s"
+    )
+    return max(sub.best_bound, averaged), plan, note
 
 
 def solve_cpsat(
@@ -165,8 +228,15 @@ def solve_cpsat(
     progress: Progress | None = None,
     require_all_devices: bool = False,
     deterministic: bool = False,
+    relax: bool = True,
+    floating: float = 0.0,
 ) -> SolveResult:
-    """Solve the partition problem with CP-SAT; see the module docstring."""
+    """Solve the partition problem with CP-SAT; see the module docstring.
+
+    ``relax=False`` skips the side-tree relaxation (it is itself solved that
+    way); ``floating`` (seconds) is compute the problem leaves out that some
+    stage must still run (a relaxation's, see ``bounds.tree_relaxation``).
+    """
     t0 = time.perf_counter()
     pb = problem
     if require_all_devices and pb.n < pb.num_devices:
@@ -187,27 +257,44 @@ def solve_cpsat(
     for name, plan in plans.items():
         if baselines[name] < best_obj:
             best, best_obj = plan, baselines[name]
-    static_lb = lower_bound(pb, pb.num_devices)
+    notes: list[str] = []
+    static_lb = max(lower_bound(pb, pb.num_devices), comm_lower_bound(pb))
+    if relax:
+        sub_lb, sub_plan, note = _side_tree_phase(pb, time_limit, seed, workers, deterministic)
+        static_lb = max(static_lb, sub_lb)
+        notes += [note] if note else []
+        if sub_plan is not None and len(sub_plan[1]) >= min_stages and not check(pb, *sub_plan):
+            obj = evaluate(pb, *sub_plan).objective
+            if obj < best_obj:
+                best, best_obj = sub_plan, obj
+    reserve = RESERVE_SHARE * time_limit
     bounds: list[float] = []
     proved = True
     found = False
-    notes: list[str] = []
     runs = len(orders) + (0 if exhaustive else 1)
+    met = False  # the incumbent meets the static bound: optimal over every order
     for i, order in enumerate(orders):
-        left = time_limit - (time.perf_counter() - t0)
+        if met:
+            bounds.append(static_lb)
+            continue
+        left = time_limit - reserve - (time.perf_counter() - t0)
         deadline = time.perf_counter() + max(left / (runs - i), 0.005)
         order_bound = static_lb
         slice_s = RESTART_SLICE_S
         while True:
             # restart loop: a better incumbent tightens the stage windows, so a rebuilt
             # model is smaller (off by default: measured slower, it forgets what it learnt)
-            budget = max(deadline - time.perf_counter(), 0.005)
-            last = budget <= 2 * slice_s
             om = OrderModel(pb, order, best_obj, require_all=require_all_devices)
+            om.floating = floating
             om.build()
             if om.empty:  # no plan in this order beats the incumbent
                 order_bound = max(order_bound, best_obj)
                 break
+            if _meets(best_obj, static_lb, om):
+                met = True  # the incumbent meets a proven bound: optimal to the rounding
+                break
+            budget = max(deadline - time.perf_counter(), 0.005)  # after the build: it counts
+            last = budget <= 2 * slice_s
             m = om.model
             # (B) objective >= the static lower bound
             m.add(om.objective_var >= max(0, math.floor(static_lb / om.unit) - om.slack))
@@ -217,8 +304,8 @@ def solve_cpsat(
             if log_callback is not None:
                 solver.parameters.log_search_progress = True
                 solver.log_callback = log_callback
-            cb = _Callback(progress, om.unit, t0) if progress is not None else None
-            status = solver.solve(m, cb)
+            target = math.floor(static_lb * (1 + ROUNDING_GAP) / om.unit)
+            status = solver.solve(m, _Callback(progress, om.unit, t0, target))
             improved = False
             if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
                 found = True
@@ -231,6 +318,9 @@ def solve_cpsat(
                 order_bound = max(order_bound, bnd)
                 if status == cp_model.OPTIMAL:
                     break
+                if _meets(best_obj, static_lb, om):
+                    met = True  # stopped by the callback at the proven bound
+                    break
             elif status == cp_model.INFEASIBLE:
                 order_bound = max(order_bound, best_obj)
                 break
@@ -240,7 +330,7 @@ def solve_cpsat(
             if not improved:
                 slice_s *= 2
         bounds.append(order_bound)
-    if not exhaustive:
+    if not exhaustive and not met:
         # a relaxation valid for every device order: each node on its fastest device,
         # the largest cap everywhere, the fastest link between every pair
         bounds = [_relaxed_bound(pb, t0, time_limit, seed, workers)]
@@ -259,7 +349,7 @@ def solve_cpsat(
         )
     bound = max(static_lb, min(bounds, default=static_lb))
     bound = min(bound, best_obj)
-    if proved and exhaustive:
+    if proved and (exhaustive or met):
         status_s = "OPTIMAL"
     elif found:
         status_s = "FEASIBLE"

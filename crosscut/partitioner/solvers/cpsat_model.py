@@ -111,6 +111,9 @@ class OrderModel:
     terms: int = 1  # most rounded terms in one time sum (for the rounding slack)
     stage_count: dict[int, Any] = field(default_factory=dict)
     slack: int = 1  # units: most the rounded objective can differ from the exact one
+    # seconds of compute some stage must also run but the problem leaves out (the side
+    # trees a relaxation removed, beyond what it charged their consumers): (C10)
+    floating: float = 0.0
 
     def build(self) -> None:
         """data -> variables -> constraints -> objective."""
@@ -243,6 +246,11 @@ class OrderModel:
                 else:
                     # (C7) stage time = compute + comm (sent and received) <= B
                     m.add(comp[k] + comm[k] <= bvar)
+            if self.floating > 0 and not pb.overlap_comm:
+                # (C10) the devices' summed time holds every stage and the floating work:
+                #       Σ_k (compute + comm) + floating <= slots * B  (at most `slots` stages)
+                lost = math.floor(self.floating / self.unit) - self.slack * slots
+                m.add(sum(comp[k] + comm[k] for k in range(slots)) + max(0, lost) <= slots * bvar)
             self.objective_var = bvar
         # ---- objective --------------------------------------------------------
         # (O) minimise the bottleneck stage time (throughput) or the makespan (latency)

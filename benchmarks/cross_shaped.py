@@ -1,14 +1,17 @@
 """Cross-shaped (2-D) plans vs pipeline-only vs data-parallel-only, analytic costs.
 
 For each model (training, one micro-batch of ``--batch``, SGD) on 4 and 8
-devices of a preset cluster, prints the bottleneck stage time (seconds per
-step: with one micro-batch the stage time is the step's throughput limit) of:
+devices of a preset cluster, prints the bottleneck (seconds per step in steady
+state: the busiest device's stage times — one stage per device, except where
+two consecutive stages share one device group, marked ``=`` in the layout) of:
 
 * ``pipe``: the plain pipeline solver (one device per stage, CP-SAT);
 * ``dp``: one stage batch-split over every device (data parallelism, ring
   all-reduce of all gradients);
 * ``cross``: stages on device groups, split by batch or channel, chosen
-  together with the boundaries (``partition(..., cross_shaped=True)``);
+  together with the boundaries (``partition(..., cross_shaped=True)``); the
+  last stage may share the group of the stage before it (e.g. vgg16 on 8:
+  convolutions by batch on all 8, then the classifier by channel on the same 8);
 
 each divided by the lower bound (total compute / devices, or the largest
 node's smallest share), and the chosen layout. All three are priced by the
@@ -17,8 +20,9 @@ Then Mariana's case on 4xK20c (4.8 GB cards): AlexNet at a batch whose
 training state does not fit one card, and a widened AlexNet (twice the filters,
 conv1 stride 2), with the predicted per-device peak memory.
 
-    python benchmarks/cross_shaped.py                       # ~2-4 min on 2 cores
+    python benchmarks/cross_shaped.py                       # ~1-2 min on 2 cores
     python benchmarks/cross_shaped.py --preset 8xH100-nvlink --models vgg16
+    python benchmarks/cross_shaped.py --every-width         # widths 1..N, not only 2^k and N
 """
 
 from __future__ import annotations
@@ -67,15 +71,28 @@ def wide_alexnet() -> nn.Module:
     return model
 
 
+def group_widths(num: int, every: bool) -> list[int]:
+    """The group widths searched: ``compile``'s default (1, 2, 4, ... and ``num``) or all."""
+    if every:
+        return list(range(1, num + 1))
+    return sorted({w for w in (1, 2, 4, 8, 16) if w <= num} | {num})
+
+
 def solve(
-    model: nn.Module, size: int, batch: int, preset: str, cross: bool, time_limit: float
+    model: nn.Module,
+    size: int,
+    batch: int,
+    preset: str,
+    cross: bool,
+    time_limit: float,
+    every_width: bool = False,
 ) -> Plan:
     cluster = Cluster.from_any(preset)
     graph = trace(model, torch.randn(batch, 3, size, size), mode="train")
     graph.model_name = type(model).__name__
     costs = get_costs(graph, cluster)
     num = len(cluster.devices)
-    widths = sorted({w for w in (1, 2, 4, 8) if w <= num} | {num}) if cross else [1]
+    widths = group_widths(num, every_width) if cross else [1]
     options = PlanOptions(
         time_limit_s=time_limit, widths=widths, splits=["batch", "channel"] if cross else []
     )
@@ -86,7 +103,9 @@ def layout(plan: Plan) -> str:
     parts = []
     for s in plan.stages:
         kind = s.split[0] if s.split != "none" else ""
-        parts.append(f"{len(s.devices)}{kind}:{len(plan.stage_nodes(s.index))}")
+        shared = s.index > 0 and s.devices == plan.stages[s.index - 1].devices
+        mark = "=" if shared else ""
+        parts.append(f"{mark}{len(s.devices)}{kind}:{len(plan.stage_nodes(s.index))}")
     return " | ".join(parts)
 
 
@@ -104,15 +123,18 @@ def peak(plan: Plan) -> int:
     return max(evaluate(pb, stage_of, stage_device, plan_groups(plan)).device_memory)
 
 
-def table(models: list[str], presets: list[str], batch: int, time_limit: float) -> None:
+def table(
+    models: list[str], presets: list[str], batch: int, time_limit: float, every_width: bool
+) -> None:
     head = f"{'model':<13}{'cluster':<15}{'pipe/LB':>8}{'dp/LB':>8}{'cross/LB':>9}"
-    print(head + f"{'cross s':>10}{'solve s':>9}  layout (width+split:nodes per stage)")
+    head += f"{'pipe s':>9}{'dp s':>9}{'cross s':>9}{'solve s':>9}"
+    print(head + "  layout (width+split:nodes per stage; = shares the group before)")
     for preset in presets:
         for name in models:
             model, size = build(name)
             pipe = solve(model, size, batch, preset, False, time_limit)
             t0 = time.perf_counter()
-            cross = solve(model, size, batch, preset, True, time_limit)
+            cross = solve(model, size, batch, preset, True, time_limit, every_width)
             wall = time.perf_counter() - t0
             pb, _, _ = plan_to_problem(cross)
             lb = lower_bound(pb)
@@ -121,7 +143,8 @@ def table(models: list[str], presets: list[str], batch: int, time_limit: float) 
             flag = "" if cross.predicted.bottleneck_s <= best_other * (1 + 1e-9) else "  WORSE"
             print(
                 f"{name:<13}{preset:<15}{pipe.predicted.bottleneck_s / lb:>8.3f}{dp / lb:>8.3f}"
-                f"{cross.predicted.bottleneck_s / lb:>9.3f}{cross.predicted.bottleneck_s:>10.4f}"
+                f"{cross.predicted.bottleneck_s / lb:>9.3f}{pipe.predicted.bottleneck_s:>9.4f}"
+                f"{dp:>9.4f}{cross.predicted.bottleneck_s:>9.4f}"
                 f"{wall:>9.2f}  {layout(cross)}{flag}"
             )
 
@@ -160,9 +183,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--no-mariana", action="store_true")
+    ap.add_argument(
+        "--every-width",
+        action="store_true",
+        help="search every group width 1..N (default: 1, 2, 4, ... and N, as compile does)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    table(args.models, args.preset, args.batch, args.time_limit)
+    table(args.models, args.preset, args.batch, args.time_limit, args.every_width)
     if not args.no_mariana:
         mariana(args.time_limit)
 

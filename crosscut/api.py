@@ -170,6 +170,7 @@ def partition(
     cross_shaped: bool = False,
     widths: Sequence[int] | None = None,
     splits: Sequence[str] = ("batch", "channel"),
+    colocate: bool = True,
 ) -> Plan:
     """Find the best plan for a model (or an already traced OpGraph) on ``cluster``.
 
@@ -181,6 +182,8 @@ def partition(
     ``splits`` (``"batch"``: data parallel inside the stage; ``"channel"``:
     conv/linear split by output channels) with group widths from ``widths``
     (default: 2, 4, 8, ... up to the device count, and the count itself).
+    ``colocate=False`` forbids the last stage from sharing the previous stage's
+    device group (needed for plans run under torchrun: one stage per rank).
     """
     from crosscut.cost_models import Cluster
     from crosscut.partitioner.partition import partition_graph
@@ -230,6 +233,7 @@ def partition(
         solver=solver,
         require_all_devices=require_all_devices,
         progress=progress,
+        colocate=colocate,
     )
 
 
@@ -340,19 +344,13 @@ def compile(
         # Under torchrun every rank runs its own stage; the devices come from the ranks.
         from crosscut.distributed import compile_distributed
 
-        if bn_mode != "micro":
-            raise InputError(
-                "the distributed runtime runs batch norm per micro-batch (bn_mode='micro') for now",
-                value=bn_mode,
-                remedy="drop bn_mode under torchrun, or compile locally for 'step'/'exact'",
-            )
-
         return compile_distributed(
             model,
             example_inputs,
             plan,
             schedule=None if plan is not None else schedule,
             microbatches=None if plan is not None else microbatches,
+            bn_mode=bn_mode,
         )
     cl = Cluster.from_any(devices)
     if plan is None:

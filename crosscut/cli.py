@@ -89,6 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="sgd")
     p.add_argument("--cost", choices=["analytic", "profiled"], default="analytic")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--cross-shaped",
+        action="store_true",
+        help="let stages run on device groups split by batch or channels",
+    )
+    p.add_argument(
+        "--no-colocate",
+        action="store_true",
+        help="with --cross-shaped: one stage per device (for `crosscut run`)",
+    )
     p.add_argument("-o", "--output", required=True, help="where to write plan.json")
 
     p = sub.add_parser("show", help="draw a plan (html, svg, png, dot) or print its summary")
@@ -205,6 +215,8 @@ def _cmd_partition(args: argparse.Namespace) -> int:
             seed=args.seed,
             model_name=args.model,
             progress=progress,
+            cross_shaped=args.cross_shaped,
+            colocate=not args.no_colocate,
         )
     plan.save(args.output)
     print_summary(plan)

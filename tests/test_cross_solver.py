@@ -217,3 +217,129 @@ def test_defaults_leave_the_pipeline_solver_alone() -> None:
     pb = dataclasses.replace(make(random.Random(2), 6, chain=False), widths=(1,), splits=())
     res = solve(pb, time_limit=2.0)
     assert res.groups is None and res.solver == "cpsat"
+
+
+def _conv_head(devices: int = 4) -> PartitionProblem:
+    """Two convolutions (most of the time) then a classifier holding most parameters."""
+    mb = 1 << 20
+    return PartitionProblem(
+        names=["conv1", "conv2", "flatten", "fc"],
+        compute=[[c] * devices for c in (0.010, 0.010, 1e-5, 5e-4)],
+        resident=[4 * mb, 4 * mb, 0, 1600 * mb],
+        activation=[64 * mb, 16 * mb, 0, mb],
+        out_bytes=[64 * mb, 16 * mb, 16 * mb, mb // 16],
+        edges=[(0, 1), (1, 2), (2, 3)],
+        devices=[f"d{i}" for i in range(devices)],
+        mem_cap=[64 * GB] * devices,
+        bandwidth=[[50e9] * devices for _ in range(devices)],
+        latency=[[1e-5] * devices for _ in range(devices)],
+        widths=(1, 2, 4),
+        splits=("batch", "channel"),
+        shard=["split", "split", "full", "split"],
+        channels=[64, 64, 0, 4096],
+        param_bytes=[mb, mb, 0, 400 * mb],
+        batch=8,
+    )
+
+
+def test_colocated_stages_by_hand() -> None:
+    # a (split) -> b (split); both stages on devices 0 and 1: a by batch, b by channel
+    pb = PartitionProblem(
+        names=["a", "b"],
+        compute=[[8.0] * 3, [2.0] * 3],
+        resident=[100, 4000],
+        activation=[40, 20],
+        out_bytes=[1000, 10],
+        edges=[(0, 1)],
+        devices=["d0", "d1", "d2"],
+        mem_cap=[10**6] * 3,
+        bandwidth=[[1000.0] * 3 for _ in range(3)],
+        latency=[[0.0] * 3 for _ in range(3)],
+        widths=(1, 2),
+        splits=("batch", "channel"),
+        shard=["split", "split"],
+        channels=[64, 4],
+        param_bytes=[400, 4000],
+        batch=8,
+    )
+    pair = (0, 1)
+    groups = [StageGroup(pair, "batch"), StageGroup(pair, "channel")]
+    assert not check(pb, [0, 1], [0, 0], groups)
+    ev = evaluate(pb, [0, 1], [0, 0], groups)
+    assert ev.stage_compute == [4.0, 1.0]  # half a batch of a, half the channels of b
+    gather = 0.5 * 1000 / 1000  # a's halves gathered on the leader, each way
+    ring = 2 * 0.5 * 400 / 1000  # a's gradients all-reduced (b's are sharded, not reduced)
+    bcast = 0.5 * 1000 / 1000  # the whole a broadcast to b's shards, each way
+    assert ev.stage_collective == pytest.approx([2 * gather + ring, 2 * bcast])
+    # a reaches stage 1 on the same leader: the transfer is recorded (an ordering) and free
+    assert [(u, j, k, t) for u, j, k, t in ev.transfers] == [(0, 0, 1, 0.0)]
+    assert ev.stage_time == pytest.approx([4.0 + 1.4, 1.0 + 1.0])
+    # both devices serve both stages: the bottleneck is their sum, not the larger stage
+    assert ev.device_time == pytest.approx([7.4, 7.4, 0.0])
+    assert ev.bottleneck == pytest.approx(7.4)
+    # memory: a whole + half its activation; b's half weights and activation; no receive
+    # buffer on the leader (a is read in place), none on the other shard either
+    assert ev.device_memory == [100 + 20 + 2000 + 10, 100 + 20 + 2000 + 10, 0]
+
+
+def test_only_consecutive_identical_groups_share_devices() -> None:
+    pb = _conv_head()
+    both = StageGroup((0, 1), "batch")
+    ok = [both, StageGroup((0, 1), "channel"), StageGroup((2,))]
+    assert not check(pb, [0, 0, 1, 2], [0, 0, 2], ok)
+    subset = [both, StageGroup((0,))]
+    assert any("in stages 0 and 1" in e for e in check(pb, [0, 0, 1, 1], [0, 0], subset))
+    apart = [both, StageGroup((2,)), StageGroup((0, 1), "channel")]
+    assert any("in stages 0 and 2" in e for e in check(pb, [0, 0, 1, 2], [0, 2, 0], apart))
+    single = [StageGroup((0,)), StageGroup((0,))]
+    assert any("in stages 0 and 1" in e for e in check(pb, [0, 0, 1, 1], [0, 0], single))
+    assert any("twice" in e for e in check(pb, [0, 0, 1, 1], [0, 0]))  # pipelines never share
+
+
+def test_group_dp_finds_the_colocated_classifier() -> None:
+    # Krizhevsky's trick: convolutions by batch on all 4 devices, then the classifier by
+    # channel on the same 4 (data parallelism would all-reduce 400 MB of its gradients)
+    pb = _conv_head()
+    brute = brute_force_groups(pb)
+    assert brute.groups is not None and brute.groups[-1].devices == brute.groups[-2].devices
+    found = cross_dp(pb)
+    assert found is not None
+    stage_of, groups = found
+    obj = evaluate(pb, stage_of, [g.leader for g in groups], groups).objective
+    assert obj == pytest.approx(brute.objective, rel=1e-9)
+    assert [(g.width, g.split) for g in groups] == [(4, "batch"), (4, "channel")]
+    dp = data_parallel(pb)
+    assert dp is not None
+    assert obj < 0.5 * evaluate(pb, dp[0], [g.leader for g in dp[1]], dp[1]).objective
+    assert obj >= lower_bound(pb)
+
+
+def test_colocate_false_gives_one_stage_per_device() -> None:
+    # the distributed runtime runs one stage per rank: with colocate=False the DP must
+    # find another layout for the same problem, no better than the co-located one
+    pb = _conv_head()
+    with_tail = cross_dp(pb)
+    without = cross_dp(pb, colocate=False)
+    assert with_tail is not None and without is not None
+    devices = [d for g in without[1] for d in g.devices]
+    assert len(devices) == len(set(devices))
+    obj = {
+        name: evaluate(pb, so, [g.leader for g in gs], gs).objective
+        for name, (so, gs) in (("tail", with_tail), ("none", without))
+    }
+    assert obj["tail"] < obj["none"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_group_dp_matches_brute_force_with_heavy_tails(seed: int) -> None:
+    # chains whose last nodes hold most parameters: the co-located tail is often optimal
+    rng = random.Random(200 + seed)
+    pb = make(rng, rng.randint(4, 6), chain=True, microbatches=rng.choice([1, 2]))
+    heavy = [0] * (pb.n - 2) + [rng.randint(512, 2048) * (1 << 20)] * 2
+    pb = dataclasses.replace(pb, param_bytes=heavy, shard=[*pb.shard[:-1], "split"])
+    brute = brute_force_groups(pb)
+    found = cross_dp(pb)
+    assert found is not None
+    stage_of, groups = found
+    obj = evaluate(pb, stage_of, [g.leader for g in groups], groups).objective
+    assert obj == pytest.approx(brute.objective, rel=1e-9)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from crosscut.partitioner.annotate import annotate
@@ -15,6 +17,7 @@ from crosscut.partitioner.plan import (
     PlanStage,
 )
 from crosscut.partitioner.simulate import simulate
+from crosscut.partitioner.validate import plan_problems
 from tests.plan_factory import make_plan
 
 
@@ -105,3 +108,41 @@ def test_one_f_one_b_keeps_fewer_in_flight_than_gpipe() -> None:
     assert a.device_peak_bytes["d0"] == 80
     assert b.device_peak_bytes["d0"] == 40
     assert b.device_peak_bytes["d3"] == 10
+
+
+def _colocated_plan(micro: int) -> Plan:
+    """Three one-node stages: 0 by batch on d0+d1, 1 by channel on the same two, 2 on d2."""
+    plan = chain_plan(3, micro, "1f1b")
+    for node in plan.nodes:
+        node.shard, node.channels = "split", 8
+    plan.model.batch_size = 4 * micro
+    plan.options.widths, plan.options.splits = [1, 2], ["batch", "channel"]
+    plan.assignment = {"n0": 0, "n1": 1, "n2": 2}
+    plan.stages = [
+        PlanStage(0, ["d0", "d1"], split="batch"),
+        PlanStage(1, ["d0", "d1"], split="channel"),
+        PlanStage(2, ["d2"]),
+    ]
+    return annotate(plan)
+
+
+@pytest.mark.parametrize("micro", [1, 4])
+def test_colocated_stages_take_turns_on_their_devices(micro: int) -> None:
+    plan = _colocated_plan(micro)
+    assert plan_problems(plan) == []  # consecutive stages may share one group of 2+ devices
+    sim = simulate(plan)
+    for dev in ("d0", "d1"):
+        spans = sorted((e.start, e.end) for e in sim.events if e.device == dev)
+        assert all(end <= nxt + 1e-12 for (_, end), (nxt, _) in itertools.pairwise(spans))
+        assert {e.stage for e in sim.events if e.device == dev} == {0, 1}
+    # stage 0: half of n0 (1.5 s), stage 1: half of n1; d0 and d1 work for both
+    assert plan.predicted.stage_time_s[:2] == pytest.approx([1.5, 1.5])
+    assert plan.predicted.bottleneck_s == pytest.approx(3.0)
+    assert sim.device_busy_s["d0"] == pytest.approx(micro * 3.0)
+    assert sim.step_time_s >= micro * plan.predicted.bottleneck_s - 1e-12
+
+
+def test_devices_shared_out_of_turn_are_refused() -> None:
+    plan = _colocated_plan(1)
+    plan.stages[2].devices = ["d0"]  # stage 2 reuses d0 without being stage 1's group
+    assert any("runs stages 1 and 2" in p for p in plan_problems(plan))

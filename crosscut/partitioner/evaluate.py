@@ -17,7 +17,8 @@ The model (``PartitionProblem``'s docstring, DESIGN.md "The partition problem"):
 * ``stage_time = compute + comm`` (or ``max(compute, comm)`` with
   ``overlap_comm``); the throughput objective is the bottleneck
   ``max_k stage_time``.
-* memory of the device of stage ``k`` (a device holds at most one stage):
+* memory of the device of stage ``k`` (in a pipeline a device holds one stage;
+  co-located group stages, below, add up on the devices they share):
   ``resident + inflight(k) * (activation + received bytes)`` when training,
   where ``inflight = microbatches`` for GPipe and ``min(microbatches, S - k)``
   for 1F1B (``S`` = number of stages). In inference no activation is kept for
@@ -33,6 +34,11 @@ The model (``PartitionProblem``'s docstring, DESIGN.md "The partition problem"):
 * cross-shaped stages (``groups``: a stage on several devices, split by batch or
   by channel) follow the formulas in ``partitioner/groups.py``; when every
   stage is one device they reduce to the ones above, and the plain path is used.
+  Consecutive stages may share one group of two or more devices (co-located
+  stages, e.g. batch-split convolutions followed by a channel-split classifier
+  on the same devices); a device then works for every stage it serves, so the
+  throughput bottleneck is the busiest *device*: ``max_d Σ stage_time`` over
+  the stages on ``d`` (the max stage time when no device is shared).
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ class Evaluation:
     """Prices of one assignment; ``objective`` is the one the problem asks for."""
 
     objective: float  # bottleneck (throughput) or makespan (latency), seconds
-    bottleneck: float  # max stage time, seconds per micro-batch
+    bottleneck: float  # busiest device's time (max stage time unless stages share devices)
     makespan: float  # one micro-batch through the list schedule, seconds
     stage_compute: list[float]
     stage_comm: list[float]
@@ -77,6 +83,7 @@ class Evaluation:
     device_memory: list[int]  # [device] bytes needed (0 for unused devices)
     transfers: list[tuple[int, int, int, float]]  # (node, from stage, to stage, seconds)
     stage_collective: list[float] = field(default_factory=list)  # group collectives in comm
+    device_time: list[float] = field(default_factory=list)  # [device] Σ times of its stages
 
     @property
     def num_stages(self) -> int:
@@ -170,7 +177,8 @@ def evaluate(
             + buffer_factor(problem, k, num_stages) * recv[k]
         )
     span = _makespan(problem, stage_of, stage_device)
-    return _assemble(problem, comp, comm, memory, transfers, span)
+    members = [(d,) for d in stage_device]
+    return _assemble(problem, comp, comm, memory, transfers, span, members)
 
 
 def _assemble(
@@ -180,14 +188,23 @@ def _assemble(
     memory: list[int],
     transfers: list[tuple[int, int, int, float]],
     span: float,
+    members: Sequence[Sequence[int]],
     coll: list[float] | None = None,
 ) -> Evaluation:
-    """Stage times (compute + comm, or their max when overlapped) and the objective."""
+    """Stage times (compute + comm, or their max when overlapped) and the objective.
+
+    ``members[k]`` are stage ``k``'s devices; a device shared by co-located
+    stages is busy for all of them, so the bottleneck is the busiest device.
+    """
     if problem.overlap_comm:
         times = [max(c, m) for c, m in zip(comp, comm)]
     else:
         times = [c + m for c, m in zip(comp, comm)]
-    bottleneck = max(times, default=0.0)
+    load = [0.0] * problem.num_devices
+    for k, devs in enumerate(members):
+        for d in devs:
+            load[d] += times[k]
+    bottleneck = max(load, default=0.0)
     return Evaluation(
         objective=span if problem.objective == "latency" else bottleneck,
         bottleneck=bottleneck,
@@ -198,6 +215,7 @@ def _assemble(
         device_memory=memory,
         transfers=transfers,
         stage_collective=coll if coll is not None else [0.0] * len(comp),
+        device_time=load,
     )
 
 
@@ -228,10 +246,15 @@ def _evaluate_groups(
     transfers: list[tuple[int, int, int, float]] = []
     cons = consumers(problem)
     received: list[set[int]] = [set() for _ in range(num_stages)]
+    local: list[set[int]] = [set() for _ in range(num_stages)]  # from the same leader
     for u, cs in enumerate(cons):
         j = stage_of[u]
         for k in sorted({stage_of[v] for v in cs} - {j}):
-            t = mult * transfer_time(problem, u, lead[j], lead[k])
+            if lead[j] == lead[k]:  # co-located stages: the value is already there
+                t = 0.0
+                local[k].add(u)
+            else:
+                t = mult * transfer_time(problem, u, lead[j], lead[k])
             comm[j] += t
             comm[k] += t
             received[k].add(u)
@@ -253,9 +276,12 @@ def _evaluate_groups(
                 part = 1.0 if d == g.leader or g.split != "batch" else node_share(problem, u, g)
                 if g.split == "channel" and d != g.leader:
                     part = 0.0
+                if d == g.leader and u in local[k]:
+                    part = 0.0  # read in place on the shared leader: no receive buffer
                 memory[d] += math.ceil(bf * problem.out_bytes[u] * part)
     span = _makespan(problem, stage_of, lead, shares)
-    return _assemble(problem, comp, comm, memory, transfers, span, coll)
+    members = [g.devices for g in groups]
+    return _assemble(problem, comp, comm, memory, transfers, span, members, coll)
 
 
 def _group_collective_bytes(
@@ -300,19 +326,19 @@ def _makespan(
     for u, v in problem.edges:
         preds[v].add(u)
     finish = [0.0] * problem.n
-    free = [0.0] * len(stage_device)  # per stage == per device (injective)
+    free = [0.0] * problem.num_devices  # per device: co-located stages share their leader
     for v in range(problem.n):
         k = stage_of[v]
         d = stage_device[k]
-        start = free[k]
+        start = free[d]
         for u in preds[v]:
             j = stage_of[u]
             arrive = finish[u]
-            if j != k:
+            if j != k and stage_device[j] != d:
                 arrive += mult * transfer_time(problem, u, stage_device[j], d)
             start = max(start, arrive)
         finish[v] = start + problem.compute[v][d] * (shares[v] if shares is not None else 1.0)
-        free[k] = finish[v]
+        free[d] = finish[v]
     return max(finish, default=0.0)
 
 
@@ -356,7 +382,7 @@ def check(
     for k in range(num_stages):
         if k not in used:
             errors.append(f"stage {k} is empty (renumber the stages)")
-    if len(set(stage_device)) != len(stage_device):
+    if groups is None and len(set(stage_device)) != len(stage_device):
         errors.append(f"stage_device {stage_device} uses a device twice")
     if any(not 0 <= d < problem.num_devices for d in stage_device):
         errors.append(

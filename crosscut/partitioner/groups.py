@@ -26,7 +26,10 @@ stages"), for stage ``k`` on group ``G`` of ``w`` devices, leader ``G[0]``:
     stage) costs one all-gather ``coll(B)``; a whole value (received, or made
     by a ``full`` node) read by a ``split`` node costs one broadcast ``coll(B)``.
 * **transfers** between stages go leader to leader, priced as for single
-  devices.
+  devices; between co-located stages (the same group, see :func:`colocated`)
+  they cost nothing: the value is already on the leader.
+* **devices shared** by co-located stages are busy for each of them: the
+  throughput bottleneck is the busiest device's summed stage times.
 * **memory** per device, ``f`` = the node's share: batch split: ``resident +
   inflight · activation · f`` on every device, plus the receive buffers (whole
   on the leader, ``f`` of them elsewhere); channel split: ``f · (resident +
@@ -43,6 +46,7 @@ from crosscut.partitioner.problem import PartitionProblem, StageGroup
 
 __all__ = [
     "collective_time",
+    "colocated",
     "group_link",
     "group_problems",
     "node_share",
@@ -102,19 +106,41 @@ def ring_allreduce_time(problem: PartitionProblem, group: StageGroup, nbytes: in
     return 2 * (w - 1) / w * nbytes / bw + 2 * (w - 1) * lat
 
 
+def colocated(groups: Sequence[StageGroup], k: int) -> bool:
+    """Whether stage ``k`` runs on exactly the group of stage ``k - 1`` (two or more devices).
+
+    Co-located stages are how one set of devices runs two split kinds in turn
+    (Krizhevsky's "one weird trick": batch-split convolutions, then a
+    channel-split classifier on the same devices). The local executor runs
+    each stage on its own worker thread, so sharing devices needs nothing
+    special at run time; the cost model charges every device the sum of the
+    times of the stages it serves. One device is never shared: merging the two
+    stages would be at least as fast.
+    """
+    return k > 0 and groups[k].width > 1 and groups[k].devices == groups[k - 1].devices
+
+
 def group_problems(problem: PartitionProblem, groups: Sequence[StageGroup]) -> list[str]:
-    """Rules a list of stage groups breaks (disjoint devices, widths and splits that fit)."""
+    """Rules a list of stage groups breaks (disjoint devices, widths and splits that fit).
+
+    Groups are disjoint, except that consecutive stages may share the very same
+    group of two or more devices (:func:`colocated`).
+    """
     errors: list[str] = []
     seen: dict[int, int] = {}
     for k, g in enumerate(groups):
         if not g.devices:
             errors.append(f"stage {k} has an empty device group")
             continue
+        shared = colocated(groups, k)
         for d in g.devices:
             if not 0 <= d < problem.num_devices:
                 errors.append(f"stage {k} names device {d}, outside 0..{problem.num_devices - 1}")
-            elif d in seen:
-                errors.append(f"device {problem.devices[d]!r} is in stages {seen[d]} and {k}")
+            elif d in seen and not shared:
+                errors.append(
+                    f"device {problem.devices[d]!r} is in stages {seen[d]} and {k}; only "
+                    "consecutive stages on the very same group of 2+ devices may share devices"
+                )
             seen.setdefault(d, k)
         if g.width == 1 and g.split != "none":
             errors.append(f"stage {k} splits by {g.split!r} over one device; use split 'none'")

@@ -93,6 +93,7 @@ def partition_graph(
     require_all_devices: bool = False,
     use_coarsening: bool = True,
     progress: Progress | None = None,
+    colocate: bool = True,
 ) -> Plan:
     """Solve the partition of ``graph`` (traced at micro-batch size) over ``cluster``."""
     pc = plan_cluster(cluster)
@@ -130,7 +131,9 @@ def partition_graph(
             fine, pc, options, training=training, ties=graph.ties, batch=graph.batch_size
         )
         pipe = ([assignment[n] for n in fine_pb.names], list(result.stage_device))
-        cross = solve_cross(fine_pb, pipe, pipeline_name=f"pipeline_{result.solver}")
+        cross = solve_cross(
+            fine_pb, pipe, pipeline_name=f"pipeline_{result.solver}", colocate=colocate
+        )
         result = _merge(result, cross)
         assert cross.groups is not None
         assignment = dict(zip(fine_pb.names, cross.stage_of))

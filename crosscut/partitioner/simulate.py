@@ -9,7 +9,9 @@ forward-only) action by action on one timeline per device:
   (or their max with ``overlap_comm``), and starts once the device is free and
   every stage that sends to ``k`` has finished ``F(·, m)``;
 * ``B(k, m)`` takes the backward compute plus the transfer time of the
-  gradients, after ``F(k, m)`` and ``B(·, m)`` of every stage ``k`` sends to.
+  gradients, after ``F(k, m)`` and ``B(·, m)`` of every stage ``k`` sends to;
+* an action also waits until every device of its stage is free: co-located
+  stages (one device group, two stages) take turns on their devices.
 
 Stage prices come from :func:`crosscut.partitioner.evaluate.evaluate` on the
 problem rebuilt from the plan, so the simulation, the solver and validation all
@@ -106,7 +108,7 @@ def simulate(plan: Plan) -> Simulation:
         receivers[j].add(k)
     queues = _actions(plan)
     done: dict[tuple[int, str, int], float] = {}
-    free = [0.0] * plan.num_stages
+    free = {d.name: 0.0 for d in plan.cluster.devices}  # co-located stages share devices
     head = [0] * plan.num_stages
     events: list[Event] = []
     remaining = sum(len(q) for q in queues)
@@ -118,11 +120,12 @@ def simulate(plan: Plan) -> Simulation:
                 deps = _deps(a, senders, receivers)
                 if any(d not in done for d in deps):
                     break
-                start = max([free[k], *(done[d] for d in deps)])
+                devs = plan.stages[k].devices
+                start = max([*(free[x] for x in devs), *(done[d] for d in deps)])
                 end = start + (fwd[k] if a.kind == "F" else bwd[k])
                 done[(k, a.kind, a.microbatch)] = end
-                free[k] = end
-                for dev in plan.stages[k].devices:  # every device of a group is busy
+                for dev in devs:  # every device of a group is busy
+                    free[dev] = end
                     events.append(Event(dev, k, a.kind, a.microbatch, start, end))
                 head[k] += 1
                 remaining -= 1
@@ -138,7 +141,7 @@ def simulate(plan: Plan) -> Simulation:
     busy: dict[str, float] = {}
     for e in events:
         busy[e.device] = busy.get(e.device, 0.0) + (e.end - e.start)
-    capacity = step * sum(len(s.devices) for s in plan.stages)
+    capacity = step * len({d for s in plan.stages for d in s.devices})
     bubble = 1.0 - sum(busy.values()) / capacity if capacity > 0 else 0.0
     peaks = {d: ev.device_memory[plan.cluster.index(d)] for s in plan.stages for d in s.devices}
     return Simulation(

@@ -66,11 +66,16 @@ def _structure_problems(plan: Plan) -> list[str]:
     for i, stage in enumerate(plan.stages):
         if stage.index != i:
             out.append(f"stage {i} is numbered {stage.index}; stages are numbered 0..S-1 in order")
+        # co-located stages (partitioner/groups.py): the same group of 2+ devices as the last
+        shared = i > 0 and len(stage.devices) > 1 and stage.devices == plan.stages[i - 1].devices
         for d in stage.devices:
             if d not in dev_names:
                 out.append(f"stage {i} runs on {d!r}, which is not in the cluster {dev_names}")
-            elif d in used:
-                out.append(f"device {d!r} runs stages {used[d]} and {i}; a device runs one stage")
+            elif d in used and not shared:
+                out.append(
+                    f"device {d!r} runs stages {used[d]} and {i}; a device runs one stage, "
+                    "unless consecutive stages share the very same group of 2+ devices"
+                )
             used[d] = i
     must = assigned_names(plan.nodes)
     missing = [n for n in must if n not in plan.assignment]

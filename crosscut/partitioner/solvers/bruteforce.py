@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from crosscut.errors import InfeasiblePlanError
 from crosscut.partitioner.evaluate import check, evaluate
-from crosscut.partitioner.problem import PartitionProblem
+from crosscut.partitioner.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.solvers.result import SolveResult
 
 __all__ = ["brute_force", "brute_force_groups", "stage_assignments"]
@@ -90,9 +90,10 @@ def brute_force_groups(problem: PartitionProblem) -> SolveResult:
 
     Every topological stage assignment (not only contiguous chunks) times every
     sequence of stage shapes ``(width, split)`` whose groups take consecutive
-    devices of :func:`device_order`: the space the group DP searches, and more.
+    devices of :func:`device_order`, and every such sequence whose last stage
+    shares the group of the stage before it (a co-located tail, as the DP
+    searches): the space the group DP searches, and more.
     """
-    from crosscut.partitioner.problem import StageGroup
     from crosscut.partitioner.solvers.baselines import device_order
     from crosscut.partitioner.solvers.cross import group_types
 
@@ -102,17 +103,12 @@ def brute_force_groups(problem: PartitionProblem) -> SolveResult:
     order = device_order(problem)
     types = group_types(problem)
     best: tuple[float, list[int], list[StageGroup]] | None = None
-    for stage_of in stage_assignments(problem, min(problem.n, problem.num_devices)):
+    # one stage more than devices: a co-located last stage takes no device of its own
+    for stage_of in stage_assignments(problem, min(problem.n, problem.num_devices + 1)):
         if any(len({stage_of[v] for v in g}) > 1 for g in problem.ties):
             continue
         num = max(stage_of) + 1
-        for shapes in itertools.product(types, repeat=num):
-            if sum(w for w, _ in shapes) > len(order):
-                continue
-            groups, d = [], 0
-            for w, split in shapes:
-                groups.append(StageGroup(tuple(order[d : d + w]), split))
-                d += w
+        for groups in _group_sequences(problem, order, types, num):
             leaders = [g.leader for g in groups]
             obj = evaluate(problem, stage_of, leaders, groups).objective
             if best is not None and obj >= best[0]:
@@ -140,3 +136,26 @@ def brute_force_groups(problem: PartitionProblem) -> SolveResult:
         solver="brute",
         groups=groups,
     )
+
+
+def _group_sequences(
+    problem: PartitionProblem, order: list[int], types: list[tuple[int, str]], num: int
+) -> Iterator[list[StageGroup]]:
+    """Every group sequence of ``num`` stages on consecutive devices of ``order``.
+
+    Includes the sequences whose last stage shares the group (2+ devices) of the
+    stage before it, with any split kind; such a stage takes no device of its own.
+    """
+    splits = [s for s in ("batch", "channel") if s in problem.splits]
+    for shapes in itertools.product(types, repeat=num):
+        groups: list[StageGroup] = []
+        d = 0
+        for w, split in shapes:
+            groups.append(StageGroup(tuple(order[d : d + w]), split))
+            d += w
+        if d <= len(order):
+            yield groups
+        if num >= 2 and shapes[-1] == types[0] and shapes[-2][0] > 1 and d - 1 <= len(order):
+            # the last stage on the previous stage's group instead of a device of its own
+            for split in splits:
+                yield [*groups[:-1], StageGroup(groups[-2].devices, split)]

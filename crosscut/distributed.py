@@ -24,7 +24,7 @@ from torch import nn
 from crosscut.errors import DistributedError, InputError
 from crosscut.partitioner.plan import Plan
 from crosscut.runtime.checkpoint import assemble_checkpoint
-from crosscut.runtime.distributed import DistributedPipeline, plan_hash
+from crosscut.runtime.distributed import DistributedPipeline, check_bn_mode, plan_hash
 
 __all__ = [
     "DistContext",
@@ -155,6 +155,7 @@ def compile_distributed(
     microbatches: int | None = None,
     timeout_s: float | None = None,
     device: torch.device | str | None = None,
+    bn_mode: str = "micro",
 ) -> DistributedPipeline:
     """This rank's :class:`DistributedPipeline` of ``model`` under ``plan``.
 
@@ -164,9 +165,11 @@ def compile_distributed(
     when that is unset too — made by rank 0 for ``world_size / replicas`` CPU
     or GPU stages and broadcast. Every rank must build ``model`` identically
     (same seed) or load a checkpoint; replicas are synchronised from replica 0.
+    ``bn_mode``: ``"micro"`` or ``"step"``, as for :func:`crosscut.compile`.
     """
     from crosscut.api import trace
 
+    check_bn_mode(bn_mode)
     if not dist.is_initialized():
         init(timeout_s=timeout_s or DEFAULT_TIMEOUT_S)
     reps = int(replicas if replicas is not None else os.environ.get("CROSSCUT_REPLICAS", "1"))
@@ -218,4 +221,5 @@ def compile_distributed(
         microbatches=m,
         timeout_s=t_out,
         device=dev,
+        bn_mode=bn_mode,
     )

@@ -114,7 +114,11 @@ def run_main(argv: Sequence[str]) -> int:
             ns.port = free_port(ns.host)
         if ns.node_rank == 0:
             check_port_free(ns.port, ns.host)
-        cmd = build_command(ns, plan.num_stages)
+        # one process per plan device of each replica: a channel/batch group has one per member
+        ranks = sum(
+            len(st.devices) if st.split in ("channel", "batch") else 1 for st in plan.stages
+        )
+        cmd = build_command(ns, ranks)
     except CrosscutError as exc:
         print(f"crosscut run: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

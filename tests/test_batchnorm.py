@@ -356,5 +356,5 @@ def test_compile_passes_bn_mode_and_refuses_it_under_torchrun(
     assert any(isinstance(m, StepBatchNorm) for m in c.modules())
     c.close()
     monkeypatch.setattr(crosscut.api, "_distributed_run", lambda: True)
-    with pytest.raises(InputError, match="distributed runtime"):
-        crosscut.compile(Calib(), None, x, microbatches=2, bn_mode="step")
+    with pytest.raises(InputError, match="distributed runtime runs batch norm in bn_mode"):
+        crosscut.compile(Calib(), None, x, microbatches=2, bn_mode="exact")

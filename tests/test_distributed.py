@@ -207,6 +207,53 @@ def test_worker_groups_allreduce(tmp_path: Path) -> None:
         compare(got, eager(name, 8, 32, 4), buffers=False)
 
 
+def local_step_bn(name: str, n: int, size: int, chunks: int) -> dict[str, Any]:
+    """One SGD step of a local 2-stage CompiledModule with bn_mode="step" (tested vs eager
+    in tests/test_batchnorm.py): the reference for the distributed "step" mode."""
+    import crosscut
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, y = batch(n, size)
+        c = crosscut.compile(build(name), ["cpu"] * 2, x, microbatches=chunks, bn_mode="step")
+        opt = torch.optim.SGD(c.parameters(), lr=0.1, momentum=0.9)
+        opt.zero_grad()
+        loss = float(c.train_step(x, y, nn.functional.cross_entropy))
+        opt.step()
+        state = c.state_dict()
+        c.close()
+        return {"loss": loss, "state": state}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_step_batch_norm_across_replicas_and_stages(tmp_path: Path) -> None:
+    """bn_mode="step" on 2 replicas × 2 stages: every rank commits the GLOBAL batch's
+    running statistics once (all-reduced over the replicas), equal to the local runtime's
+    "step" mode on the same four micro-batches; "micro" would differ (checked)."""
+    args = ["--models", "resnet18", "--schedules", "1f1b", "--replicas", "2"]
+    args += ["--microbatches", "2", "--bn-mode", "step", "--out", str(tmp_path)]
+    ok(launch(4, args))
+    ref = local_step_bn("resnet18", 8, 32, 4)
+    micro = eager("resnet18", 8, 32, 4)["state"]
+    for replica in (0, 1):
+        state: dict[str, torch.Tensor] = {}
+        for stage in (0, 1):
+            d = torch.load(
+                tmp_path / f"resnet18_1f1b_rank{2 * replica + stage}.pt", weights_only=False
+            )
+            state.update(d["state"])
+            if d["losses"] and d["losses"][0] is not None:
+                assert d["losses"][0] == pytest.approx(ref["loss"], rel=1e-5)
+        assert set(state) == set(ref["state"])
+        for k, v in ref["state"].items():
+            close(state[k], v, f"replica {replica} state {k}")
+    var = "layer4.1.bn2.running_var"
+    assert not torch.allclose(micro[var], ref["state"][var], rtol=1e-3), "test cannot discriminate"
+    assert int(ref["state"]["bn1.num_batches_tracked"]) == 1  # once per step, not per micro-batch
+
+
 def test_two_node_groups_on_loopback(tmp_path: Path) -> None:
     """Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1) train one step."""
     port = free_port()

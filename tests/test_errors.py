@@ -75,13 +75,3 @@ def test_catalogue_row_names_an_existing_test(ref: str) -> None:
     tree = ast.parse((ROOT / path).read_text())
     names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
     assert name in names, f"docs/ERRORS.md names {ref}, which does not exist"
-
-
-def test_distributed_runtime_refuses_cross_shaped_plans() -> None:
-    from crosscut.runtime.distributed import DistributedPipeline
-    from tests.plan_factory import make_plan
-
-    plan = make_plan(30, 4, cross_shaped=True)
-    assert any(len(s.devices) > 1 for s in plan.stages)
-    with pytest.raises(crosscut.InputError, match="cross-shaped stages"):
-        DistributedPipeline(Tiny(), None, plan)  # type: ignore[arg-type]

@@ -1,32 +1,168 @@
-"""Per-rank checkpoints of a distributed pipeline, and re-assembly into one state_dict.
+"""Per-rank state under the original keys, per-rank checkpoints, and re-assembly.
 
 Why per rank: no rank holds the whole model, and gathering it onto one rank
 would need that rank to have room for all of it. Each rank writes
-``rank{r:05d}.pt`` with its stage's tensors under the ORIGINAL model's
-``state_dict`` keys (via ``StagedProgram.key_sources``) and its optimizer's
-state. Every file is written to a temporary name and renamed (atomic on
-POSIX); after a barrier, rank 0 writes ``manifest.json`` last, so a directory
-with a manifest is complete and a crash mid-save never leaves a checkpoint
-that looks whole. :func:`assemble_checkpoint` reads replica 0's file of every
-stage and returns one ``state_dict`` a plain ``model.load_state_dict`` takes.
+``rank{r:05d}.pt`` with its tensors under the ORIGINAL model's ``state_dict``
+keys (via ``StagedProgram.key_sources``) and its optimizer's state. A member
+of a channel-split group holds pieces of some tensors; it writes them as
+shards (key → member, cat dim, piece), and :func:`assemble_parts`
+concatenates the members' pieces back into the original tensor, so neither
+a save nor a load ever gathers a tensor onto one rank. Every file is written
+to a temporary name and renamed (atomic on POSIX); after a barrier, rank 0
+writes ``manifest.json`` last, so a directory with a manifest is complete and
+a crash mid-save never leaves a checkpoint that looks whole.
+:func:`assemble_checkpoint` reads replica 0's files and returns one
+``state_dict`` a plain ``model.load_state_dict`` takes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from crosscut.errors import DistributedError
 
-__all__ = ["MANIFEST", "assemble_checkpoint", "load_rank", "rank_file", "save_rank"]
+__all__ = [
+    "MANIFEST",
+    "RankState",
+    "Shard",
+    "assemble_checkpoint",
+    "assemble_parts",
+    "load_rank",
+    "rank_file",
+    "save_rank",
+]
 
 MANIFEST = "manifest.json"
+
+Shard = tuple[int, int | None, torch.Tensor]
+"""One member's piece of a channel-sharded tensor: (member, cat dim or None, piece)."""
+
+
+class RankState:
+    """This rank's tensors under the original keys (mixed into the distributed pipeline).
+
+    Whole tensors (a stage's own, a batch group member's replicated copy) are
+    listed under their original keys; a channel-split member's pieces are
+    :data:`Shard` s (``shard_sources`` of ``codegen/groups.py``, cut to this
+    member).
+    """
+
+    stage: nn.Module
+    member: int
+    _param_keys: dict[str, list[str]]  # local name -> original keys (whole tensors)
+    _shard_sources: dict[str, tuple[int, list[str], int | None]]  # key -> (stage, names, dim)
+    _orphans: dict[str, torch.Tensor]
+
+    def _named_local(self) -> dict[str, torch.Tensor]:
+        return {
+            **dict(self.stage.named_parameters(remove_duplicate=False)),
+            **dict(self.stage.named_buffers(remove_duplicate=False)),
+        }
+
+    def named_original_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(original state_dict key, tensor) for the whole tensors this rank holds."""
+        named = self._named_local()
+        return [(key, named[local]) for local, keys in self._param_keys.items() for key in keys]
+
+    def named_shards(self) -> list[tuple[str, int, int | None, torch.Tensor]]:
+        """(original key, member, cat dim, piece) for this member's channel shards.
+
+        The whole tensor is the members' pieces concatenated along ``dim`` in
+        member order (``dim`` None: a replicated scalar, member 0's speaks).
+        """
+        named = self._named_local()
+        return [
+            (key, self.member, dim, named[names[self.member]])
+            for key, (_s, names, dim) in self._shard_sources.items()
+            if names[self.member] in named
+        ]
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's whole tensors under the original keys, copied to CPU.
+
+        Channel shards are in :meth:`local_shards`; each member of a batch
+        group returns its own (identical) copy.
+        """
+        return {k: t.detach().to("cpu", copy=True) for k, t in self.named_original_tensors()}
+
+    def local_grads(self) -> dict[str, torch.Tensor]:
+        """Gradients of this rank's whole parameters under the original keys (CPU copies)."""
+        return {
+            k: t.grad.detach().to("cpu", copy=True)
+            for k, t in self.named_original_tensors()
+            if isinstance(t, nn.Parameter) and t.grad is not None
+        }
+
+    def local_shards(self) -> dict[str, Shard]:
+        """This member's channel shards: original key -> (member, cat dim, CPU copy)."""
+        return {
+            k: (m, dim, t.detach().to("cpu", copy=True)) for k, m, dim, t in self.named_shards()
+        }
+
+    def local_shard_grads(self) -> dict[str, Shard]:
+        """Gradients of this member's channel shards, like :meth:`local_shards`."""
+        return {
+            k: (m, dim, t.grad.detach().to("cpu", copy=True))
+            for k, m, dim, t in self.named_shards()
+            if isinstance(t, nn.Parameter) and t.grad is not None
+        }
+
+    def orphans(self) -> dict[str, torch.Tensor]:
+        """Original keys the traced graph never reads (kept so checkpoints are complete)."""
+        return dict(self._orphans)
+
+    def save_checkpoint(self, directory: str, optimizer: Any = None, extra: Any = None) -> None:
+        """Collective: every rank writes its state (and optimizer state) atomically."""
+        save_rank(self, directory, optimizer, extra)
+
+    def load_checkpoint(self, directory: str, optimizer: Any = None) -> Any:
+        """Collective: restore this rank (and optimizer) from a checkpoint; returns ``extra``."""
+        return load_rank(self, directory, optimizer)
+
+
+def assemble_parts(
+    parts: Iterable[Mapping[str, Any]], whole: str = "state", shards: str = "shards"
+) -> dict[str, torch.Tensor]:
+    """One dict under the original keys from per-rank parts (``layout`` + tensors).
+
+    Whole tensors come from group leaders (member 0) of replica 0 — the
+    other members of a batch group hold copies — and channel shards from
+    every member of replica 0, concatenated in member order. ``whole`` and
+    ``shards`` name the fields to read (``"grads"``/``"shard_grads"`` for
+    gradients dumped the same way).
+    """
+    merged: dict[str, torch.Tensor] = {}
+    pieces: dict[str, list[Shard]] = {}
+    for part in parts:
+        layout = part.get("layout", {})
+        if int(layout.get("replica", 0)) != 0:
+            continue
+        if int(layout.get("member", 0)) == 0:
+            merged.update(part.get(whole) or {})
+        for key, shard in (part.get(shards) or {}).items():
+            pieces.setdefault(key, []).append(shard)
+    for key, got in pieces.items():
+        got.sort(key=lambda p: p[0])
+        members = [p[0] for p in got]
+        if members != list(range(len(got))):
+            raise DistributedError(
+                f"the shards of {key!r} come from members {members}; every member of the "
+                "group must have written its piece",
+                value=key,
+                remedy="the checkpoint is incomplete; save it again",
+            )
+        dim = got[0][1]
+        merged[key] = got[0][2] if dim is None else torch.cat([p[2] for p in got], dim)
+    return merged
 
 
 def rank_file(directory: str | Path, rank: int) -> Path:
@@ -62,10 +198,10 @@ def save_rank(pipe: Any, directory: str | Path, optimizer: Any = None, extra: An
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     layout = pipe.layout()
-    state = pipe.local_state_dict()
     payload = {
         "layout": layout,
-        "state": state,
+        "state": pipe.local_state_dict(),
+        "shards": pipe.local_shards(),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "orphans": pipe.orphans() if pipe.rank == 0 else {},
         "extra": extra,
@@ -77,6 +213,7 @@ def save_rank(pipe: Any, directory: str | Path, optimizer: Any = None, extra: An
         manifest = {
             "plan_hash": pipe.plan_hash,
             "stages": pipe.num_stages,
+            "group_widths": layout["group_widths"],
             "replicas": pipe.replicas,
             "world_size": pipe.world_size,
             "keys": list(pipe.original_keys),
@@ -112,28 +249,39 @@ def _load(path: Path) -> dict[str, Any]:
     return data
 
 
+def _per_replica(manifest: Mapping[str, Any]) -> int:
+    """Ranks of one replica in a checkpoint (older manifests: one per stage)."""
+    return int(sum(manifest.get("group_widths") or [1] * int(manifest["stages"])))
+
+
 def load_rank(pipe: Any, directory: str | Path, optimizer: Any = None) -> Any:
-    """Collective: restore this rank's stage (replica 0's copy) and optimizer; return extra."""
+    """Collective: restore this rank (replica 0's copy of its position) and optimizer."""
     manifest = _manifest(directory)
-    if manifest["plan_hash"] != pipe.plan_hash or manifest["stages"] != pipe.num_stages:
+    widths = manifest.get("group_widths") or [1] * int(manifest["stages"])
+    if manifest["plan_hash"] != pipe.plan_hash or list(widths) != list(pipe.rank_layout.widths):
         raise DistributedError(
             "a checkpoint resumes only under the plan that wrote it",
             value={"checkpoint": manifest["plan_hash"], "this run": pipe.plan_hash},
             remedy="resume with the same plan file, or load assemble_checkpoint(dir) into "
             "the model and compile again",
         )
-    source = rank_file(directory, pipe.stage_index)  # replica 0 of this stage
+    source = rank_file(directory, pipe.position)  # replica 0 of this position
     own = rank_file(directory, pipe.rank)
     data = _load(source)
-    named = dict(pipe.named_original_tensors())
+    wanted: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {
+        k: (t, data["state"].get(k)) for k, t in pipe.named_original_tensors()
+    }
+    shards = data.get("shards") or {}
+    for key, _m, _dim, t in pipe.named_shards():
+        wanted[key] = (t, shards[key][2] if key in shards else None)
     with torch.no_grad():
-        for key, t in named.items():
-            if key not in data["state"]:
+        for key, (t, saved) in wanted.items():
+            if saved is None:
                 raise DistributedError(
                     f"checkpoint file {source.name} lacks {key!r}",
                     remedy="the checkpoint was written by another plan",
                 )
-            t.copy_(data["state"][key].to(t.device))
+            t.copy_(saved.to(t.device))
     if optimizer is not None:
         opt_data = _load(own) if own.is_file() and manifest["replicas"] == pipe.replicas else data
         if opt_data["optimizer"] is None:
@@ -150,11 +298,10 @@ def load_rank(pipe: Any, directory: str | Path, optimizer: Any = None) -> Any:
 def assemble_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
     """One state_dict with the original model's keys, in its order, from replica 0's files."""
     manifest = _manifest(directory)
-    merged: dict[str, torch.Tensor] = {}
-    for stage in range(int(manifest["stages"])):
-        data = _load(rank_file(directory, stage))
-        merged.update(data["state"])
-        merged.update(data.get("orphans") or {})
+    parts = [_load(rank_file(directory, r)) for r in range(_per_replica(manifest))]
+    merged = assemble_parts(parts)
+    for part in parts:
+        merged.update(part.get("orphans") or {})
     missing = [k for k in manifest["keys"] if k not in merged]
     if missing:
         raise DistributedError(

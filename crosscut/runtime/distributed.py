@@ -1,7 +1,9 @@
-"""The distributed executor: one pipeline stage per rank, torch.distributed P2P between them.
+"""The distributed executor: one rank per pipeline stage (or per device of its group).
 
 Layout (Mariana's worker groups × workers): ``R`` replicas of an ``S``-stage
-pipeline, ``rank = replica * S + stage``. Each rank builds the same
+pipeline, ``rank = replica × S + stage`` — or, for a cross-shaped plan,
+``rank = replica × W + offset[stage] + member`` with ``W`` the plan's devices
+(:class:`~crosscut.runtime.groups.RankLayout`). Each rank builds the same
 :class:`~crosscut.codegen.split.StagedProgram` from the same plan, keeps only
 its own stage module and runs its row of the GPipe or 1F1B schedule:
 
@@ -13,8 +15,24 @@ its own stage module and runs its row of the GPipe or 1F1B schedule:
   them, backpropagate through the stage's saved graph, send the gradient of
   each received input back to its producer.
 
-After the schedule, each stage's gradients are averaged over its ``R``
-replicas with one flattened all-reduce on a per-stage process group.
+After the schedule, each rank's gradients are averaged over its ``R``
+replicas with one flattened all-reduce on a per-position process group.
+
+**Cross-shaped stages** (a stage on a device group split by channel or by
+batch) get one rank per device of the group. Member 0, the leader, is the
+stage for the rest of the pipeline: it exchanges whole values with other
+stages' leaders exactly as a one-device stage does, so routes and tags
+between stages do not change. The other members run the same schedule row
+(the same F and B actions per micro-batch) and talk only to their group, in
+the group's own process group: :mod:`crosscut.runtime.members` cuts the
+width-split stage into each member's share (only its channel shards, or a
+replica over its share of the batch) and holds the group's collectives,
+:mod:`crosscut.runtime.group_comm` carries the messages (tagged sends and
+receives on a token chain, deadlock-free whatever order autograd picks).
+After the schedule a batch-split group sums its members' parameter gradients
+(every member holds the same parameters, and the loss sees the whole batch)
+and copies the leader's buffers to the others, so the members stay
+identical after an optimizer step; a channel-split member owns its shards.
 
 **Shapes are static, taken from the trace.** The graph is traced at the
 micro-batch size, so every fx node carries its output's shape and dtype; both
@@ -42,30 +60,85 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from crosscut.codegen.split import ValueRef, build_stages, map_structure
+from crosscut.codegen.split import StagedProgram, ValueRef, build_stages, map_structure
 from crosscut.codegen.transfers import INPUT
 from crosscut.errors import DistributedError, InputError
+from crosscut.runtime.batchnorm import commit_batchnorm, discard_batchnorm, install_step_batchnorm
+from crosscut.runtime.checkpoint import RankState
+from crosscut.runtime.group_comm import GroupLink
 from crosscut.runtime.groups import (
+    RankLayout,
     allreduce_mean,
     broadcast_from_first,
     check_same_plan,
     check_world,
-    make_stage_groups,
+    make_device_groups,
+    make_position_groups,
     plan_hash,
-    stage_ranks,
 )
 from crosscut.runtime.local import gather, scatter
+from crosscut.runtime.members import GroupRole, build_member
 from crosscut.runtime.p2p import Edge, Messenger, PendingRecv, build_routes
 from crosscut.schedule import Action, make_schedule, validate_schedule
 
-__all__ = ["DistributedPipeline", "plan_hash"]
+__all__ = [
+    "DistributedPipeline",
+    "check_bn_mode",
+    "check_one_stage_per_device",
+    "group_widths",
+    "plan_hash",
+]
+
+Saved = dict[int, tuple[dict[str, Any], dict[str, Any], torch.Tensor | None, torch.Tensor | None]]
 
 
-class DistributedPipeline(nn.Module):
+def group_widths(plan: Any) -> list[int]:
+    """Ranks per stage: the group's size for a channel/batch split, else 1."""
+    return [
+        len(st.devices) if st.split in ("channel", "batch") and len(st.devices) > 1 else 1
+        for st in plan.stages
+    ]
+
+
+def check_one_stage_per_device(plan: Any) -> None:
+    """Ranks are devices: a plan whose stages share a device (a co-located tail) is refused.
+
+    Why: the rank layout gives every (stage, member) its own process and device;
+    two stages on one device would need two ranks on one GPU, which NCCL does
+    not allow, and the solver priced them as taking turns on one device.
+    """
+    seen: dict[str, int] = {}
+    for st in plan.stages:
+        for dev in st.devices:
+            if dev in seen:
+                raise DistributedError(
+                    f"stages {seen[dev]} and {st.index} of the plan share device {dev!r} "
+                    "(a co-located tail); the distributed runtime runs one rank per device "
+                    "and one stage per rank",
+                    value=[(s.index, list(s.devices), s.split) for s in plan.stages],
+                    remedy="run this plan with the local runtime (crosscut.compile without "
+                    "torchrun), or re-partition with cross_shaped=True, colocate=False",
+                )
+            seen[dev] = st.index
+
+
+def check_bn_mode(bn_mode: str) -> None:
+    """Ranks run bn_mode ``"micro"`` or ``"step"``; ``"exact"`` is local only."""
+    if bn_mode not in ("micro", "step"):
+        raise InputError(
+            "the distributed runtime runs batch norm in bn_mode 'micro' or 'step'",
+            value=bn_mode,
+            remedy="use bn_mode='step' for whole-batch running statistics, or compile "
+            "locally for 'exact'",
+        )
+
+
+class DistributedPipeline(RankState, nn.Module):
     """This rank's stage of a pipelined, possibly replicated, model.
 
-    ``parameters()`` are this stage's parameters only (build the optimizer
-    from them on every rank). Call :meth:`train_step` with the same global
+    ``parameters()`` are this rank's parameters only (build the optimizer
+    from them on every rank); state under the original keys comes from
+    :class:`~crosscut.runtime.checkpoint.RankState`. Call :meth:`train_step` with the same global
     batch on every rank (ranks whose stage reads no model input may pass
     ``None`` as inputs, and all but the last stage may pass ``None`` as
     targets).
@@ -82,19 +155,12 @@ class DistributedPipeline(nn.Module):
         microbatches: int | None = None,
         timeout_s: float = 300.0,
         device: torch.device | str | None = None,
+        bn_mode: str = "micro",
     ) -> None:
         super().__init__()
-        grouped = [st.index for st in plan.stages if len(st.devices) > 1]
-        if grouped:
-            raise InputError(
-                "the distributed runtime runs one device per stage; this plan has "
-                f"cross-shaped stages {grouped}",
-                value=[
-                    (st.index, st.devices, st.split) for st in plan.stages if st.index in grouped
-                ],
-                remedy="run it with crosscut.compile on one machine, or re-partition without "
-                "cross_shaped=True (worker groups across ranks: replicas=R)",
-            )
+        check_bn_mode(bn_mode)
+        check_one_stage_per_device(plan)
+        self.bn_mode = bn_mode
         if not dist.is_available() or not dist.is_initialized():
             raise DistributedError(
                 "a DistributedPipeline needs an initialised torch.distributed process group",
@@ -110,9 +176,13 @@ class DistributedPipeline(nn.Module):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.plan_hash = plan_hash(plan)
-        check_world(self.world_size, self.num_stages, self.replicas)
-        self.stage_index = self.rank % self.num_stages
-        self.replica = self.rank // self.num_stages
+        widths = group_widths(plan)
+        check_world(self.world_size, widths, self.replicas)
+        self.rank_layout = RankLayout(tuple(widths), self.replicas)
+        self.replica, self.stage_index, self.member = self.rank_layout.role(self.rank)
+        self.position = self.rank % self.rank_layout.per_replica
+        self.width = widths[self.stage_index]
+        self.split = plan.stages[self.stage_index].split if self.width > 1 else "none"
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         check_same_plan(
             self.rank,
@@ -120,33 +190,64 @@ class DistributedPipeline(nn.Module):
             {
                 "plan": self.plan_hash,
                 "stages": self.num_stages,
+                "group_widths": widths,
                 "replicas": self.replicas,
                 "microbatches": self.microbatches,
                 "schedule": self.schedule_name,
             },
         )
-        self._msg = Messenger(
-            self.rank,
-            self.timeout_s,
-            f"rank {self.rank} (stage {self.stage_index}, replica {self.replica})",
-        )
-        self._build(model, gm)
-        self._groups = make_stage_groups(self.num_stages, self.replicas, self.timeout_s)
-        self._ranks = stage_ranks(self.stage_index, self.num_stages, self.replicas)
+        me = f"rank {self.rank} (stage {self.stage_index}, replica {self.replica}"
+        if self.width > 1:
+            me += f", member {self.member} of its {self.width}-device {self.split}-split group"
+        self._msg = Messenger(self.rank, self.timeout_s, me + ")")
+        program = self._build(model, gm)
+        # every rank creates every process group, in the same order (new_group is collective)
+        self._position_groups = make_position_groups(self.rank_layout, self.timeout_s)
+        self._device_groups = make_device_groups(self.rank_layout, self.timeout_s)
+        self._group: GroupRole | None = None
+        if self.width > 1:
+            link = GroupLink(
+                self._msg,
+                self._device_groups[(self.replica, self.stage_index)],
+                self.rank_layout.group_ranks(self.replica, self.stage_index),
+                self.stage_index,
+                self.member,
+                self.device,
+            )
+            self._group = GroupRole(link, self.split)
+            self._keep_member(build_member(gm, program.stages[self.stage_index], link))
+        self.stage = self.stage.to(self.device)
+        if bn_mode == "step":
+            install_step_batchnorm(self.stage)
+        if self._group is not None:
+            self._group.start_identical(self.stage)
         if self.replicas > 1:  # replicas start from replica 0's weights, as with DDP
             tensors = [t.data for t in [*self.stage.parameters(), *self.stage.buffers()]]
-            broadcast_from_first(tensors, self._groups[self.stage_index], self._ranks, self._msg)
+            ranks = self.rank_layout.position_ranks(self.position)
+            broadcast_from_first(tensors, self._position_groups[self.position], ranks, self._msg)
 
     # ---- start-up ---------------------------------------------------------------------
-    def _build(self, model: nn.Module, gm: fx.GraphModule) -> None:
+    def _build(self, model: nn.Module, gm: fx.GraphModule) -> StagedProgram:
         s_count = self.num_stages
-        program = build_stages(gm, dict(self.plan.assignment), ["cpu"] * s_count)
+        # only this rank's stage is width-split (it is the only one kept); members share a
+        # placeholder device: each keeps its own shards and talks to the others by message
+        groups: list[tuple[list[str], str]] = [(["cpu"], "none")] * s_count
+        groups[self.stage_index] = (["cpu"] * self.width, self.split)
+        program = build_stages(
+            gm,
+            dict(self.plan.assignment),
+            ["cpu"] * s_count,
+            groups=groups if self.width > 1 else None,
+        )
         me = program.stages[self.stage_index]
-        self.stage = me.module.to(self.device)
+        self.stage: nn.Module = me.module
         self._inputs = [list(st.inputs) for st in program.stages]
         self._outputs = list(me.outputs)
         self._mutated = set(me.mutated_inputs)
         self._param_keys = dict(me.param_keys)
+        self._shard_sources = {
+            k: v for k, v in program.shard_sources.items() if v[0] == self.stage_index
+        }
         self._placeholders = list(program.placeholders)
         self._template = program.output_template
         self._output_sources = dict(program.output_sources)
@@ -155,7 +256,7 @@ class DistributedPipeline(nn.Module):
         self._orphans = {
             k: v.detach().to("cpu", copy=True)
             for k, v in model.state_dict().items()
-            if k not in self.key_sources
+            if k not in self.key_sources and k not in program.shard_sources
         }
         self.routes = build_routes(gm, self._inputs, self._output_sources)
         self.edges = self.routes.edges
@@ -170,6 +271,16 @@ class DistributedPipeline(nn.Module):
             "infer": make_schedule("inference", s_count, self.microbatches),
         }
         validate_schedule(self._schedules["train"], s_count, self.microbatches, training=True)
+        return program
+
+    def _keep_member(self, member: nn.Module) -> None:
+        """Hold only this member's share of the width-split stage (module docstring)."""
+        held = {
+            *dict(member.named_parameters(remove_duplicate=False)),
+            *dict(member.named_buffers(remove_duplicate=False)),
+        }
+        self._param_keys = {k: v for k, v in self._param_keys.items() if k in held}
+        self.stage = member
 
     def use_schedule(self, name: str) -> None:
         """Switch the training schedule (every rank must switch alike, between steps)."""
@@ -180,8 +291,8 @@ class DistributedPipeline(nn.Module):
 
     # ---- helpers --------------------------------------------------------------------
     def rank_of(self, stage: int) -> int:
-        """The global rank running ``stage`` in this rank's replica."""
-        return self.replica * self.num_stages + stage
+        """The global rank running ``stage`` (its group's leader) in this rank's replica."""
+        return self.rank_layout.rank(self.replica, stage)
 
     def _what(self, a: Action, e: Edge, grad: bool) -> str:
         kind = "the gradient" if grad else "the value"
@@ -285,6 +396,9 @@ class DistributedPipeline(nn.Module):
         targets: Any,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     ) -> tuple[list[torch.Tensor], list[Any]]:
+        if self._group is not None and self.member > 0:
+            self._group.follow(self.stage, self._schedules[kind][self.stage_index], kind == "train")
+            return [], []
         s, last = self.stage_index, self.num_stages - 1
         reads_input = any(src == INPUT for _, src in self._inputs[s]) or (
             s == last and any(src == INPUT for src in self._output_sources.values())
@@ -303,7 +417,7 @@ class DistributedPipeline(nn.Module):
             )
         row = self._schedules[kind][s]
         training = kind == "train"
-        saved: dict[int, tuple[dict[str, Any], dict[str, Any], torch.Tensor | None]] = {}
+        saved: Saved = {}
         posted: dict[Action, list[tuple[int, PendingRecv]]] = {}
         losses: list[torch.Tensor] = []
         results: list[Any] = []
@@ -331,7 +445,7 @@ class DistributedPipeline(nn.Module):
         mbs: list[list[Any]] | None,
         tgts: list[list[Any]] | None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-        saved: dict[int, tuple[dict[str, Any], dict[str, Any], torch.Tensor | None]],
+        saved: Saved,
         training: bool,
     ) -> tuple[Any, torch.Tensor | None]:
         s, m, last = self.stage_index, a.microbatch, self.num_stages - 1
@@ -354,7 +468,12 @@ class DistributedPipeline(nn.Module):
                     lambda t: t.clone() if isinstance(t, torch.Tensor) else t, val
                 )
             ins.append(val)
-        outs = dict(zip(self._outputs, self.stage(*ins)))
+        token: torch.Tensor | None = None
+        if self._group is not None:  # a group leader: its members join through the token chain
+            results, token = self._group.lead(self.stage, ins, m, training)
+        else:
+            results = list(self.stage(*ins))
+        outs = dict(zip(self._outputs, results))
         for i, e in enumerate(self.edges):
             if e.src == s:
                 self._send_value(a, i, e, outs[e.value])
@@ -377,17 +496,17 @@ class DistributedPipeline(nn.Module):
                 assert tgts is not None and loss_fn is not None
                 loss = loss_fn(out, tgts[m][0]) * (1.0 / self.microbatches)
         if training:
-            saved[m] = (received, outs, loss)
+            saved[m] = (received, outs, loss, token)
         return out, loss
 
     def _backward(
         self,
         a: Action,
         pend: list[tuple[int, PendingRecv]],
-        saved: dict[int, tuple[dict[str, Any], dict[str, Any], torch.Tensor | None]],
+        saved: Saved,
     ) -> None:
         s, m = self.stage_index, a.microbatch
-        received, outs, loss = saved.pop(m)
+        received, outs, loss, token = saved.pop(m)
         sums: dict[str, list[torch.Tensor]] = {}
         for _i, p in pend:
             got = self._msg.wait_recv(p)
@@ -407,6 +526,9 @@ class DistributedPipeline(nn.Module):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     roots.append(t)
                     grads.append(g)
+        if token is not None and token.requires_grad:  # the group's messages, in reverse
+            roots.append(token)
+            grads.append(torch.zeros_like(token))
         if roots:
             torch.autograd.backward(roots, grads)
         for i, e in enumerate(self.edges):
@@ -422,9 +544,13 @@ class DistributedPipeline(nn.Module):
                 )
 
     def _allreduce_grads(self) -> None:
+        """Sum a batch group's shares' gradients, then average the replicas'."""
+        if self._group is not None:
+            self._group.reduce_grads(self.stage)
         if self.replicas > 1:
-            group = self._groups[self.stage_index]
-            allreduce_mean(list(self.stage.parameters()), group, self._ranks, self._msg)
+            ranks = self.rank_layout.position_ranks(self.position)
+            params = list(self.stage.parameters())
+            allreduce_mean(params, self._position_groups[self.position], ranks, self._msg)
 
     def train_step(
         self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
@@ -432,23 +558,81 @@ class DistributedPipeline(nn.Module):
         """One pipelined forward+backward over the global batch; gradients land in ``.grad``.
 
         Returns the full-batch mean loss (averaged over micro-batches and
-        replicas) on last-stage ranks and ``None`` on the others. ``loss_fn``
+        replicas) on last-stage ranks (the group leader's, for a cross-shaped
+        last stage) and ``None`` on the others. ``loss_fn``
         must average over its batch (``reduction="mean"``); each micro-batch's
         loss is divided by ``M`` and the replicas' gradients are averaged, so
         the gradients equal those of the whole batch's mean loss. Call
         ``optimizer.zero_grad()`` before and ``optimizer.step()`` after.
         """
-        losses, _ = self._run("train", inputs, targets, loss_fn)
+        losses, _ = self._run_committing("train", inputs, targets, loss_fn)
         self._allreduce_grads()
-        if self.stage_index != self.num_stages - 1:
+        if self._group is not None:
+            self._group.sync_buffers(self.stage)
+        if self.stage_index != self.num_stages - 1 or self.member > 0:
             return None
         total = torch.stack([x.detach() for x in losses]).sum()
         if self.replicas > 1:
-            group = self._groups[self.stage_index]
+            group = self._position_groups[self.position]
+            ranks = self.rank_layout.position_ranks(self.position)
             work = dist.all_reduce(total, group=group, async_op=True)
-            self._msg.wait_collective(work, self._ranks, "the loss all-reduce")
+            self._msg.wait_collective(work, ranks, "the loss all-reduce")
             total = total / self.replicas
         return total
+
+    def _run_committing(
+        self,
+        kind: str,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    ) -> tuple[list[torch.Tensor], list[Any]]:
+        """``_run``, then commit ``bn_mode="step"`` statistics once for the step.
+
+        Why a reduce: each rank recorded only its own micro-batches (and, in a
+        batch-split group, its share of each); summing ``[N, Σx, Σx²]`` over the
+        batch group's members, then over the replicas of this position, gives
+        every rank the global batch's statistics, so all copies of a stage
+        commit the same running buffers. Channel-split members hold different
+        channels and reduce over replicas only. A failed step commits nothing.
+        """
+        try:
+            out = self._run(kind, inputs, targets, loss_fn)
+        except BaseException:
+            if self.bn_mode == "step":
+                discard_batchnorm(self.stage)
+            raise
+        if self.bn_mode == "step":
+            commit_batchnorm(self.stage, reduce=self._bn_reduce())
+        return out
+
+    def _bn_reduce(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Sum over the ranks holding the same batch-norm channels (see ``_run_committing``)."""
+        plan: list[tuple[Any, list[int]]] = []
+        if self.split == "batch":
+            plan.append(
+                (
+                    self._device_groups[(self.replica, self.stage_index)],
+                    self.rank_layout.group_ranks(self.replica, self.stage_index),
+                )
+            )
+        if self.replicas > 1:
+            plan.append(
+                (
+                    self._position_groups[self.position],
+                    self.rank_layout.position_ranks(self.position),
+                )
+            )
+        if not plan:
+            return None
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            for group, ranks in plan:
+                work = dist.all_reduce(t, group=group, async_op=True)
+                self._msg.wait_collective(work, ranks, "the batch-norm statistics all-reduce")
+            return t
+
+        return reduce
 
     def forward(self, *inputs: Any) -> Any:
         """Inference through the pipeline (no gradients); the output on last-stage ranks, else None.
@@ -456,61 +640,28 @@ class DistributedPipeline(nn.Module):
         Each replica computes its shard; the output is this replica's shard.
         """
         with torch.no_grad():
-            _, results = self._run("infer", inputs, None, None)
-        if self.stage_index != self.num_stages - 1:
+            _, results = self._run_committing("infer", inputs, None, None)
+        if self._group is not None:
+            self._group.sync_buffers(self.stage)
+        if self.stage_index != self.num_stages - 1 or self.member > 0:
             return None
         return gather(results, self.device)
 
-    # ---- state under the original keys ------------------------------------------------
-    def named_original_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """(original state_dict key, tensor) for this stage's parameters and buffers."""
-        out: list[tuple[str, torch.Tensor]] = []
-        named: dict[str, torch.Tensor] = {
-            **dict(self.stage.named_parameters(remove_duplicate=False)),
-            **dict(self.stage.named_buffers(remove_duplicate=False)),
-        }
-        for local, keys in self._param_keys.items():
-            for key in keys:
-                out.append((key, named[local]))
-        return out
-
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's part of the original model's state_dict, copied to CPU."""
-        return {k: t.detach().to("cpu", copy=True) for k, t in self.named_original_tensors()}
-
-    def local_grads(self) -> dict[str, torch.Tensor]:
-        """This stage's parameter gradients under the original keys (CPU copies)."""
-        return {
-            k: t.grad.detach().to("cpu", copy=True)
-            for k, t in self.named_original_tensors()
-            if isinstance(t, nn.Parameter) and t.grad is not None
-        }
-
-    def save_checkpoint(self, directory: str, optimizer: Any = None, extra: Any = None) -> None:
-        """Collective: every rank writes its stage's state (and optimizer state) atomically."""
-        from crosscut.runtime.checkpoint import save_rank
-
-        save_rank(self, directory, optimizer, extra)
-
-    def load_checkpoint(self, directory: str, optimizer: Any = None) -> Any:
-        """Collective: restore this stage (and optimizer) from a checkpoint; returns ``extra``."""
-        from crosscut.runtime.checkpoint import load_rank
-
-        return load_rank(self, directory, optimizer)
-
+    # ---- description (state under the original keys: checkpoint.RankState) -----------
     def layout(self) -> dict[str, Any]:
         """Plain-data description of this rank: for logs and for checkpoint manifests."""
         return {
             "rank": self.rank,
             "stage": self.stage_index,
             "replica": self.replica,
+            "member": self.member,
+            "width": self.width,
+            "split": self.split,
+            "position": self.position,
+            "group_widths": list(self.rank_layout.widths),
             "stages": self.num_stages,
             "replicas": self.replicas,
             "world_size": self.world_size,
             "plan_hash": self.plan_hash,
             "edges": [(e.value, e.src, e.dst) for e in self.edges],
         }
-
-    def orphans(self) -> dict[str, torch.Tensor]:
-        """Original keys the traced graph never reads (kept so checkpoints are complete)."""
-        return dict(self._orphans)

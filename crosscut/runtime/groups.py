@@ -1,10 +1,12 @@
-"""Start-up checks and worker-group collectives of the distributed executor.
+"""Start-up checks, the rank layout and the collectives of the distributed executor.
 
 Why separate from the executor: these are the job-wide agreements — the
-world is stages × replicas, every rank runs the same plan, each stage's
-replicas share one process group, start from the same weights and average
-their gradients — and each fails with its own named error before or after
-the pipeline runs, never inside it.
+world is (plan devices) × replicas in a fixed layout (:class:`RankLayout`),
+every rank runs the same plan, each position's replicas share one process
+group, start from the same weights and average their gradients, and each
+cross-shaped stage's device group has a process group of its own — and each
+fails with its own named error before or after the pipeline runs, never
+inside it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -22,13 +25,15 @@ from crosscut.errors import DistributedError
 from crosscut.runtime.p2p import Messenger
 
 __all__ = [
+    "RankLayout",
+    "allreduce_grads",
     "allreduce_mean",
     "broadcast_from_first",
     "check_same_plan",
     "check_world",
-    "make_stage_groups",
+    "make_device_groups",
+    "make_position_groups",
     "plan_hash",
-    "stage_ranks",
 ]
 
 
@@ -40,17 +45,81 @@ def plan_hash(plan: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def check_world(world_size: int, stages: int, replicas: int) -> None:
-    """The world must be exactly ``stages × replicas`` ranks (rank = replica × S + stage)."""
-    need = stages * replicas
+@dataclass(frozen=True)
+class RankLayout:
+    """Where every rank sits: ``rank = replica × W + offset[stage] + member``.
+
+    ``widths[k]`` is the size of stage ``k``'s device group (1 for a plain
+    pipeline stage) and ``W = sum(widths)`` the ranks of one pipeline replica.
+    A group's member 0 is its leader: it holds the stage's whole values and
+    is the only member that talks to other stages, so a plan without groups
+    keeps today's layout (``rank = replica × S + stage``). ``position`` (the
+    rank modulo ``W``) names the same piece of the model in every replica.
+    """
+
+    widths: tuple[int, ...]
+    replicas: int
+
+    @property
+    def per_replica(self) -> int:
+        return sum(self.widths)
+
+    @property
+    def world_size(self) -> int:
+        return self.per_replica * self.replicas
+
+    def offset(self, stage: int) -> int:
+        return sum(self.widths[:stage])
+
+    def rank(self, replica: int, stage: int, member: int = 0) -> int:
+        return replica * self.per_replica + self.offset(stage) + member
+
+    def role(self, rank: int) -> tuple[int, int, int]:
+        """``(replica, stage, member)`` of ``rank``."""
+        replica, pos = divmod(rank, self.per_replica)
+        for stage, width in enumerate(self.widths):
+            if pos < width:
+                return replica, stage, pos
+            pos -= width
+        raise AssertionError("unreachable: position within the replica")
+
+    def group_ranks(self, replica: int, stage: int) -> list[int]:
+        """The global ranks of one stage's device group, leader first."""
+        return [self.rank(replica, stage, m) for m in range(self.widths[stage])]
+
+    def position_ranks(self, position: int) -> list[int]:
+        """The ranks holding the same piece of the model in every replica, replica 0 first."""
+        return [r * self.per_replica + position for r in range(self.replicas)]
+
+
+def check_world(world_size: int, widths: Sequence[int], replicas: int) -> None:
+    """The world must be exactly (sum of group widths) × replicas ranks.
+
+    A plan without device groups needs ``stages × replicas``; a cross-shaped
+    plan one rank per plan device of each replica.
+    """
+    stages = len(widths)
+    per = sum(widths)
+    need = per * replicas
     if world_size == need:
         return
-    fit = world_size // stages if world_size % stages == 0 else None
+    fit = world_size // per if world_size % per == 0 and world_size >= per else None
     hint = f" or pass replicas={fit}" if fit else ""
+    if per == stages:
+        rule = f"the world size must be stages × replicas = {stages} × {replicas} = {need}"
+    else:
+        rule = (
+            f"the world size must be plan devices × replicas = {per} × {replicas} = {need} "
+            f"(one rank per device of each stage's group; group widths {list(widths)})"
+        )
     raise DistributedError(
-        f"the world size must be stages × replicas = {stages} × {replicas} = {need}, "
-        f"but {world_size} ranks were started",
-        value={"world_size": world_size, "stages": stages, "replicas": replicas},
+        f"{rule}, but {world_size} ranks were started",
+        value={
+            "world_size": world_size,
+            "stages": stages,
+            "group_widths": list(widths),
+            "replicas": replicas,
+        },
         remedy=f"launch {need} processes (`crosscut run --plan PLAN --replicas {replicas} "
         f"script.py` picks the count){hint}",
     )
@@ -81,19 +150,30 @@ def check_same_plan(rank: int, world_size: int, mine: dict[str, Any]) -> None:
         )
 
 
-def stage_ranks(stage: int, stages: int, replicas: int) -> list[int]:
-    """The global ranks running ``stage``, replica 0 first."""
-    return [r * stages + stage for r in range(replicas)]
-
-
-def make_stage_groups(stages: int, replicas: int, timeout_s: float) -> list[Any]:
-    """One process group per stage over its replicas (every rank creates every group)."""
-    if replicas == 1:
+def make_position_groups(layout: RankLayout, timeout_s: float) -> list[Any]:
+    """One process group per position over its replicas (every rank creates every group)."""
+    if layout.replicas == 1:
         return []
     return [
-        dist.new_group(stage_ranks(s, stages, replicas), timeout=timedelta(seconds=timeout_s))
-        for s in range(stages)
+        dist.new_group(layout.position_ranks(p), timeout=timedelta(seconds=timeout_s))
+        for p in range(layout.per_replica)
     ]
+
+
+def make_device_groups(layout: RankLayout, timeout_s: float) -> dict[tuple[int, int], Any]:
+    """One process group per (replica, stage) whose group is wider than one device.
+
+    ``dist.new_group`` is collective over the whole world, so every rank
+    creates every group, in the same order, even those it is not part of.
+    """
+    out: dict[tuple[int, int], Any] = {}
+    for replica in range(layout.replicas):
+        for stage, width in enumerate(layout.widths):
+            if width > 1:
+                out[(replica, stage)] = dist.new_group(
+                    layout.group_ranks(replica, stage), timeout=timedelta(seconds=timeout_s)
+                )
+    return out
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -108,23 +188,44 @@ def _unflat(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 
 def broadcast_from_first(
-    tensors: Sequence[torch.Tensor], group: Any, ranks: list[int], msg: Messenger
+    tensors: Sequence[torch.Tensor],
+    group: Any,
+    ranks: list[int],
+    msg: Messenger,
+    what: str = "the start-up broadcast of replica 0's parameters",
 ) -> None:
-    """Copy replica 0's floating tensors to the other replicas (one flattened broadcast)."""
-    floats = [t for t in tensors if t.is_floating_point()]
-    if not floats:
-        return
-    flat = _flat(floats)
-    work = dist.broadcast(flat, src=ranks[0], group=group, async_op=True)
-    msg.wait_collective(work, ranks, "the start-up broadcast of replica 0's parameters")
-    with torch.no_grad():
-        _unflat(flat, floats)
+    """Copy ``ranks[0]``'s tensors to the other ranks (one flattened broadcast per dtype).
+
+    Integer buffers travel too (batch norm's step count), so a member that ran
+    fewer forwards than the first one still ends up identical; bool and
+    complex tensors (no such state in the models we run) are left alone.
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.dtype != torch.bool and not t.is_complex():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = _flat(same)
+        work = dist.broadcast(flat, src=ranks[0], group=group, async_op=True)
+        msg.wait_collective(work, ranks, what)
+        with torch.no_grad():
+            _unflat(flat, same)
 
 
-def allreduce_mean(
-    params: Sequence[torch.nn.Parameter], group: Any, ranks: list[int], msg: Messenger
+def allreduce_grads(
+    params: Sequence[torch.nn.Parameter],
+    group: Any,
+    ranks: list[int],
+    msg: Messenger,
+    *,
+    mean: bool,
+    what: str = "the gradient all-reduce",
 ) -> None:
-    """Average ``.grad`` over the group with one flattened all-reduce (missing grads are 0)."""
+    """Sum (``mean=False``) or average ``.grad`` over the group with one flattened all-reduce.
+
+    Missing gradients count as zeros (and become zero tensors), so every
+    member contributes a buffer of the same size.
+    """
     if not params:
         return
     for p in params:
@@ -133,6 +234,14 @@ def allreduce_mean(
     grads = [p.grad for p in params if p.grad is not None]
     flat = _flat(grads)
     work = dist.all_reduce(flat, group=group, async_op=True)
-    msg.wait_collective(work, ranks, "the gradient all-reduce")
-    flat /= len(ranks)
+    msg.wait_collective(work, ranks, what)
+    if mean:
+        flat /= len(ranks)
     _unflat(flat, grads)
+
+
+def allreduce_mean(
+    params: Sequence[torch.nn.Parameter], group: Any, ranks: list[int], msg: Messenger
+) -> None:
+    """Average ``.grad`` over the group (replicas of one position), missing grads as 0."""
+    allreduce_grads(params, group, ranks, msg, mean=True)

@@ -124,13 +124,24 @@ class Messenger:
 
     # ---- messages ------------------------------------------------------------------
     def post_recv(
-        self, value: str, peer: int, tags: list[int], templates: list[torch.Tensor], what: str
+        self,
+        value: str,
+        peer: int,
+        tags: list[int],
+        templates: list[torch.Tensor],
+        what: str,
+        group: Any = None,
     ) -> PendingRecv:
-        """Post one irecv per template (shape/dtype/device) from ``peer``."""
+        """Post one irecv per template (shape/dtype/device) from global rank ``peer``.
+
+        ``group``: the process group the message travels in (``None``: the
+        default group); a device group's own messages use the group's, so
+        their tags can never meet the pipeline's.
+        """
         pending = PendingRecv(value, peer, what, [torch.empty_like(t) for t in templates])
         try:
             for buf, tag in zip(pending.tensors, tags):
-                pending.works.append(dist.irecv(buf, src=peer, tag=tag))
+                pending.works.append(dist.irecv(buf, src=peer, tag=tag, group=group))
         except RuntimeError as exc:
             raise self.lost(peer, what, exc) from exc
         return pending
@@ -145,11 +156,11 @@ class Messenger:
         pending.works.clear()
         return pending.tensors
 
-    def send(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
+    def send(self, tensor: torch.Tensor, peer: int, tag: int, what: str, group: Any = None) -> None:
         """Post an isend of ``tensor`` (made contiguous, kept alive until flushed)."""
         t = tensor.detach().contiguous()
         try:
-            work = dist.isend(t, dst=peer, tag=tag)
+            work = dist.isend(t, dst=peer, tag=tag, group=group)
         except RuntimeError as exc:
             raise self.lost(peer, f"the send of {what}", exc) from exc
         self._sends.append((work, t, peer, what))

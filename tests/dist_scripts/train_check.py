@@ -101,6 +101,7 @@ def main() -> int:
     ap.add_argument("--plan", default="")
     ap.add_argument("--save", default="")
     ap.add_argument("--load", default="")
+    ap.add_argument("--bn-mode", default="micro")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     ctx = cd.init(timeout_s=a.timeout)
@@ -121,6 +122,7 @@ def main() -> int:
                 schedule=a.schedules.split(",")[0],
                 microbatches=a.microbatches,
                 timeout_s=a.timeout,
+                bn_mode=a.bn_mode,
             )
             initial = {k: t.detach().clone() for k, t in pipe.named_original_tensors()}
             for schedule in a.schedules.split(","):

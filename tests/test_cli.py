@@ -180,3 +180,20 @@ def test_console_script_without_traceback(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_partition_cross_shaped_and_no_colocate(tmp_path: Path) -> None:
+    # alexnet-like classifier-heavy nets get a co-located tail; --no-colocate must
+    # give a plan whose stages use distinct devices (what `crosscut run` needs)
+    plans = {}
+    for flag in ([], ["--no-colocate"]):
+        out = tmp_path / f"plan{len(flag)}.json"
+        args = ["partition", "torchvision:alexnet", "--devices", "4xV100", "--batch", "64"]
+        assert main([*args, "--cross-shaped", *flag, "-o", str(out)]) == 0
+        plans[bool(flag)] = Plan.load(out)
+    colocated, distinct = plans[False], plans[True]
+    assert any(len(s.devices) > 1 for s in colocated.stages)
+    assert [s.devices for s in colocated.stages][-1] == [s.devices for s in colocated.stages][-2]
+    used = [d for s in distinct.stages for d in s.devices]
+    assert len(used) == len(set(used))
+    assert distinct.predicted.bottleneck_s >= colocated.predicted.bottleneck_s

@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.crosscut-installed
 OUT    ?= out
 
-.PHONY: setup demo test lint typecheck pytest clean
+.PHONY: setup demo test test-heavy lint typecheck pytest clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,6 +32,10 @@ pytest: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n 2 --dist loadgroup -q
 
 test: lint typecheck pytest
+
+# the 34 heavy classifiers, one process each (~7 min on 2 cores; not part of `make test`)
+test-heavy: setup
+	$(PY) tests/run_heavy.py
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache

@@ -47,6 +47,8 @@ def build(name: str, **extra: Any) -> nn.Module:
 
 
 def image_size(name: str) -> int:
+    if name == "maxvit_t":  # 7x7 windows over a /32 grid: it only runs at 224
+        return 224
     return 80 if name == "inception_v3" else 56 if name.startswith("vit_h") else 64
 
 
@@ -92,6 +94,8 @@ def check_exact(name: str, k: int, batch: int = 4, schedule: str = "gpipe") -> N
     torch.optim.SGD(gm.parameters(), lr=0.1).step()
     sd, ref_sd = c.state_dict(), gm.state_dict()
     for key, value in ref_sd.items():
+        if key.startswith("_tensor_constant"):  # fx's own constants (maxvit), not model state
+            continue
         assert torch.equal(sd[key], value), key
     c.close()
 

@@ -1,0 +1,44 @@
+"""Run the heavy transparency tests, one model per process (``make test-heavy``).
+
+Why one process per model: the 34 largest torchvision classifiers (vit_h_14,
+regnet_y_128gf, ...) each build the model, its traced copy and the compiled
+copy with gradients; in one long pytest process their memory piles up past
+24 GiB and the kernel kills the run, while each alone fits. About 7 minutes
+on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.test_transparency import HEAVY  # noqa: E402
+
+
+def main() -> int:
+    env = dict(
+        os.environ, CROSSCUT_HEAVY="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2")
+    )
+    failed = []
+    for name in sorted(HEAVY):
+        t0 = time.perf_counter()
+        test = f"tests/test_transparency.py::test_all_classification_models_two_stages[{name}]"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        status = "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+        print(f"{name:<20} {status:<18} {time.perf_counter() - t0:6.1f} s", flush=True)
+        if proc.returncode != 0:
+            failed.append(name)
+            print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n")
+    print(f"{len(HEAVY) - len(failed)}/{len(HEAVY)} heavy models equal eager; failed: {failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -12,12 +12,14 @@ SGD step must match the fx-traced module run eagerly.
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 import pytest
 import torch
 from torch import fx, nn
 
+from crosscut.codegen.width import BatchSplitStage
 from crosscut.errors import RuntimeError_
 from crosscut.runtime import CompiledModule
 from tests.test_transparency import build, chunks, no_randomness
@@ -162,3 +164,107 @@ def test_exact_bn_refuses_batch_split_with_batch_norm() -> None:
     c.eval()
     c(torch.randn(2, 3, 64, 64))  # eval mode uses running statistics: allowed
     c.close()
+
+
+class _Boom(nn.Module):
+    """Fails on a share holding a NaN (a leaf for the tracer, so the check is not traced)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.isnan(x).any():
+            raise ValueError("NaN in this share")
+        return x
+
+
+class _Leaves(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, _Boom) or super().is_leaf_module(m, qualname)
+
+
+def _small(dropout: float = 0.0) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        _Boom(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Dropout(dropout),
+        nn.Linear(8, 5),
+    ).train()
+
+
+def _compile_small(model: nn.Module, width: int, **kw: Any) -> CompiledModule:
+    gm = fx.GraphModule(model, _Leaves().trace(model))
+    return CompiledModule(model, gm, chunks(gm, 1), ["cpu"], groups=[(C * width, "batch")], **kw)
+
+
+def _batch_stage(c: CompiledModule) -> BatchSplitStage:
+    return next(m for m in c.modules() if isinstance(m, BatchSplitStage))
+
+
+def test_batch_split_shares_run_on_one_thread_per_device() -> None:
+    torch.manual_seed(0)
+    c = _compile_small(_small(), 3)
+    stage = _batch_stage(c)
+    seen: list[int] = []
+    stage.inner.get_submodule("0").register_forward_hook(
+        lambda *_: seen.append(threading.get_ident())
+    )
+    x = torch.randn(6, 3, 8, 8)
+    c(x)  # one micro-batch on CPU: the stage runs inline, the leader's share on this thread
+    assert len(seen) == 3 and len(set(seen)) == 3 and seen.count(threading.get_ident()) == 1
+    seen.clear()
+    stage.parallel = False  # the sequential switch: every share on the stage's thread
+    c(x)
+    assert seen == [threading.get_ident()] * 3
+    c.close()
+    assert stage._threads is None
+
+
+def test_failing_share_is_named_and_the_stage_recovers() -> None:
+    torch.manual_seed(0)
+    c = _compile_small(_small(), 3)
+    x = torch.randn(6, 3, 8, 8)
+    x[5, 0, 0, 0] = float("nan")  # rows 4:6 are share 2
+    with pytest.raises(RuntimeError_, match=r"share 2 of 3 .*rows 4:6 on cpu.*NaN in this share"):
+        c(x)
+    with pytest.raises(RuntimeError_, match=r"share 2 of 3") as info:
+        _batch_stage(c)(x)
+    assert info.value.value == {"share": 2, "device": "cpu", "rows": [4, 6]}
+    assert c(x[:4]).shape == (4, 5)  # the threads survived the failure
+    c.close()
+
+
+@pytest.mark.parametrize("how", ["forward", "train_step"])
+def test_parallel_shares_equal_sequential_bit_for_bit(how: str) -> None:
+    results = []
+    for parallel in (True, False):
+        torch.manual_seed(0)
+        c = _compile_small(_small(), 3, schedule="1f1b", microbatches=2, bn_mode="step")
+        _batch_stage(c).parallel = parallel
+        x, y = torch.randn(12, 3, 8, 8), torch.randint(0, 5, (12,))
+        for i in range(2):
+            if how == "forward":
+                out = c(x + i)
+                nn.functional.cross_entropy(out, y).backward()
+            else:
+                out = c.train_step(x + i, y, nn.functional.cross_entropy)
+        grads = [p.grad for p in c.parameters()]
+        results.append((out.detach(), grads, c.state_dict()))
+        c.close()
+    (out_p, grads_p, sd_p), (out_s, grads_s, sd_s) = results
+    assert torch.equal(out_p, out_s)
+    assert all(torch.equal(a, b) for a, b in zip(grads_p, grads_s))  # type: ignore[arg-type]
+    assert all(torch.equal(sd_p[k], sd_s[k]) for k in sd_s)  # step-mode BN commit included
+
+
+def test_dropout_in_a_batch_split_stage_keeps_the_sequential_draws() -> None:
+    outs = []
+    for parallel in (True, False):
+        torch.manual_seed(0)
+        c = _compile_small(_small(dropout=0.5), 3)
+        _batch_stage(c).parallel = parallel
+        torch.manual_seed(1)
+        outs.append(c(torch.ones(6, 3, 8, 8)))
+        c.close()
+    assert torch.equal(outs[0], outs[1])

@@ -33,7 +33,10 @@ gets one update per call, as in eager mode. A forward pre-hook on every
 ``fx.GraphModule`` of the stage sets a thread-local token (one per stage
 forward, per device share); the ``j``-th call of a module under one token is
 call site ``j``. Records are appended under a lock, since the local executor
-runs stages on one thread per device.
+runs stages on one thread per device and a batch-split stage its shares on one
+thread per group device; a share's records carry its ``(call, share)`` key
+(:func:`~crosscut.codegen.share_threads.share_order`) and the commit sorts by
+it, so the sums run in the sequential order whatever the threads' timing.
 
 Costs: one extra reduction over each batch-norm input (``var_mean``, no
 autograd) per call, and ``2C + 1`` numbers per call until the commit.
@@ -53,6 +56,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from crosscut.codegen.share_threads import share_order
 from crosscut.errors import InputError
 
 __all__ = [
@@ -81,6 +85,7 @@ class _Stats:
     mean: torch.Tensor
     var: torch.Tensor
     event: Any = None  # CUDA event recorded after the reduction (the worker's stream)
+    order: tuple[int, ...] = ()  # (call, share) in a batch-split stage: the commit's sum order
 
 
 class StepBatchNorm(_BatchNorm):
@@ -120,7 +125,8 @@ class StepBatchNorm(_BatchNorm):
         if x.is_cuda:  # the worker's stream on this device (not the current device's)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(x.device))
-        stats = _Stats(x.numel() // max(int(x.shape[1]), 1), mean, var, event)
+        count = x.numel() // max(int(x.shape[1]), 1)
+        stats = _Stats(count, mean, var, event, share_order())
         token: Token | None = getattr(_context, "token", None)
         with _LOCK:
             if token is None:
@@ -262,7 +268,9 @@ def commit_batchnorm(
         work: list[tuple[StepBatchNorm, list[list[_Stats]]]] = []
         for m in _step_modules(module):
             if m._crosscut_pending:
-                work.append((m, [m._crosscut_pending[s] for s in sorted(m._crosscut_pending)]))
+                sites = [m._crosscut_pending[s] for s in sorted(m._crosscut_pending)]
+                # shares record from concurrent threads: restore their sequential order
+                work.append((m, [sorted(r, key=lambda r: r.order) for r in sites]))
             m._crosscut_calls = {}
             m._crosscut_pending = {}
     combined: list[tuple[StepBatchNorm, float, torch.Tensor, torch.Tensor]] = []

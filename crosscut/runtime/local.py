@@ -8,6 +8,10 @@ On CUDA each worker has a compute stream and a copy stream; a producer records
 an event after its forward, the consumer's copy stream waits on it, copies
 ``non_blocking`` and the compute stream waits on the copy. (These CUDA paths
 are guarded by ``device.type == "cuda"`` and are not exercised on CPU.)
+A cross-shaped stage is still one worker here: a batch-split stage drives its
+other group devices from threads of its own (one per device, the worker
+itself runs the leader's share), a channel-split stage issues every shard from
+its worker (asynchronous on CUDA, so the devices overlap; sequential on CPU).
 
 Two modes:
 
@@ -25,6 +29,10 @@ Two modes:
 With one micro-batch on CPU nothing can overlap, so actions run inline on the
 caller's thread (cheaper, and bit-exact against eager mode: autograd numbers
 its nodes per thread, and one thread reproduces eager's accumulation order).
+A batch-split stage's shares still run on their device threads then: its
+forward outputs are the same on any thread, and its gradient reduce is one
+fixed-order node (:func:`~crosscut.codegen.share_threads.replicate`), so
+nothing depends on which thread built a share.
 
 Micro-batches: tensor arguments are split along dim 0 into ``M`` equal parts;
 a batch not divisible by ``M`` raises :class:`~crosscut.errors.InputError`
@@ -49,6 +57,7 @@ from torch.utils import _pytree as pytree
 
 from crosscut.codegen.split import StagedProgram, ValueRef, map_structure
 from crosscut.codegen.transfers import INPUT
+from crosscut.codegen.width import BatchSplitStage
 from crosscut.errors import InputError, RuntimeError_
 from crosscut.schedule import (
     Action,
@@ -238,11 +247,14 @@ class LocalExecutor:
         return self._workers
 
     def close(self) -> None:
-        """Stop the worker threads (they are daemons, so this is optional)."""
+        """Stop the worker threads, and the stages' share threads (daemons: optional)."""
         if self._workers is not None:
             for w in self._workers:
                 w.stop()
             self._workers = None
+        for st in self.program.stages:  # a batch-split stage's share threads
+            if isinstance(st.module, BatchSplitStage):
+                st.module.close()
 
     def _execute_inline(self, run: _Run, rows: Schedule, do: Callable[[Action], None]) -> None:
         """Run every action on the caller's thread in simulated start-time order.

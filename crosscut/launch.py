@@ -1,7 +1,8 @@
-"""``crosscut run --plan plan.json script.py ...``: start one process per stage × replica.
+"""``crosscut run --plan plan.json script.py ...``: start one process per plan device × replica.
 
 Why a wrapper around torchrun: the plan already knows how many processes the
-job needs (stages × replicas), so asking the user for ``--nproc-per-node``
+job needs (plan devices × replicas: one per stage, or one per device of a
+stage's channel/batch-split group), so asking the user for ``--nproc-per-node``
 invites a mismatch; and a rendezvous port that is already taken makes
 torchrun fail with a long traceback after a wait, while a check up front can
 name the port and the remedy in one line. The wrapper hands the plan path to
@@ -15,6 +16,7 @@ Multi-node: run it once per node with the same ``--nnodes``, ``--host`` and
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import subprocess
@@ -55,7 +57,7 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="crosscut run",
-        description="Run a training script with one process per plan stage and replica.",
+        description="Run a training script with one process per plan device and replica.",
     )
     ap.add_argument("--plan", required=True, help="plan JSON (from `crosscut partition`)")
     ap.add_argument("--replicas", type=int, default=1, help="data-parallel pipeline copies")
@@ -70,20 +72,32 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return ap.parse_args(list(argv))
 
 
-def build_command(ns: argparse.Namespace, stages: int) -> list[str]:
-    """The torchrun command line for this node (plain data, so tests can read it)."""
-    total = stages * ns.replicas
+def build_command(ns: argparse.Namespace, devices: int) -> list[str]:
+    """The torchrun command line for this node (plain data, so tests can read it).
+
+    ``devices`` is the processes of one replica: the plan's stages, with a
+    channel/batch-split stage counted once per device of its group.
+    """
+    total = devices * ns.replicas
     if ns.replicas < 1 or ns.nnodes < 1 or not 0 <= ns.node_rank < ns.nnodes:
         raise InputError(
             "replicas and nnodes must be >= 1 and node-rank in 0..nnodes-1",
             value={"replicas": ns.replicas, "nnodes": ns.nnodes, "node_rank": ns.node_rank},
         )
     if total % ns.nnodes:
+        step = ns.nnodes // math.gcd(devices, ns.nnodes)
         raise InputError(
-            f"the plan needs {stages} stages × {ns.replicas} replicas = {total} processes, "
-            f"which do not split evenly over {ns.nnodes} nodes",
-            value={"processes": total, "nnodes": ns.nnodes},
-            remedy=f"use --nnodes in {[n for n in range(1, total + 1) if total % n == 0]}",
+            f"the processes, plan devices × replicas = {devices} × {ns.replicas} = {total} "
+            "(one per device of each stage's group), must split evenly over the nodes, "
+            f"but {total} does not divide by --nnodes {ns.nnodes}",
+            value={
+                "plan_devices": devices,
+                "replicas": ns.replicas,
+                "processes": total,
+                "nnodes": ns.nnodes,
+            },
+            remedy=f"use --nnodes in {[n for n in range(1, total + 1) if total % n == 0]}, "
+            f"or --replicas a multiple of {step} to keep --nnodes {ns.nnodes}",
         )
     return [
         sys.executable, "-m", "torch.distributed.run",

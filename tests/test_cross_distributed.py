@@ -255,3 +255,25 @@ def test_colocated_stages_are_refused_by_name() -> None:
     shared = dataclasses.replace(plan, stages=stages)
     with pytest.raises(DistributedError, match=r"stages 1 and 2 of the plan share device"):
         DistributedPipeline(nn.Linear(1, 1), None, shared)  # type: ignore[arg-type]
+
+
+def test_run_counts_a_process_per_group_device(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`crosscut run` starts plan devices × replicas processes and names that count on refusal."""
+    from crosscut.launch import run_main
+    from tests.plan_factory import make_plan
+
+    plan = make_plan(n_nodes=30, n_devices=4, cross_shaped=True)
+    widths = [len(st.devices) if st.split in ("channel", "batch") else 1 for st in plan.stages]
+    assert sum(widths) > plan.num_stages, "test needs a device group"
+    path = plan.save(tmp_path / "plan.json")
+    devices = sum(widths)
+    assert run_main(["--plan", str(path), "--dry-run", "--replicas", "2", "script.py"]) == 0
+    assert f"--nproc-per-node {2 * devices} " in capsys.readouterr().out
+    nodes = devices + 1  # never divides `devices` processes
+    argv = ["--plan", str(path), "--nnodes", str(nodes), "--port", str(free_port()), "x.py"]
+    assert run_main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"plan devices × replicas = {devices} × 1 = {devices}" in err, err
+    assert f"--replicas a multiple of {nodes}" in err, err

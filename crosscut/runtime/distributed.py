@@ -15,6 +15,11 @@ its own stage module and runs its row of the GPipe or 1F1B schedule:
   them, backpropagate through the stage's saved graph, send the gradient of
   each received input back to its producer.
 
+What each action posts, sends and rebuilds (buffers, tags, pytree leaves, this
+replica's micro-batches of the global batch) is :mod:`crosscut.runtime.stage_io`;
+which plans and options ranks accept is :mod:`crosscut.runtime.plan_rules`;
+the once-per-step batch-norm commit is :mod:`crosscut.runtime.bn_commit`.
+
 After the schedule, each rank's gradients are averaged over its ``R``
 replicas with one flattened all-reduce on a per-position process group.
 
@@ -63,7 +68,8 @@ from torch.utils import _pytree as pytree
 from crosscut.codegen.split import StagedProgram, ValueRef, build_stages, map_structure
 from crosscut.codegen.transfers import INPUT
 from crosscut.errors import DistributedError, InputError
-from crosscut.runtime.batchnorm import commit_batchnorm, discard_batchnorm, install_step_batchnorm
+from crosscut.runtime.batchnorm import install_step_batchnorm
+from crosscut.runtime.bn_commit import StepCommit
 from crosscut.runtime.checkpoint import RankState
 from crosscut.runtime.group_comm import GroupLink
 from crosscut.runtime.groups import (
@@ -76,9 +82,11 @@ from crosscut.runtime.groups import (
     make_position_groups,
     plan_hash,
 )
-from crosscut.runtime.local import gather, scatter
+from crosscut.runtime.local import gather
 from crosscut.runtime.members import GroupRole, build_member
-from crosscut.runtime.p2p import Edge, Messenger, PendingRecv, build_routes
+from crosscut.runtime.p2p import Messenger, build_routes
+from crosscut.runtime.plan_rules import check_bn_mode, check_one_stage_per_device, group_widths
+from crosscut.runtime.stage_io import Posted, StageIO
 from crosscut.schedule import Action, make_schedule, validate_schedule
 
 __all__ = [
@@ -90,47 +98,6 @@ __all__ = [
 ]
 
 Saved = dict[int, tuple[dict[str, Any], dict[str, Any], torch.Tensor | None, torch.Tensor | None]]
-
-
-def group_widths(plan: Any) -> list[int]:
-    """Ranks per stage: the group's size for a channel/batch split, else 1."""
-    return [
-        len(st.devices) if st.split in ("channel", "batch") and len(st.devices) > 1 else 1
-        for st in plan.stages
-    ]
-
-
-def check_one_stage_per_device(plan: Any) -> None:
-    """Ranks are devices: a plan whose stages share a device (a co-located tail) is refused.
-
-    Why: the rank layout gives every (stage, member) its own process and device;
-    two stages on one device would need two ranks on one GPU, which NCCL does
-    not allow, and the solver priced them as taking turns on one device.
-    """
-    seen: dict[str, int] = {}
-    for st in plan.stages:
-        for dev in st.devices:
-            if dev in seen:
-                raise DistributedError(
-                    f"stages {seen[dev]} and {st.index} of the plan share device {dev!r} "
-                    "(a co-located tail); the distributed runtime runs one rank per device "
-                    "and one stage per rank",
-                    value=[(s.index, list(s.devices), s.split) for s in plan.stages],
-                    remedy="run this plan with the local runtime (crosscut.compile without "
-                    "torchrun), or re-partition with cross_shaped=True, colocate=False",
-                )
-            seen[dev] = st.index
-
-
-def check_bn_mode(bn_mode: str) -> None:
-    """Ranks run bn_mode ``"micro"`` or ``"step"``; ``"exact"`` is local only."""
-    if bn_mode not in ("micro", "step"):
-        raise InputError(
-            "the distributed runtime runs batch norm in bn_mode 'micro' or 'step'",
-            value=bn_mode,
-            remedy="use bn_mode='step' for whole-batch running statistics, or compile "
-            "locally for 'exact'",
-        )
 
 
 class DistributedPipeline(RankState, nn.Module):
@@ -204,6 +171,15 @@ class DistributedPipeline(RankState, nn.Module):
         # every rank creates every process group, in the same order (new_group is collective)
         self._position_groups = make_position_groups(self.rank_layout, self.timeout_s)
         self._device_groups = make_device_groups(self.rank_layout, self.timeout_s)
+        self._bn = StepCommit.for_rank(
+            bn_mode,
+            self._msg,
+            layout=self.rank_layout,
+            rank=self.rank,
+            split=self.split,
+            device_groups=self._device_groups,
+            position_groups=self._position_groups,
+        )
         self._group: GroupRole | None = None
         if self.width > 1:
             link = GroupLink(
@@ -271,6 +247,17 @@ class DistributedPipeline(RankState, nn.Module):
             "infer": make_schedule("inference", s_count, self.microbatches),
         }
         validate_schedule(self._schedules["train"], s_count, self.microbatches, training=True)
+        self._io = StageIO(
+            routes=self.routes,
+            msg=self._msg,
+            stage=self.stage_index,
+            rank_of=self.rank_of,
+            device=self.device,
+            micro_batch=self.micro_batch,
+            replica=self.replica,
+            replicas=self.replicas,
+            microbatches=self.microbatches,
+        )
         return program
 
     def _keep_member(self, member: nn.Module) -> None:
@@ -294,100 +281,6 @@ class DistributedPipeline(RankState, nn.Module):
         """The global rank running ``stage`` (its group's leader) in this rank's replica."""
         return self.rank_layout.rank(self.replica, stage)
 
-    def _what(self, a: Action, e: Edge, grad: bool) -> str:
-        kind = "the gradient" if grad else "the value"
-        return f"{kind} of {e.value!r} for micro-batch {a.microbatch} (action {a})"
-
-    def _post(self, a: Action) -> list[tuple[int, PendingRecv]]:
-        """Post the receives action ``a`` needs: inputs for F, output gradients for B."""
-        out: list[tuple[int, PendingRecv]] = []
-        for i, e in enumerate(self.edges):
-            if a.kind == "F" and e.dst == self.stage_index:
-                idx = self.routes.tensor_leaves(e.value)
-                peer = self.rank_of(e.src)
-            elif a.kind == "B" and e.src == self.stage_index:
-                idx = self.routes.grad_leaves(e.value)
-                peer = self.rank_of(e.dst)
-            else:
-                continue
-            if not idx:
-                continue
-            leaves = self.routes.meta[e.value][1]
-            templates = [
-                torch.empty(tuple(leaves[j].shape), dtype=leaves[j].dtype, device=self.device)
-                for j in idx
-            ]
-            tags = [self.routes.tag(i, a.microbatch, j, a.kind == "B") for j in idx]
-            pend = self._msg.post_recv(
-                e.value, peer, tags, templates, self._what(a, e, a.kind == "B")
-            )
-            out.append((i, pend))
-        return out
-
-    def _assemble(self, value: str, tensors: list[torch.Tensor], grad: bool) -> Any:
-        spec, leaves = self.routes.meta[value]
-        it = iter(tensors)
-        built = []
-        for j, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor):
-                t = next(it)
-                if grad and self.routes.grad_leaf[value][j]:
-                    t.requires_grad_(True)
-                built.append(t)
-            else:
-                built.append(leaf)
-        return pytree.tree_unflatten(built, spec)
-
-    def _send_value(self, a: Action, i: int, e: Edge, value: Any) -> None:
-        leaves = pytree.tree_leaves(value)
-        expected = self.routes.meta[e.value][1]
-        for j, (t, ref) in enumerate(zip(leaves, expected)):
-            if not isinstance(ref, torch.Tensor):
-                continue
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(ref.shape):
-                raise DistributedError(
-                    f"stage {e.src} produced {e.value!r} with shape "
-                    f"{tuple(getattr(t, 'shape', ()))} but the plan traced "
-                    f"{tuple(ref.shape)}; shapes are fixed by the trace",
-                    value={"value": e.value, "microbatch": a.microbatch},
-                    remedy=f"pass a global batch of replicas × microbatches × {self.micro_batch} "
-                    "samples, the size the plan was compiled for",
-                )
-            self._msg.send(
-                t,
-                self.rank_of(e.dst),
-                self.routes.tag(i, a.microbatch, j, False),
-                self._what(a, e, False),
-            )
-
-    def _split_inputs(self, inputs: Any, what: str) -> list[list[Any]] | None:
-        """This replica's shard of the global batch, split into micro-batches."""
-        if inputs is None:
-            return None
-        args = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
-        need = self.replicas * self.microbatches * self.micro_batch
-        for t in pytree.tree_leaves(args):
-            if isinstance(t, torch.Tensor) and t.dim() > 0 and need and t.shape[0] != need:
-                raise InputError(
-                    f"the global batch of {what} must be replicas × microbatches × micro-batch "
-                    f"= {self.replicas} × {self.microbatches} × {self.micro_batch} = {need}",
-                    value=tuple(t.shape),
-                    remedy="pass the batch size the plan was compiled for (shapes are static)",
-                )
-        if self.replicas > 1:
-            args = pytree.tree_map(
-                lambda t: (
-                    t.chunk(self.replicas, 0)[self.replica]
-                    if isinstance(t, torch.Tensor) and t.dim() > 0
-                    else t
-                ),
-                args,
-            )
-        args = pytree.tree_map(
-            lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, args
-        )
-        return scatter(args, self.microbatches)
-
     # ---- execution ------------------------------------------------------------------
     def _run(
         self,
@@ -403,13 +296,13 @@ class DistributedPipeline(RankState, nn.Module):
         reads_input = any(src == INPUT for _, src in self._inputs[s]) or (
             s == last and any(src == INPUT for src in self._output_sources.values())
         )
-        mbs = self._split_inputs(inputs, "inputs")
+        mbs = self._io.split_batch(inputs, "inputs")
         if reads_input and mbs is None:
             raise InputError(
                 f"stage {s} reads the model's inputs, so rank {self.rank} needs them",
                 remedy="pass the same global batch on every rank",
             )
-        tgts = self._split_inputs(targets, "targets") if kind == "train" and s == last else None
+        tgts = self._io.split_batch(targets, "targets") if kind == "train" and s == last else None
         if kind == "train" and s == last and (tgts is None or loss_fn is None):
             raise InputError(
                 "the last stage computes the loss: it needs targets and loss_fn",
@@ -418,13 +311,13 @@ class DistributedPipeline(RankState, nn.Module):
         row = self._schedules[kind][s]
         training = kind == "train"
         saved: Saved = {}
-        posted: dict[Action, list[tuple[int, PendingRecv]]] = {}
+        posted: dict[Action, Posted] = {}
         losses: list[torch.Tensor] = []
         results: list[Any] = []
         for pos, a in enumerate(row):
             for b in row[pos : pos + 2]:  # this action's and the next one's receives
                 if b not in posted:
-                    posted[b] = self._post(b)
+                    posted[b] = self._io.post(b)
             pend = posted.pop(a)
             if a.kind == "F":
                 out, loss = self._forward(a, pend, mbs, tgts, loss_fn, saved, training)
@@ -441,7 +334,7 @@ class DistributedPipeline(RankState, nn.Module):
     def _forward(
         self,
         a: Action,
-        pend: list[tuple[int, PendingRecv]],
+        pend: Posted,
         mbs: list[list[Any]] | None,
         tgts: list[list[Any]] | None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
@@ -449,12 +342,7 @@ class DistributedPipeline(RankState, nn.Module):
         training: bool,
     ) -> tuple[Any, torch.Tensor | None]:
         s, m, last = self.stage_index, a.microbatch, self.num_stages - 1
-        received: dict[str, Any] = {}
-        for _i, p in pend:
-            received[p.value] = self._assemble(p.value, self._msg.wait_recv(p), training)
-        for e in self.edges:  # values with no tensor leaves were never posted
-            if e.dst == s and e.value not in received:
-                received[e.value] = self._assemble(e.value, [], training)
+        received = self._io.receive_values(pend, training)
 
         def model_input(name: str) -> Any:
             assert mbs is not None
@@ -474,9 +362,7 @@ class DistributedPipeline(RankState, nn.Module):
         else:
             results = list(self.stage(*ins))
         outs = dict(zip(self._outputs, results))
-        for i, e in enumerate(self.edges):
-            if e.src == s:
-                self._send_value(a, i, e, outs[e.value])
+        self._io.send_values(a, outs)
         out: Any = None
         loss: torch.Tensor | None = None
         if s == last:
@@ -502,18 +388,12 @@ class DistributedPipeline(RankState, nn.Module):
     def _backward(
         self,
         a: Action,
-        pend: list[tuple[int, PendingRecv]],
+        pend: Posted,
         saved: Saved,
     ) -> None:
-        s, m = self.stage_index, a.microbatch
+        m = a.microbatch
         received, outs, loss, token = saved.pop(m)
-        sums: dict[str, list[torch.Tensor]] = {}
-        for _i, p in pend:
-            got = self._msg.wait_recv(p)
-            if p.value in sums:
-                sums[p.value] = [x + y for x, y in zip(sums[p.value], got)]
-            else:
-                sums[p.value] = got
+        sums = self._io.receive_grads(pend)
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if loss is not None:
@@ -531,17 +411,7 @@ class DistributedPipeline(RankState, nn.Module):
             grads.append(torch.zeros_like(token))
         if roots:
             torch.autograd.backward(roots, grads)
-        for i, e in enumerate(self.edges):
-            if e.dst != s:
-                continue
-            leaves = pytree.tree_leaves(received[e.value])
-            for j, (t, f) in enumerate(zip(leaves, self.routes.grad_leaf[e.value])):
-                if not f:
-                    continue
-                g = t.grad if t.grad is not None else torch.zeros_like(t)
-                self._msg.send(
-                    g, self.rank_of(e.src), self.routes.tag(i, m, j, True), self._what(a, e, True)
-                )
+        self._io.send_grads(a, received)
 
     def _allreduce_grads(self) -> None:
         """Sum a batch group's shares' gradients, then average the replicas'."""
@@ -565,7 +435,7 @@ class DistributedPipeline(RankState, nn.Module):
         the gradients equal those of the whole batch's mean loss. Call
         ``optimizer.zero_grad()`` before and ``optimizer.step()`` after.
         """
-        losses, _ = self._run_committing("train", inputs, targets, loss_fn)
+        losses, _ = self._bn.run(self.stage, lambda: self._run("train", inputs, targets, loss_fn))
         self._allreduce_grads()
         if self._group is not None:
             self._group.sync_buffers(self.stage)
@@ -580,67 +450,13 @@ class DistributedPipeline(RankState, nn.Module):
             total = total / self.replicas
         return total
 
-    def _run_committing(
-        self,
-        kind: str,
-        inputs: Any,
-        targets: Any,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-    ) -> tuple[list[torch.Tensor], list[Any]]:
-        """``_run``, then commit ``bn_mode="step"`` statistics once for the step.
-
-        Why a reduce: each rank recorded only its own micro-batches (and, in a
-        batch-split group, its share of each); summing ``[N, Σx, Σx²]`` over the
-        batch group's members, then over the replicas of this position, gives
-        every rank the global batch's statistics, so all copies of a stage
-        commit the same running buffers. Channel-split members hold different
-        channels and reduce over replicas only. A failed step commits nothing.
-        """
-        try:
-            out = self._run(kind, inputs, targets, loss_fn)
-        except BaseException:
-            if self.bn_mode == "step":
-                discard_batchnorm(self.stage)
-            raise
-        if self.bn_mode == "step":
-            commit_batchnorm(self.stage, reduce=self._bn_reduce())
-        return out
-
-    def _bn_reduce(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """Sum over the ranks holding the same batch-norm channels (see ``_run_committing``)."""
-        plan: list[tuple[Any, list[int]]] = []
-        if self.split == "batch":
-            plan.append(
-                (
-                    self._device_groups[(self.replica, self.stage_index)],
-                    self.rank_layout.group_ranks(self.replica, self.stage_index),
-                )
-            )
-        if self.replicas > 1:
-            plan.append(
-                (
-                    self._position_groups[self.position],
-                    self.rank_layout.position_ranks(self.position),
-                )
-            )
-        if not plan:
-            return None
-
-        def reduce(t: torch.Tensor) -> torch.Tensor:
-            for group, ranks in plan:
-                work = dist.all_reduce(t, group=group, async_op=True)
-                self._msg.wait_collective(work, ranks, "the batch-norm statistics all-reduce")
-            return t
-
-        return reduce
-
     def forward(self, *inputs: Any) -> Any:
         """Inference through the pipeline (no gradients); the output on last-stage ranks, else None.
 
         Each replica computes its shard; the output is this replica's shard.
         """
         with torch.no_grad():
-            _, results = self._run_committing("infer", inputs, None, None)
+            _, results = self._bn.run(self.stage, lambda: self._run("infer", inputs, None, None))
         if self._group is not None:
             self._group.sync_buffers(self.stage)
         if self.stage_index != self.num_stages - 1 or self.member > 0:

@@ -1,0 +1,58 @@
+"""Which plans and options the distributed runtime accepts, and how many ranks they take.
+
+Why separate from the executor: these rules read only the plan and the
+options — no process group, no model — so they run first, on every rank
+alike, and fail with a named rule before any rank waits on another
+(:func:`crosscut.distributed.compile_distributed` calls :func:`check_bn_mode`
+before it even traces). The checks that need the other ranks (world size,
+same plan everywhere) live with the rank layout in :mod:`crosscut.runtime.groups`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from crosscut.errors import DistributedError, InputError
+
+__all__ = ["check_bn_mode", "check_one_stage_per_device", "group_widths"]
+
+
+def group_widths(plan: Any) -> list[int]:
+    """Ranks per stage: the group's size for a channel/batch split, else 1."""
+    return [
+        len(st.devices) if st.split in ("channel", "batch") and len(st.devices) > 1 else 1
+        for st in plan.stages
+    ]
+
+
+def check_one_stage_per_device(plan: Any) -> None:
+    """Ranks are devices: a plan whose stages share a device (a co-located tail) is refused.
+
+    Why: the rank layout gives every (stage, member) its own process and device;
+    two stages on one device would need two ranks on one GPU, which NCCL does
+    not allow, and the solver priced them as taking turns on one device.
+    """
+    seen: dict[str, int] = {}
+    for st in plan.stages:
+        for dev in st.devices:
+            if dev in seen:
+                raise DistributedError(
+                    f"stages {seen[dev]} and {st.index} of the plan share device {dev!r} "
+                    "(a co-located tail); the distributed runtime runs one rank per device "
+                    "and one stage per rank",
+                    value=[(s.index, list(s.devices), s.split) for s in plan.stages],
+                    remedy="run this plan with the local runtime (crosscut.compile without "
+                    "torchrun), or re-partition with cross_shaped=True, colocate=False",
+                )
+            seen[dev] = st.index
+
+
+def check_bn_mode(bn_mode: str) -> None:
+    """Ranks run bn_mode ``"micro"`` or ``"step"``; ``"exact"`` is local only."""
+    if bn_mode not in ("micro", "step"):
+        raise InputError(
+            "the distributed runtime runs batch norm in bn_mode 'micro' or 'step'",
+            value=bn_mode,
+            remedy="use bn_mode='step' for whole-batch running statistics, or compile "
+            "locally for 'exact'",
+        )

@@ -1,0 +1,194 @@
+"""What one pipeline rank takes in and hands on per schedule action.
+
+Why separate from the executor: :class:`~crosscut.runtime.distributed.DistributedPipeline`
+should read like its schedule — receive, run the stage, send; receive
+gradients, backpropagate, send gradients — while the bookkeeping of each
+message lives here: which edges an action touches, the buffers posted from
+the trace's static shapes, the tags, the pytree (re)assembly of a value from
+its tensor leaves, the shape check before a send, the sum of a value's
+gradients over its consumers, and this replica's micro-batches of the global
+batch. Everything is keyed by the static :class:`~crosscut.runtime.p2p.Routes`,
+so both ends of an edge agree without exchanging anything at run time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from crosscut.errors import DistributedError, InputError
+from crosscut.runtime.local import scatter
+from crosscut.runtime.p2p import Edge, Messenger, PendingRecv, Routes
+from crosscut.schedule import Action
+
+__all__ = ["Posted", "StageIO"]
+
+Posted = list[tuple[int, PendingRecv]]  # (edge index, receive) for one action
+
+
+@dataclass
+class StageIO:
+    """The messages and batch shards of stage ``stage`` in one replica (its leader rank).
+
+    ``rank_of(stage)`` is the global rank of that stage's leader in this
+    replica; ``micro_batch`` the traced micro-batch size (0 when unknown).
+    """
+
+    routes: Routes
+    msg: Messenger
+    stage: int
+    rank_of: Callable[[int], int]
+    device: torch.device
+    micro_batch: int
+    replica: int
+    replicas: int
+    microbatches: int
+
+    # ---- model inputs -----------------------------------------------------------------
+    def split_batch(self, inputs: Any, what: str) -> list[list[Any]] | None:
+        """This replica's shard of the global batch, split into micro-batches."""
+        if inputs is None:
+            return None
+        args = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
+        need = self.replicas * self.microbatches * self.micro_batch
+        for t in pytree.tree_leaves(args):
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and need and t.shape[0] != need:
+                raise InputError(
+                    f"the global batch of {what} must be replicas × microbatches × micro-batch "
+                    f"= {self.replicas} × {self.microbatches} × {self.micro_batch} = {need}",
+                    value=tuple(t.shape),
+                    remedy="pass the batch size the plan was compiled for (shapes are static)",
+                )
+        if self.replicas > 1:
+            args = pytree.tree_map(
+                lambda t: (
+                    t.chunk(self.replicas, 0)[self.replica]
+                    if isinstance(t, torch.Tensor) and t.dim() > 0
+                    else t
+                ),
+                args,
+            )
+        args = pytree.tree_map(
+            lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, args
+        )
+        return scatter(args, self.microbatches)
+
+    # ---- receives -----------------------------------------------------------------------
+    def post(self, a: Action) -> Posted:
+        """Post the receives action ``a`` needs: inputs for F, output gradients for B."""
+        out: Posted = []
+        for i, e in enumerate(self.routes.edges):
+            if a.kind == "F" and e.dst == self.stage:
+                idx = self.routes.tensor_leaves(e.value)
+                peer = self.rank_of(e.src)
+            elif a.kind == "B" and e.src == self.stage:
+                idx = self.routes.grad_leaves(e.value)
+                peer = self.rank_of(e.dst)
+            else:
+                continue
+            if not idx:
+                continue
+            leaves = self.routes.meta[e.value][1]
+            templates = [
+                torch.empty(tuple(leaves[j].shape), dtype=leaves[j].dtype, device=self.device)
+                for j in idx
+            ]
+            tags = [self.routes.tag(i, a.microbatch, j, a.kind == "B") for j in idx]
+            pend = self.msg.post_recv(
+                e.value, peer, tags, templates, self._what(a, e, a.kind == "B")
+            )
+            out.append((i, pend))
+        return out
+
+    def receive_values(self, pend: Posted, grad: bool) -> dict[str, Any]:
+        """Wait for an F action's inputs and rebuild each value (leaves needing grad if ``grad``).
+
+        Values with no tensor leaves were never posted; they are rebuilt from the trace.
+        """
+        received: dict[str, Any] = {}
+        for _i, p in pend:
+            received[p.value] = self._assemble(p.value, self.msg.wait_recv(p), grad)
+        for e in self.routes.edges:
+            if e.dst == self.stage and e.value not in received:
+                received[e.value] = self._assemble(e.value, [], grad)
+        return received
+
+    def receive_grads(self, pend: Posted) -> dict[str, list[torch.Tensor]]:
+        """Wait for a B action's output gradients, summed over each value's consumers."""
+        sums: dict[str, list[torch.Tensor]] = {}
+        for _i, p in pend:
+            got = self.msg.wait_recv(p)
+            if p.value in sums:
+                sums[p.value] = [x + y for x, y in zip(sums[p.value], got)]
+            else:
+                sums[p.value] = got
+        return sums
+
+    def _assemble(self, value: str, tensors: list[torch.Tensor], grad: bool) -> Any:
+        spec, leaves = self.routes.meta[value]
+        it = iter(tensors)
+        built = []
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                t = next(it)
+                if grad and self.routes.grad_leaf[value][j]:
+                    t.requires_grad_(True)
+                built.append(t)
+            else:
+                built.append(leaf)
+        return pytree.tree_unflatten(built, spec)
+
+    # ---- sends --------------------------------------------------------------------------
+    def send_values(self, a: Action, outs: dict[str, Any]) -> None:
+        """Send every value this stage exports to each stage that reads it."""
+        for i, e in enumerate(self.routes.edges):
+            if e.src == self.stage:
+                self._send_value(a, i, e, outs[e.value])
+
+    def send_grads(self, a: Action, received: dict[str, Any]) -> None:
+        """Send the gradient of each received input back to its producer (zeros if unused)."""
+        for i, e in enumerate(self.routes.edges):
+            if e.dst != self.stage:
+                continue
+            leaves = pytree.tree_leaves(received[e.value])
+            for j, (t, f) in enumerate(zip(leaves, self.routes.grad_leaf[e.value])):
+                if not f:
+                    continue
+                g = t.grad if t.grad is not None else torch.zeros_like(t)
+                self.msg.send(
+                    g,
+                    self.rank_of(e.src),
+                    self.routes.tag(i, a.microbatch, j, True),
+                    self._what(a, e, True),
+                )
+
+    def _send_value(self, a: Action, i: int, e: Edge, value: Any) -> None:
+        leaves = pytree.tree_leaves(value)
+        expected = self.routes.meta[e.value][1]
+        for j, (t, ref) in enumerate(zip(leaves, expected)):
+            if not isinstance(ref, torch.Tensor):
+                continue
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(ref.shape):
+                raise DistributedError(
+                    f"stage {e.src} produced {e.value!r} with shape "
+                    f"{tuple(getattr(t, 'shape', ()))} but the plan traced "
+                    f"{tuple(ref.shape)}; shapes are fixed by the trace",
+                    value={"value": e.value, "microbatch": a.microbatch},
+                    remedy=f"pass a global batch of replicas × microbatches × {self.micro_batch} "
+                    "samples, the size the plan was compiled for",
+                )
+            self.msg.send(
+                t,
+                self.rank_of(e.dst),
+                self.routes.tag(i, a.microbatch, j, False),
+                self._what(a, e, False),
+            )
+
+    @staticmethod
+    def _what(a: Action, e: Edge, grad: bool) -> str:
+        kind = "the gradient" if grad else "the value"
+        return f"{kind} of {e.value!r} for micro-batch {a.microbatch} (action {a})"

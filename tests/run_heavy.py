@@ -3,7 +3,7 @@
 Why one process per model: the 34 largest torchvision classifiers (vit_h_14,
 regnet_y_128gf, ...) each build the model, its traced copy and the compiled
 copy with gradients; in one long pytest process their memory piles up past
-24 GiB and the kernel kills the run, while each alone fits. About 7 minutes
+24 GiB and the kernel kills the run, while each alone fits. About 11 minutes
 on a 2-core machine.
 """
 

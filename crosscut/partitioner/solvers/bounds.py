@@ -70,17 +70,22 @@ import numpy as np
 from crosscut.partitioner.evaluate import comm_multiplier, consumers, lower_bound
 from crosscut.partitioner.problem import PartitionProblem
 
-__all__ = ["Relaxation", "comm_lower_bound", "reach_compute", "tree_relaxation"]
+__all__ = [
+    "Relaxation",
+    "closure_bitsets",
+    "comm_lower_bound",
+    "reach_compute",
+    "tree_relaxation",
+]
 
 _BISECTIONS = 60
 _CHUNK = 512
 
 
-def reach_compute(problem: PartitionProblem, times: list[float]) -> tuple[np.ndarray, np.ndarray]:
-    """``(A, D)``: summed ``times`` of every node's ancestors / descendants, itself included.
+def closure_bitsets(problem: PartitionProblem) -> tuple[list[int], list[int]]:
+    """Every node's ancestors and descendants (itself included) as integer bitsets.
 
-    Exact sums over node sets (bitsets), not over paths, so shared ancestors
-    count once.
+    Node indices are a topological order, so one pass each way suffices.
     """
     n = problem.n
     preds: list[list[int]] = [[] for _ in range(n)]
@@ -100,6 +105,16 @@ def reach_compute(problem: PartitionProblem, times: list[float]) -> tuple[np.nda
         for w in succs[v]:
             bits |= desc[w]
         desc[v] = bits
+    return anc, desc
+
+
+def reach_compute(problem: PartitionProblem, times: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """``(A, D)``: summed ``times`` of every node's ancestors / descendants, itself included.
+
+    Exact sums over node sets (bitsets), not over paths, so shared ancestors
+    count once.
+    """
+    anc, desc = closure_bitsets(problem)
     vals = np.asarray(times, dtype=float)
     return _set_sums(anc, vals), _set_sums(desc, vals)
 

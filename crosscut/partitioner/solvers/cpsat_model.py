@@ -37,6 +37,7 @@ from crosscut.partitioner.evaluate import (
     transfer_time,
 )
 from crosscut.partitioner.problem import PartitionProblem
+from crosscut.partitioner.solvers.bounds import closure_bitsets
 
 __all__ = ["OrderModel", "stage_windows"]
 
@@ -61,23 +62,7 @@ def stage_windows(
     """
     n = problem.n
     fastest = [min(row) for row in problem.compute]
-    preds: list[list[int]] = [[] for _ in range(n)]
-    succs: list[list[int]] = [[] for _ in range(n)]
-    for u, v in problem.edges:
-        preds[v].append(u)
-        succs[u].append(v)
-    anc = [0] * n
-    for v in range(n):
-        bits = 1 << v
-        for u in preds[v]:
-            bits |= anc[u]
-        anc[v] = bits
-    desc = [0] * n
-    for v in reversed(range(n)):
-        bits = 1 << v
-        for w in succs[v]:
-            bits |= desc[w]
-        desc[v] = bits
+    anc, desc = closure_bitsets(problem)
     lo, hi = [0] * n, [slots - 1] * n
     if not math.isfinite(upper) or upper <= 0.0:
         return lo, hi

@@ -29,7 +29,7 @@ import torch
 import torchvision
 from torch import fx, nn
 
-from crosscut.codegen.width import BatchSplitStage
+from crosscut.codegen.batch_split import BatchSplitStage
 from crosscut.runtime import CompiledModule
 
 __all__ = ["main"]

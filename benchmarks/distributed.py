@@ -6,7 +6,7 @@ by the cost of moving activations over loopback gloo). The benchmark also
 prints the simulator's prediction for the same plan next to the measurement,
 so the cost model's error is visible.
 
-Run (about 5 minutes for both models on a 2-core machine)::
+Run (about 10 minutes for both models on a 2-core machine, 3 rounds)::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/distributed.py \\
         --models resnet50,googlenet --batch 64 --size 128 --microbatches 8
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds")
     ap.add_argument("--cost", default="analytic", choices=["analytic", "profiled"])
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--worker", default="")
@@ -181,9 +183,22 @@ def main(argv: list[str] | None = None) -> int:
             sim = simulate(plan)
             kind = plan.cluster.devices[0].kind
             one_device = sum(n.time_s[kind] for n in plan.nodes) * ns.microbatches
-            eager = eager_step_time(name, ns.batch, ns.size, ns.steps, ns.warmup)
-            micro = eager_step_time(name, ns.batch, ns.size, ns.steps, ns.warmup, ns.microbatches)
-            piped = pipeline_step_time(name, path, ns)
+            # the three measurements interleaved round by round, so that the VM's
+            # drifts hit all of them alike; medians reported, each round's speed-up too
+            eagers, micros, pipes = [], [], []
+            for r in range(ns.rounds):
+                eagers.append(eager_step_time(name, ns.batch, ns.size, ns.steps, ns.warmup))
+                micros.append(
+                    eager_step_time(name, ns.batch, ns.size, ns.steps, ns.warmup, ns.microbatches)
+                )
+                pipes.append(pipeline_step_time(name, path, ns))
+                print(
+                    f"  {name} round {r + 1}/{ns.rounds}: eager {eagers[-1]:.2f} s, "
+                    f"eager/M {micros[-1]:.2f} s, pipeline {pipes[-1]:.2f} s "
+                    f"({eagers[-1] / pipes[-1]:.2f}x)",
+                    flush=True,
+                )
+            eager, micro, piped = (statistics.median(v) for v in (eagers, micros, pipes))
             cap = capacity(name, ns, micro)
             rows.append((name, eager, micro, piped, cap, one_device, sim.step_time_s))
     print(

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from crosscut.codegen.width import BatchSplitStage
+from crosscut.codegen.batch_split import BatchSplitStage
 from crosscut.errors import RuntimeError_
 from crosscut.runtime import CompiledModule
 from tests.test_transparency import build, chunks, no_randomness

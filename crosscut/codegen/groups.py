@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from crosscut.codegen.width import BatchSplitStage, Collective, channel_split
+from crosscut.codegen.batch_split import BatchSplitStage
+from crosscut.codegen.width import Collective, channel_split
 from crosscut.errors import CodegenError
 
 if TYPE_CHECKING:

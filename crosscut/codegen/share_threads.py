@@ -1,6 +1,6 @@
 """Driving a batch-split stage's group devices from one thread each.
 
-:class:`~crosscut.codegen.width.BatchSplitStage` runs its leader's share on
+:class:`~crosscut.codegen.batch_split.BatchSplitStage` runs its leader's share on
 the calling thread (the stage's worker thread in the local executor, Mariana's
 one CPU thread per device) and every other share on a :class:`DeviceThread` of
 its own. Three things make that safe and keep the results those of running

@@ -55,9 +55,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from crosscut.codegen.batch_split import BatchSplitStage
 from crosscut.codegen.split import StagedProgram, ValueRef, map_structure
 from crosscut.codegen.transfers import INPUT
-from crosscut.codegen.width import BatchSplitStage
 from crosscut.errors import InputError, RuntimeError_
 from crosscut.schedule import (
     Action,

@@ -3,7 +3,7 @@
 ``codegen/width.py`` rewrites a grouped stage for one process that holds
 every device of the group: a channel split is one graph with every member's
 shard modules and explicit ``all_gather``/``broadcast`` nodes, a batch split a
-:class:`~crosscut.codegen.width.BatchSplitStage` around the stage. The
+:class:`~crosscut.codegen.batch_split.BatchSplitStage` around the stage. The
 distributed runtime gives each member of the group a rank of its own, so this
 module cuts those rewrites per member:
 

@@ -58,6 +58,10 @@ def make(
         channels=[rng.choice([0, 6, 64, 3]) for _ in range(n)],
         param_bytes=[rng.randint(0, 256) * (1 << 20) for _ in range(n)],
         batch=rng.choice([8, 6, 0]),
+        # the image read by the first node (and sometimes by a later one, as a skip), the
+        # last node returned (and sometimes a middle one, as an auxiliary head)
+        graph_inputs=[(rng.randint(1, 32) * (1 << 20), sorted({0, rng.randrange(n)}))],
+        graph_outputs=sorted({n - 1, rng.randrange(n)}),
     )
 
 
@@ -109,6 +113,43 @@ def test_batch_group_formulas_by_hand() -> None:
     assert ev.device_memory[0] == 100 + 2 * 40 * 0.5
     assert ev.device_memory[1] == ev.device_memory[0]
     assert ev.device_memory[2] == 50 + 1 * 20 + 1 * 1000
+
+
+def test_batch_group_scatters_model_inputs_and_gathers_model_outputs() -> None:
+    """A batch-split stage holding the model's input reader and its output node pays
+    the scatter of the input and the gather of the output; a one-device stage does not."""
+    pb = PartitionProblem(
+        names=["a", "b"],
+        compute=[[4.0] * 2, [2.0] * 2],
+        resident=[0, 0],
+        activation=[0, 0],
+        out_bytes=[1000, 10],
+        edges=[(0, 1)],
+        devices=["d0", "d1"],
+        mem_cap=[10**6] * 2,
+        bandwidth=[[1000.0] * 2 for _ in range(2)],
+        latency=[[0.0] * 2 for _ in range(2)],
+        microbatches=1,
+        training=False,
+        widths=(1, 2),
+        splits=("batch",),
+        batch=8,
+        graph_inputs=[(600, [0, 1])],  # read by both nodes: scattered once
+        graph_outputs=[1],
+    )
+    ev = evaluate(pb, [0, 0], [0], [StageGroup((0, 1), "batch")])
+    assert ev.stage_collective[0] == pytest.approx(0.5 * (600 + 10) / 1000)
+    two = evaluate(pb, [0, 1], [0, 1], [StageGroup((0,)), StageGroup((1,))])
+    assert two.stage_collective == [0.0, 0.0]
+    # a large image makes the batch split (3 s of compute + 4 s of scatter) lose to one
+    # device (6 s; the pipeline: 4 s + 3 s of transfer): the DP must price the scatter
+    big = dataclasses.replace(pb, out_bytes=[3000, 10], graph_inputs=[(8000, [0])])
+    found = cross_dp(big)
+    assert found is not None
+    stage_of, groups = found
+    assert [g.split for g in groups] == ["none"]
+    got = evaluate(big, stage_of, [g.leader for g in groups], groups)
+    assert got.objective == pytest.approx(brute_force_groups(big).objective, rel=1e-9)
 
 
 def test_channel_group_gathers_only_where_a_whole_value_is_needed() -> None:

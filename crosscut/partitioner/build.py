@@ -114,6 +114,12 @@ def problem_from_parts(
             if src in index
         }
     )
+    readers: dict[str, list[int]] = {
+        n.name: sorted({index[c.name] for c in nodes if c.name in index and n.name in c.inputs})
+        for n in nodes
+        if n.op == "placeholder"
+    }
+    returned = sorted({index[i] for n in nodes if n.op == "output" for i in n.inputs if i in index})
     return PartitionProblem(
         names=names,
         compute=compute,
@@ -137,6 +143,8 @@ def problem_from_parts(
         channels=[by_name[n].channels for n in names],
         param_bytes=[by_name[n].param_bytes for n in names],
         batch=batch,
+        graph_inputs=[(by_name[p].out_bytes, cs) for p, cs in readers.items() if cs],
+        graph_outputs=returned,
     )
 
 

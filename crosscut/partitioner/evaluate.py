@@ -295,9 +295,14 @@ def _group_collective_bytes(
     """Bytes of every one-way collective stage ``k``'s group runs per micro-batch."""
     out: list[int] = []
     if g.split == "batch":
+        # scattered into the shares: values from other stages and the model's inputs
         out += [problem.out_bytes[u] for u in sorted(received)]
+        out += [b for b, readers in problem.graph_inputs if any(stage_of[v] == k for v in readers)]
+        # gathered from the shares: values other stages read, and the model's outputs
+        # (once: an output another stage reads is gathered for that send already)
+        returned = set(problem.graph_outputs)
         for u in range(problem.n):
-            if stage_of[u] == k and any(stage_of[v] != k for v in cons[u]):
+            if stage_of[u] == k and (u in returned or any(stage_of[v] != k for v in cons[u])):
                 out.append(problem.out_bytes[u])
         return out
     for u in range(problem.n):

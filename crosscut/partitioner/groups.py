@@ -17,8 +17,10 @@ stages"), for stage ``k`` on group ``G`` of ``w`` devices, leader ``G[0]``:
   the same bytes the other way), ``coll(B) = lat_G + (w - 1) / w · B / bw_G``
   with ``bw_G``/``lat_G`` the slowest link inside the group:
 
-  - batch split: every received tensor is scattered over the group and every
-    sent tensor gathered on the leader, ``coll(B)`` each; when training the
+  - batch split: every received tensor and every model input the stage reads
+    (``graph_inputs``) is scattered over the group, and every sent tensor and
+    every model output it makes (``graph_outputs``) gathered on the leader,
+    ``coll(B)`` each (an output that is also sent, once); when training the
     gradients are all-reduced once per step (ring: ``2 (w-1)/w · grad bytes /
     bw_G + 2 (w-1) lat_G``), amortised over the step's micro-batches;
   - channel split: a shard-producing node (``split``/``channel``) whose value is

@@ -87,6 +87,10 @@ class PartitionProblem:
     channels: list[int] = field(default_factory=list)  # [node] output channels (0: unknown)
     param_bytes: list[int] = field(default_factory=list)  # [node] gradient bytes to reduce
     batch: int = 0  # samples per micro-batch (0: unknown, shares priced as 1/w)
+    # the model's own inputs and outputs, which a batch-split stage scatters and gathers:
+    # (bytes per micro-batch, the nodes that read it) per input; nodes the model returns
+    graph_inputs: list[tuple[int, list[int]]] = field(default_factory=list)
+    graph_outputs: list[int] = field(default_factory=list)
 
     @property
     def n(self) -> int:

@@ -93,14 +93,20 @@ def _inside_before(n: int, items: list[tuple[int, int, float]]) -> np.ndarray:
 
 def _received(n: int, cons: list[list[int]], out: list[float]) -> np.ndarray:
     """``M[a, b] = Σ out[u]`` over ``u < a`` with a consumer (of ``cons[u]``) in ``[a, b)``."""
+    return _read_in(n, [(u + 1, cs, out[u]) for u, cs in enumerate(cons)])
+
+
+def _read_in(n: int, items: list[tuple[int, list[int], float]]) -> np.ndarray:
+    """``M[a, b] = Σ val`` over items ``(start, readers, val)`` with ``start <= a`` and a
+    reader in ``[a, b)`` (``readers`` sorted)."""
     mat = np.zeros((n + 1, n + 2))
-    for u, cs in enumerate(cons):
+    for start, cs, val in items:
         if not cs:
             continue
         arr = np.asarray(cs)
-        rows = np.arange(u + 1, cs[-1] + 1)
+        rows = np.arange(start, cs[-1] + 1)
         nxt = arr[np.searchsorted(arr, rows)]
-        np.add.at(mat, (rows, nxt + 1), out[u])
+        np.add.at(mat, (rows, nxt + 1), val)
     return np.cumsum(mat, axis=1)[:, : n + 1]
 
 
@@ -115,6 +121,7 @@ class _Tables:
     sc: np.ndarray
     sb: np.ndarray
     chan: tuple[np.ndarray, np.ndarray]  # channel split: (count, bytes) of collectives
+    io: tuple[np.ndarray, np.ndarray]  # batch split: (count, bytes) of model inputs/outputs
 
     @classmethod
     def build(cls, pb: PartitionProblem) -> _Tables:
@@ -142,9 +149,17 @@ class _Tables:
         whole = [(u, sc_[0]) for u, sc_ in enumerate(split_cons) if sc_ and not sharded[u]]
         bcast_b = _inside_before(n, [(u, f, float(pb.out_bytes[u])) for u, f in whole])
         bcast_c = _inside_before(n, [(u, f, 1.0) for u, f in whole])
-        return cls(
-            pb, cons, rc, rb, sc, sb, (gather_c + recv_c + bcast_c, gather_b + recv_b + bcast_b)
+        # a batch-split chunk scatters the model inputs it reads and gathers the model
+        # outputs no later chunk reads (those are counted in ``sb`` already)
+        ins = [(0, sorted(cs), float(b)) for b, cs in pb.graph_inputs]
+        outs = [(u, cons[u][-1] if cons[u] else u) for u in pb.graph_outputs]
+        out_b = [(u, f, float(pb.out_bytes[u])) for u, f in outs]
+        io_b = _read_in(n, ins) + _inside_before(n, out_b)
+        io_c = _read_in(n, [(s, cs, 1.0) for s, cs, _ in ins]) + _inside_before(
+            n, [(u, f, 1.0) for u, f, _ in out_b]
         )
+        chan = (gather_c + recv_c + bcast_c, gather_b + recv_b + bcast_b)
+        return cls(pb, cons, rc, rb, sc, sb, chan, (io_c, io_b))
 
 
 def _prefix(values: list[float]) -> np.ndarray:
@@ -191,7 +206,7 @@ class _Shape:
             frac = (w - 1) / w
             mult = comm_multiplier(pb)
             if group.split == "batch":
-                cnt, byt = tb.rc + tb.sc, tb.rb + tb.sb
+                cnt, byt = tb.rc + tb.sc + tb.io[0], tb.rb + tb.sb + tb.io[1]
             else:
                 cnt, byt = tb.chan
             self.coll = mult * (cnt * lat + byt * frac / bw)

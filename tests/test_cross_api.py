@@ -74,3 +74,25 @@ def test_bad_cross_options_are_refused() -> None:
         partition(_model(), "4xV100", x, cross_shaped=True, splits=("rows",))
     with pytest.raises(InputError, match="widths"):
         partition(_model(), "4xV100", x, cross_shaped=True, widths=(0, 2))
+
+
+def test_plan_problem_knows_the_model_inputs_and_outputs() -> None:
+    """What a batch-split stage scatters and gathers comes from the traced model."""
+    from crosscut.partitioner.build import plan_to_problem
+
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            feats = self.conv(x).mean((2, 3))
+            return self.head(feats), feats + x.mean()  # x read twice, two outputs
+
+    plan = partition(TwoHeads(), ["cpu"] * 2, torch.randn(8, 3, 16, 16), microbatches=2)
+    pb, _, _ = plan_to_problem(plan)
+    ((nbytes, readers),) = pb.graph_inputs
+    assert nbytes == 4 * 3 * 16 * 16 * 4  # one micro-batch of 4 float32 images
+    assert [pb.names[v] for v in readers] == ["conv", "mean_1"]
+    assert sorted(pb.names[v] for v in pb.graph_outputs) == ["add", "head"]

@@ -1,0 +1,43 @@
+"""The distributed benchmark still runs end to end, at a toy size.
+
+Why: benchmarks are run by hand, rarely, and rot silently when the APIs they
+call change. This runs ``benchmarks/distributed.py`` with a tiny model and
+checks its table: the rows exist and the speed-up column is the ratio of the
+columns it claims to divide. The figures themselves are not checked; timing
+belongs to the benchmark, not to a unit test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("dist")]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_distributed_benchmark_prints_interleaved_rounds_and_its_table() -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "distributed.py"),
+           "--models", "resnet18", "--batch", "8", "--size", "32", "--microbatches", "2",
+           "--steps", "1", "--warmup", "0", "--rounds", "2", "--timeout", "300"]  # fmt: skip
+    run = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert sum("resnet18 round" in line for line in lines) == 2
+    (row,) = [line.split() for line in lines if line.startswith("resnet18 ")]
+    eager, micro, pipe = (float(v) for v in row[1:4])
+    assert min(eager, micro, pipe) > 0
+    assert float(row[4].rstrip("x")) == pytest.approx(eager / pipe, abs=0.01)
+    assert float(row[5].rstrip("x")) == pytest.approx(micro / pipe, abs=0.01)

@@ -250,25 +250,24 @@ def stop_threads(threads: list[DeviceThread]) -> None:
 def thread_state(devices: Sequence[torch.device]) -> Callable[[torch.device], Any]:
     """The caller's thread-local torch state, to enter on a share's thread.
 
-    Grad mode, inference mode and autocast are per thread in torch, and so are
-    the current CUDA device and streams: a share's thread takes the caller's
-    for every CUDA device of the group, so cross-device copies synchronise with
+    Grad mode, inference mode, autocast and saved-tensor hooks are per thread
+    in torch: the one capture the executors use
+    (:class:`crosscut.runtime.thread_state.ThreadState`, imported here at call
+    time, as the runtime package imports codegen). The current CUDA device
+    and streams are per thread too: a share's thread takes the caller's for
+    every CUDA device of the group, so cross-device copies synchronise with
     the streams the caller's later ops run on.
     """
-    grad = torch.is_grad_enabled()
-    inference = torch.is_inference_mode_enabled()
-    kinds = sorted({d.type for d in devices} & {"cpu", "cuda"})
-    autocast = {k: (torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds}
+    from crosscut.runtime.thread_state import ThreadState
+
+    state = ThreadState.capture(d.type for d in devices)
     cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
     streams = [torch.cuda.current_stream(d) for d in cuda]
 
     @contextmanager
     def enter(device: torch.device) -> Iterator[None]:
         with ExitStack() as stack:
-            stack.enter_context(torch.inference_mode(inference))
-            stack.enter_context(torch.set_grad_enabled(grad))
-            for kind, (on, dtype) in autocast.items():
-                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=on))
+            stack.enter_context(state.applied())
             if device.type == "cuda":
                 stack.enter_context(torch.cuda.device(device))
                 for s in streams:

@@ -12,6 +12,10 @@ A cross-shaped stage is still one worker here: a batch-split stage drives its
 other group devices from threads of its own (one per device, the worker
 itself runs the leader's share), a channel-split stage issues every shard from
 its worker (asynchronous on CUDA, so the devices overlap; sequential on CPU).
+Every worker enters the caller's thread-local torch state for the call (grad
+and inference mode, autocast, saved-tensor hooks:
+:mod:`crosscut.runtime.thread_state`), so ``torch.autocast`` or ``no_grad``
+around a compiled call acts on every stage as it does in eager mode.
 
 Two modes:
 
@@ -59,6 +63,7 @@ from crosscut.codegen.batch_split import BatchSplitStage
 from crosscut.codegen.split import StagedProgram, ValueRef, map_structure
 from crosscut.codegen.transfers import INPUT
 from crosscut.errors import InputError, RuntimeError_
+from crosscut.runtime.thread_state import ThreadState
 from crosscut.schedule import (
     Action,
     Schedule,
@@ -279,13 +284,14 @@ class LocalExecutor:
             self._execute_inline(run, rows, do)
             return
         workers = self._ensure_workers()
-        grad_mode = torch.is_grad_enabled()
+        # the caller's grad/inference/autocast state, entered by every worker (thread_state.py)
+        state = ThreadState.capture(s.device.type for s in self.program.stages)
 
         def job(row: list[Action], worker: _Worker) -> Callable[[], None]:
             def body() -> None:
                 action: Action | None = None
                 try:
-                    with torch.set_grad_enabled(grad_mode):
+                    with state.applied():
                         for action in row:
                             if run.error is not None:
                                 return

@@ -21,7 +21,7 @@ from torch import fx, nn
 
 from crosscut.runtime import CompiledModule
 from crosscut.runtime.thread_state import ThreadState
-from tests.test_runtime_local import chunks
+from tests.test_runtime_local import chunks, compiled_grads, grads
 
 torch.set_num_threads(1)
 BF16 = torch.bfloat16
@@ -112,8 +112,8 @@ def test_autocast_dtypes_values_and_grads_match_eager(k: int, mb: int) -> None:
     torch.testing.assert_close(out, whole, rtol=2e-2, atol=2e-2)
     out.float().pow(2).mean().backward()
     whole.float().pow(2).mean().backward()
-    got = {k_: p.grad for k_, p in c.named_parameters() if p.grad is not None}
-    want = {k_: p.grad for k_, p in ref.named_parameters() if p.grad is not None}
+    got = compiled_grads(c)
+    want = grads(ref)
     assert set(got) == set(want)
     for key, g in want.items():
         assert got[key].dtype == g.dtype == torch.float32

@@ -313,11 +313,19 @@ def compile(
     widths: Sequence[int] | None = None,
     splits: Sequence[str] = ("batch", "channel"),
     bn_mode: str = "micro",
+    output_merge: Any = None,
 ) -> Any:
     """Partition ``model`` over ``devices`` and return a CompiledModule that trains.
 
     ``bn_mode`` (``"micro"``, ``"step"``, ``"exact"``): batch norm over
     micro-batches, see :mod:`crosscut.runtime.compiled`.
+
+    ``output_merge``: how the micro-batches' outputs become one output
+    (:mod:`crosscut.runtime.output_merge`): batch-major outputs are
+    concatenated on dim 0; any other output needs a rule (``"sum"``,
+    ``"mean"``, ``"same"``, ``"cat"`` or a callable over the list of
+    micro-batch values) at its path, e.g. ``{1: "sum"}`` or ``{"aux.count":
+    "sum"}``, or it is refused here when ``microbatches > 1``.
 
     ``cross_shaped``/``widths``/``splits``: see :func:`partition`; stages of the
     plan that run on device groups are width-split by ``codegen/width.py``.
@@ -340,6 +348,9 @@ def compile(
             value=type(model).__name__,
             remedy="pass the module itself, not its class or a function",
         )
+    from crosscut.runtime.output_merge import normalize_merge
+
+    normalize_merge(output_merge)  # a bad rule fails here, before tracing
     if _distributed_run():
         # Under torchrun every rank runs its own stage; the devices come from the ranks.
         from crosscut.distributed import compile_distributed
@@ -351,6 +362,7 @@ def compile(
             schedule=None if plan is not None else schedule,
             microbatches=None if plan is not None else microbatches,
             bn_mode=bn_mode,
+            output_merge=output_merge,
         )
     cl = Cluster.from_any(devices)
     if plan is None:
@@ -410,5 +422,6 @@ def compile(
         microbatches=the_plan.options.microbatches,
         plan=the_plan,
         groups=groups if any(len(devs) > 1 for devs, _ in groups) else None,
+        output_merge=output_merge,
         bn_mode=bn_mode,
     )

@@ -156,6 +156,7 @@ def compile_distributed(
     timeout_s: float | None = None,
     device: torch.device | str | None = None,
     bn_mode: str = "micro",
+    output_merge: Any = None,
 ) -> DistributedPipeline:
     """This rank's :class:`DistributedPipeline` of ``model`` under ``plan``.
 
@@ -166,6 +167,8 @@ def compile_distributed(
     or GPU stages and broadcast. Every rank must build ``model`` identically
     (same seed) or load a checkpoint; replicas are synchronised from replica 0.
     ``bn_mode``: ``"micro"`` or ``"step"``, as for :func:`crosscut.compile`.
+    ``output_merge``: as for :func:`crosscut.compile` (the last stage merges
+    its replica's micro-batch outputs in ``forward``).
     """
     from crosscut.api import trace
 
@@ -222,4 +225,5 @@ def compile_distributed(
         timeout_s=t_out,
         device=dev,
         bn_mode=bn_mode,
+        output_merge=output_merge,
     )

@@ -71,6 +71,7 @@ from crosscut.runtime.batchnorm import (
     install_step_batchnorm,
 )
 from crosscut.runtime.local import LocalExecutor
+from crosscut.runtime.output_merge import check_outputs
 
 __all__ = ["BN_MODES", "CompiledModule"]
 
@@ -94,6 +95,7 @@ class CompiledModule(nn.Module):
         example_inputs: Sequence[Any] | None = None,
         timeout: float = 600.0,
         groups: Sequence[tuple[Sequence[torch.device | str], str]] | None = None,
+        output_merge: Any = None,
     ) -> None:
         super().__init__()
         if bn_mode not in BN_MODES:
@@ -107,7 +109,11 @@ class CompiledModule(nn.Module):
         )
         self._program = program
         self.stages = nn.ModuleList([s.module for s in program.stages])
-        self._executor = LocalExecutor(program, schedule, microbatches, timeout=timeout)
+        # how micro-batch outputs merge; an output that cannot is refused here (output_merge.py)
+        self._output_merge = check_outputs(gm, output_merge, microbatches)
+        self._executor = LocalExecutor(
+            program, schedule, microbatches, timeout=timeout, output_merge=self._output_merge
+        )
         original = model.state_dict(keep_vars=True)
         self._keys = list(original)
         # tensors the traced graph never reads (unused submodules): kept on CPU so

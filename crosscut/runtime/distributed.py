@@ -82,8 +82,8 @@ from crosscut.runtime.groups import (
     make_position_groups,
     plan_hash,
 )
-from crosscut.runtime.local import gather
 from crosscut.runtime.members import GroupRole, build_member
+from crosscut.runtime.output_merge import OutputMerge, check_outputs
 from crosscut.runtime.p2p import Messenger, build_routes
 from crosscut.runtime.plan_rules import check_bn_mode, check_one_stage_per_device, group_widths
 from crosscut.runtime.stage_io import Posted, StageIO
@@ -123,6 +123,7 @@ class DistributedPipeline(RankState, nn.Module):
         timeout_s: float = 300.0,
         device: torch.device | str | None = None,
         bn_mode: str = "micro",
+        output_merge: Any = None,
     ) -> None:
         super().__init__()
         check_bn_mode(bn_mode)
@@ -168,6 +169,9 @@ class DistributedPipeline(RankState, nn.Module):
             me += f", member {self.member} of its {self.width}-device {self.split}-split group"
         self._msg = Messenger(self.rank, self.timeout_s, me + ")")
         program = self._build(model, gm)
+        # the last stage's merge of micro-batch outputs in forward (runtime/output_merge.py)
+        rules = check_outputs(gm, output_merge, self.microbatches)
+        self._merge = OutputMerge(self._template, rules)
         # every rank creates every process group, in the same order (new_group is collective)
         self._position_groups = make_position_groups(self.rank_layout, self.timeout_s)
         self._device_groups = make_device_groups(self.rank_layout, self.timeout_s)
@@ -453,7 +457,9 @@ class DistributedPipeline(RankState, nn.Module):
     def forward(self, *inputs: Any) -> Any:
         """Inference through the pipeline (no gradients); the output on last-stage ranks, else None.
 
-        Each replica computes its shard; the output is this replica's shard.
+        Each replica computes its shard; the output is this replica's shard, its
+        micro-batches merged by the ``output_merge`` rules (a ``"sum"`` is this
+        replica's sum).
         """
         with torch.no_grad():
             _, results = self._bn.run(self.stage, lambda: self._run("infer", inputs, None, None))
@@ -461,7 +467,7 @@ class DistributedPipeline(RankState, nn.Module):
             self._group.sync_buffers(self.stage)
         if self.stage_index != self.num_stages - 1 or self.member > 0:
             return None
-        return gather(results, self.device)
+        return self._merge.merge(results, self.device, [self.micro_batch] * len(results))
 
     # ---- description (state under the original keys: checkpoint.RankState) -----------
     def layout(self) -> dict[str, Any]:

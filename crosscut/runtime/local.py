@@ -41,7 +41,9 @@ nothing depends on which thread built a share.
 Micro-batches: tensor arguments are split along dim 0 into ``M`` equal parts;
 a batch not divisible by ``M`` raises :class:`~crosscut.errors.InputError`
 (equal parts keep the ``1/M`` loss scaling exact and BN statistics comparable).
-Outputs are concatenated along dim 0 on the last stage's device.
+Outputs are merged on the last stage's device by the rules of
+:mod:`crosscut.runtime.output_merge` (concatenation along dim 0 unless the
+caller's ``output_merge`` says otherwise; never a silent guess).
 
 Failures never hang: every wait has a timeout, and the first exception in any
 worker poisons the call, wakes all waiters and is re-raised to the caller as
@@ -63,6 +65,7 @@ from crosscut.codegen.batch_split import BatchSplitStage
 from crosscut.codegen.split import StagedProgram, ValueRef, map_structure
 from crosscut.codegen.transfers import INPUT
 from crosscut.errors import InputError, RuntimeError_
+from crosscut.runtime.output_merge import OutputMerge, gather
 from crosscut.runtime.thread_state import ThreadState
 from crosscut.schedule import (
     Action,
@@ -112,20 +115,12 @@ def scatter(args: Sequence[Any], microbatches: int) -> list[list[Any]]:
     return out
 
 
-def gather(outputs: Sequence[Any], device: torch.device) -> Any:
-    """Concatenate per-micro-batch outputs along dim 0 on ``device``."""
-    if len(outputs) == 1:
-        return outputs[0]
-    flat = [pytree.tree_flatten(o) for o in outputs]
-    spec = flat[0][1]
-    merged = []
-    for leaves in zip(*(f[0] for f in flat)):
-        first = leaves[0]
-        if isinstance(first, torch.Tensor) and first.dim() > 0:
-            merged.append(torch.cat([t.to(device) for t in leaves], 0))
-        else:
-            merged.append(first)
-    return pytree.tree_unflatten(merged, spec)
+def _rows(args: Sequence[Any]) -> int | None:
+    """The samples in one micro-batch: dim 0 of its first batch-major tensor."""
+    for t in pytree.tree_leaves(list(args)):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    return None
 
 
 class _Abort(Exception):
@@ -218,7 +213,9 @@ class LocalExecutor:
         microbatches: int = 1,
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
+        output_merge: Any = None,
     ) -> None:
+        """``output_merge``: rules merging micro-batch outputs (runtime/output_merge.py)."""
         if microbatches < 1:
             raise InputError(
                 "microbatches must be >= 1", value=microbatches, remedy="pass 1 or more"
@@ -232,6 +229,7 @@ class LocalExecutor:
         validate_schedule(self.train_schedule, n, microbatches, training=schedule != "inference")
         self.forward_schedule: Schedule = inference(n, microbatches)
         self.output_device = program.stages[-1].device
+        self.merge = OutputMerge(program.output_template, output_merge)
         self._workers: list[_Worker] | None = None
         self._lock = threading.Lock()
         # consumers of each (stage, value): how many gradient contributions B waits for
@@ -402,7 +400,8 @@ class LocalExecutor:
                 )
 
             results.append(self._output(run, m, "output", fetch))
-        return gather(results, self.output_device)
+        sizes = [_rows(mb) for mb in mbs]
+        return self.merge.merge(results, self.output_device, sizes)
 
     # ---- pipelined training step ------------------------------------------------------
     def train_step(

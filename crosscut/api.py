@@ -23,7 +23,7 @@ from crosscut.graph import OpGraph
 from crosscut.partitioner.plan import Plan, PlanOptions
 from crosscut.partitioner.problem import OBJECTIVES, SCHEDULES
 
-__all__ = ["compile", "get_costs", "micro_inputs", "partition", "trace"]
+__all__ = ["compile", "get_costs", "micro_inputs", "other_mode_graph", "partition", "trace"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 MODES = ("train", "infer")
@@ -404,6 +404,7 @@ def compile(
         )
         the_plan.validate(graph)
         _check_plan_devices(the_plan, cl)
+    other_gm = other_mode_graph(model, graph)
     given = list(cl.devices)
     groups = [
         (
@@ -424,4 +425,33 @@ def compile(
         groups=groups if any(len(devs) > 1 for devs, _ in groups) else None,
         output_merge=output_merge,
         bn_mode=bn_mode,
+        other_gm=other_gm,
+        gm_training=the_plan.model.mode == "train",
     )
+
+
+def other_mode_graph(model: nn.Module, graph: OpGraph) -> Any:
+    """``model`` traced in the other train/eval mode than ``graph``, or None when they agree.
+
+    A model that cannot be traced in the other mode returns that error: the
+    compiled module raises it when run in that mode.
+
+    fx freezes ``self.training`` into the graph (codegen/modes.py); tracing
+    both modes is the only way to know whether ``.eval()``/``.train()`` on the
+    compiled module needs a second program. Traced on meta tensors of the
+    graph's input shapes: nothing is computed.
+    """
+    from crosscut.codegen.modes import mode_differences
+
+    assert graph.gm is not None
+    inputs = []
+    for n in graph.gm.graph.nodes:
+        val = n.meta.get("val") if n.op == "placeholder" else None
+        if not isinstance(val, torch.Tensor):
+            break  # the given inputs come first; later placeholders keep their defaults
+        inputs.append(torch.empty(val.shape, dtype=val.dtype, device="meta"))
+    try:
+        other = trace(model, inputs, mode="infer" if graph.mode == "train" else "train")
+    except CrosscutError as exc:  # e.g. an auxiliary head too small for these inputs
+        return exc  # the compiled module refuses that mode, naming why
+    return other.gm if mode_differences(graph.gm, other.gm) else None

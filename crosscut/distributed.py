@@ -170,7 +170,8 @@ def compile_distributed(
     ``output_merge``: as for :func:`crosscut.compile` (the last stage merges
     its replica's micro-batch outputs in ``forward``).
     """
-    from crosscut.api import trace
+    from crosscut.api import other_mode_graph, trace
+    from crosscut.codegen.modes import mode_differences
 
     check_bn_mode(bn_mode)
     if not dist.is_initialized():
@@ -215,7 +216,8 @@ def compile_distributed(
     micro = tuple(t[: batch // (reps * m)] for t in inputs)
     graph = trace(model, micro, mode=the_plan.model.mode)
     the_plan.validate(graph)
-    return DistributedPipeline(
+    other = other_mode_graph(model, graph)
+    pipe = DistributedPipeline(
         model,
         graph.gm,
         the_plan,
@@ -227,3 +229,7 @@ def compile_distributed(
         bn_mode=bn_mode,
         output_merge=output_merge,
     )
+    if other is not None:  # one program per rank: the other mode is refused, never run wrong
+        why = [str(other)] if isinstance(other, Exception) else mode_differences(graph.gm, other)
+        pipe.mode_lock = (graph.mode == "train", why)
+    return pipe

@@ -62,9 +62,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from crosscut.codegen.attrs import get_attr
+from crosscut.codegen.modes import derive_assignment, share_state, used_stages
 from crosscut.codegen.source import program_source
 from crosscut.codegen.split import StagedProgram, build_stages
-from crosscut.errors import InputError, RuntimeError_
+from crosscut.errors import CrosscutError, InputError, RuntimeError_
 from crosscut.runtime.batchnorm import (
     commit_batchnorm,
     discard_batchnorm,
@@ -76,6 +78,30 @@ from crosscut.runtime.output_merge import check_outputs
 __all__ = ["BN_MODES", "CompiledModule"]
 
 BN_MODES = ("micro", "step", "exact")
+
+
+def _other_program(
+    program: StagedProgram,
+    gm: fx.GraphModule,
+    other_gm: fx.GraphModule,
+    stage_of: Mapping[str, int],
+    stage_devices: Sequence[torch.device | str],
+    groups: Sequence[tuple[Sequence[torch.device | str], str]] | None,
+) -> StagedProgram:
+    """The other train/eval mode's graph placed by the plan's program, sharing its state."""
+    key_stage = {k: s for k, (s, _) in program.key_sources.items()}
+    key_stage.update({k: s for k, (s, _, _) in program.shard_sources.items()})
+    assignment = derive_assignment(other_gm, gm, stage_of, key_stage)
+    used = used_stages(assignment)  # stages the other graph leaves empty are dropped
+    index = {s: i for i, s in enumerate(used)}
+    other = build_stages(
+        other_gm,
+        {n: index[s] for n, s in assignment.items()},
+        [stage_devices[s] for s in used],
+        groups=[groups[s] for s in used] if groups is not None else None,
+    )
+    share_state(program, other, used)
+    return other
 
 
 class CompiledModule(nn.Module):
@@ -96,6 +122,8 @@ class CompiledModule(nn.Module):
         timeout: float = 600.0,
         groups: Sequence[tuple[Sequence[torch.device | str], str]] | None = None,
         output_merge: Any = None,
+        other_gm: fx.GraphModule | CrosscutError | None = None,
+        gm_training: bool = True,
     ) -> None:
         super().__init__()
         if bn_mode not in BN_MODES:
@@ -111,47 +139,106 @@ class CompiledModule(nn.Module):
         self.stages = nn.ModuleList([s.module for s in program.stages])
         # how micro-batch outputs merge; an output that cannot is refused here (output_merge.py)
         self._output_merge = check_outputs(gm, output_merge, microbatches)
-        self._executor = LocalExecutor(
-            program, schedule, microbatches, timeout=timeout, output_merge=self._output_merge
-        )
+        self._schedule = schedule
+        self._timeout = timeout
+        self._microbatches = microbatches
+        self._executor = self._new_executor(program)
+        # the other train/eval mode's program, when the traced graph differs (codegen/modes.py);
+        # its stage modules are not children: they share every state tensor with ``stages``
+        self._gm_training = gm_training
+        self._other: StagedProgram | None = None
+        self._other_executor: LocalExecutor | None = None
+        self._other_error = other_gm if isinstance(other_gm, CrosscutError) else None
+        if isinstance(other_gm, fx.GraphModule):
+            check_outputs(other_gm, output_merge, microbatches, strict_paths=False)
+            self._other = _other_program(program, gm, other_gm, stage_of, stage_devices, groups)
+            self._other_executor = self._new_executor(self._other)
         original = model.state_dict(keep_vars=True)
         self._keys = list(original)
-        # tensors the traced graph never reads (unused submodules): kept on CPU so
-        # state_dict()/load_state_dict() still round-trip every original key
-        self._orphans: dict[str, torch.Tensor] = {
-            k: v.detach().to("cpu", copy=True)
-            for k, v in original.items()
-            if k not in program.key_sources and k not in program.shard_sources
-        }
+        self._param_names = [k for k, _ in model.named_parameters(remove_duplicate=False)]
+        self._unique_params = [k for k, _ in model.named_parameters()]
+        self._buffer_names = [k for k, _ in model.named_buffers(remove_duplicate=False)]
+        self._unique_buffers = [k for k, _ in model.named_buffers()]
+        # tensors no traced graph reads (unused submodules): kept on CPU so state_dict(),
+        # load_state_dict() and parameters() still cover every original key, in order
+        held = self._held_keys()
+        self._orphans: dict[str, torch.Tensor] = {}
+        for k, v in original.items():
+            if k not in held:
+                copy_ = v.detach().to("cpu", copy=True)
+                is_param = isinstance(v, nn.Parameter)
+                self._orphans[k] = nn.Parameter(copy_, v.requires_grad) if is_param else copy_
+        training_stages = self._training_modules()
         self._has_bn = any(
-            isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.stages.modules()
+            isinstance(m, nn.modules.batchnorm._BatchNorm)
+            for st in training_stages
+            for m in st.modules()
         )
         self._batch_split_bn = any(
             s.split == "batch"
             and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in s.module.modules())
-            for s in program.stages
+            for s in self._training_program().stages
         )
         # "step" with one micro-batch and no batch-split stage is already exact: keep
         # torch's own batch norm there (bit-exact against eager mode)
         self._step_bn = bn_mode == "step" and (microbatches > 1 or self._batch_split_bn)
         if self._step_bn:
-            install_step_batchnorm(self.stages)
+            install_step_batchnorm(nn.ModuleList(training_stages))
         self.train(model.training)
+
+    def _held_keys(self) -> set[str]:
+        programs = [self._program] + ([self._other] if self._other is not None else [])
+        return {k for p in programs for k in (*p.key_sources, *p.shard_sources)}
+
+    def _training_program(self) -> StagedProgram:
+        if self._other is not None and not self._gm_training:
+            return self._other
+        return self._program
+
+    def _training_modules(self) -> list[nn.Module]:
+        return [s.module for s in self._training_program().stages]
+
+    def _active(self, strict: bool = True) -> tuple[StagedProgram, LocalExecutor]:
+        """The program of the current train/eval flag, and its executor.
+
+        ``strict``: raise when that mode is refused; otherwise fall back to the plan's.
+        """
+        if self.training == self._gm_training or (self._other_error and not strict):
+            return self._program, self._executor
+        if self._other_error is not None:
+            raise RuntimeError_(
+                f"this module was compiled in {'train' if self._gm_training else 'eval'} mode "
+                f"and the model cannot be traced in the other: {self._other_error}",
+                value={"training": self.training},
+                remedy=f"call .{'train' if self._gm_training else 'eval'}(), or compile in the "
+                "mode you need with inputs the model accepts in it",
+            )
+        if self._other is not None and self._other_executor is not None:
+            return self._other, self._other_executor
+        return self._program, self._executor
+
+    def train(self, mode: bool = True) -> CompiledModule:
+        """Switch train/eval like the model: leaf flags, and the program that runs."""
+        super().train(mode)
+        if self._other is not None:
+            for st in self._other.stages:
+                st.module.train(mode)
+        return self
 
     # ---- introspection ------------------------------------------------------------
     @property
     def program(self) -> StagedProgram:
-        """The staged program (stages, transfers, key map) this module runs."""
-        return self._program
+        """The staged program (stages, transfers, key map) this module runs in its mode."""
+        return self._active(strict=False)[0]
 
     @property
     def microbatches(self) -> int:
-        return self._executor.microbatches
+        return self._microbatches
 
     @property
     def code(self) -> str:
         """Readable Python source of every stage with device/input/output headers."""
-        return program_source(self._program)
+        return program_source(self._active(strict=False)[0])
 
     # ---- execution ----------------------------------------------------------------
     def _check_bn(self) -> None:
@@ -175,7 +262,8 @@ class CompiledModule(nn.Module):
     def forward(self, *args: Any) -> Any:
         """Same inputs and outputs as the original model (outputs on the last device)."""
         self._check_bn()
-        return self._committed(lambda: self._executor.forward(args))
+        executor = self._active()[1]
+        return self._committed(lambda: executor.forward(args))
 
     def train_step(
         self,
@@ -190,22 +278,22 @@ class CompiledModule(nn.Module):
         """
         self._check_bn()
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        loss: torch.Tensor = self._committed(
-            lambda: self._executor.train_step(args, targets, loss_fn)
-        )
+        executor = self._active()[1]
+        loss: torch.Tensor = self._committed(lambda: executor.train_step(args, targets, loss_fn))
         return loss
 
     def _committed(self, call: Callable[[], Any]) -> Any:
         """Run one step; with ``bn_mode="step"`` its batch-norm statistics are committed
         after every micro-batch went forward, or dropped if the step failed."""
-        if not self._step_bn:
+        if not self._step_bn or not self.training:
             return call()
+        stages = nn.ModuleList(self._training_modules())
         try:
             out = call()
         except BaseException:
-            discard_batchnorm(self.stages)
+            discard_batchnorm(stages)
             raise
-        commit_batchnorm(self.stages)
+        commit_batchnorm(stages)
         return out
 
     # ---- state --------------------------------------------------------------------
@@ -219,6 +307,21 @@ class CompiledModule(nn.Module):
     def _source(self, key: str) -> torch.Tensor:
         if key in self._orphans:
             return self._orphans[key]
+        if (
+            self._other is not None
+            and key not in self._program.key_sources
+            and key not in self._program.shard_sources
+        ):  # read only in the other train/eval mode: that program holds it
+            if key in self._other.shard_sources:
+                raise CrosscutError(
+                    f"{key!r} is read only in the other train/eval mode, and channel-sharded",
+                    value=key,
+                    remedy="compile in the mode that reads it, or without cross_shaped=True",
+                )
+            s_other, local_other = self._other.key_sources[key]
+            t_other = get_attr(self._other.stages[s_other].module, local_other)
+            assert isinstance(t_other, torch.Tensor)
+            return t_other
         if key in self._program.shard_sources:
             parts, dim = self._shards(key)
             if dim is None:  # a replicated scalar (batch norm's step count): shard 0 speaks
@@ -299,6 +402,65 @@ class CompiledModule(nn.Module):
 
     def cpu(self) -> CompiledModule:
         raise self._refuse("cpu")
+
+    # ---- the model's names and order ---------------------------------------------------
+    def _named_state(self, names: list[str], prefix: str, recurse: bool) -> Iterator[Any]:
+        """(name, tensor) under the model's own names, in the model's order.
+
+        A channel-sharded tensor has no single stage tensor: its shards follow
+        under ``KEY#shardI`` (they are what the optimizer must update).
+        """
+        for key in names:
+            if not recurse and "." in key:
+                continue
+            if key in self._program.shard_sources:
+                parts, _ = self._shards(key)
+                for i, part in enumerate(parts):
+                    yield f"{prefix}{key}#shard{i}", part
+            else:
+                yield prefix + key, self._source(key)
+
+    def named_parameters(  # type: ignore[override]
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The original model's parameters, names and order, whatever the plan.
+
+        So an optimizer built from ``parameters()`` indexes its state like one
+        built on the model: its ``state_dict()`` moves between eager training
+        and any plan.
+        """
+        names = self._unique_params if remove_duplicate else self._param_names
+        yield from self._named_state(names, prefix, recurse)
+
+    def named_buffers(  # type: ignore[override]
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The original model's buffers, names and order."""
+        names = self._unique_buffers if remove_duplicate else self._buffer_names
+        yield from self._named_state(names, prefix, recurse)
+
+    # ---- copies -------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the executors' threads and locks (rebuilt on unpickling)."""
+        state = self.__dict__.copy()
+        state["_executor"] = None
+        state["_other_executor"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._executor = self._new_executor(self._program)
+        if self._other is not None:
+            self._other_executor = self._new_executor(self._other)
+
+    def _new_executor(self, program: StagedProgram) -> LocalExecutor:
+        return LocalExecutor(
+            program,
+            self._schedule,
+            self._microbatches,
+            timeout=self._timeout,
+            output_merge=self._output_merge,
+        )
 
     def named_stage_parameters(self) -> Iterator[tuple[int, str, nn.Parameter]]:
         """(stage, local name, parameter) for every stage parameter."""

@@ -128,6 +128,9 @@ class DistributedPipeline(RankState, nn.Module):
         super().__init__()
         check_bn_mode(bn_mode)
         check_one_stage_per_device(plan)
+        # (compiled training flag, graph differences) when the model's graph depends on
+        # self.training: ranks hold one mode's program, so the other mode is refused
+        self.mode_lock: tuple[bool, list[str]] | None = None
         self.bn_mode = bn_mode
         if not dist.is_available() or not dist.is_initialized():
             raise DistributedError(
@@ -293,6 +296,17 @@ class DistributedPipeline(RankState, nn.Module):
         targets: Any,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     ) -> tuple[list[torch.Tensor], list[Any]]:
+        if self.mode_lock is not None and self.training != self.mode_lock[0]:
+            compiled_in = "train" if self.mode_lock[0] else "eval"
+            raise InputError(
+                f"this model's forward reads self.training, and ranks under torchrun hold only "
+                f"the {compiled_in}-mode program; running it in the other mode would compute "
+                "something else",
+                value=self.mode_lock[1],
+                remedy=f"call .{'train' if self.mode_lock[0] else 'eval'}() again, compile with "
+                "mode='train'/'infer' for the mode you need, or run it locally "
+                "(crosscut.compile without torchrun switches programs)",
+            )
         if self._group is not None and self.member > 0:
             self._group.follow(self.stage, self._schedules[kind][self.stage_index], kind == "train")
             return [], []

@@ -1,0 +1,406 @@
+"""The compiled module is the model in every mode: train/eval, names and order, copies.
+
+fx freezes ``self.training`` into the traced graph, so a model whose forward
+reads it (timm's ``BatchNormAct2d``, googlenet's auxiliary heads, hand-written
+``if self.training:`` branches) needs the other mode's program too
+(``crosscut/codegen/modes.py``). Every check here compiles in one mode, runs
+in the other and compares with eager mode on a copy of the model. With one
+micro-batch the stages run inline, so the comparisons are bit-exact
+(``torch.equal``) against the model run eagerly.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import fx, nn
+
+import crosscut
+from crosscut.api import other_mode_graph
+from crosscut.errors import RuntimeError_
+from crosscut.runtime import CompiledModule
+
+torch.set_num_threads(1)
+SKIP = ("placeholder", "output", "get_attr")
+
+
+def chunks(gm: fx.GraphModule, k: int) -> dict[str, int]:
+    comp = [n.name for n in gm.graph.nodes if n.op not in SKIP]
+    return {name: i * k // len(comp) for i, name in enumerate(comp)}
+
+
+def leaves(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for o in out for t in leaves(o)]
+
+
+def assert_same(a: Any, b: Any) -> None:
+    assert type(a) is type(b), (type(a), type(b))
+    la, lb = leaves(a), leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert torch.equal(x, y), (x - y).abs().max()
+
+
+def assert_state(c: nn.Module, ref: nn.Module) -> None:
+    got, want = c.state_dict(), ref.state_dict()
+    assert list(got) == list(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+# ---- hand-written models whose graph depends on self.training ------------------------
+
+
+class Branchy(nn.Module):
+    """Functional batch norm with training=self.training, an if-branch, a train-only head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 5)
+        self.aux = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        bn = self.bn
+        y = F.batch_norm(
+            self.c1(x), bn.running_mean, bn.running_var, bn.weight, bn.bias, self.training
+        )
+        if self.training:
+            y = y * 2
+        y = self.c2(F.relu(y))
+        p = y.mean((2, 3))
+        if self.training:
+            return self.fc(p), self.aux(p)
+        return self.fc(p)
+
+
+class EvalOnlyHead(nn.Module):
+    """The opposite shape: an extra module used only in eval mode, dropout by flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU(), nn.Conv2d(6, 6, 3), nn.ReLU())
+        self.head = nn.Linear(6, 4)
+        self.calib = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = F.dropout(self.body(x).mean((2, 3)), 0.3, self.training)
+        out = self.head(p)
+        if not self.training:
+            out = self.calib(out)
+        return out
+
+
+def run_both_ways(model: nn.Module, x: torch.Tensor, k: int, mode: str) -> None:
+    """Compile in ``mode`` on k CPU devices; switch train/eval both ways against eager."""
+    model.train(mode == "train")
+    ref = copy.deepcopy(model)
+    before = copy.deepcopy(model.state_dict())
+    c = crosscut.compile(model, ["cpu"] * k, x, mode=mode, require_all_devices=True)
+    assert_state(model, ref)  # compiling leaves the caller's model alone
+    assert all(torch.equal(v, model.state_dict()[key]) for key, v in before.items())
+    for flag in (mode != "train", mode == "train", mode != "train"):
+        c.train(flag)
+        ref.train(flag)
+        torch.manual_seed(3)
+        out = c(x)
+        torch.manual_seed(3)
+        want = ref(x)
+        assert_same(out, want)
+        if flag:
+            sum(t.float().pow(2).mean() for t in leaves(out)).backward()
+            sum(t.float().pow(2).mean() for t in leaves(want)).backward()
+            got = dict(c.named_parameters())
+            for name, p in ref.named_parameters():
+                g = got[name].grad
+                assert (g is None) == (p.grad is None), name
+                assert g is None or torch.equal(g, p.grad), name
+            c.zero_grad()
+            ref.zero_grad()
+        assert_state(c, ref)  # running statistics move only in training, as in eager
+    c.close()
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("make", [Branchy, EvalOnlyHead])
+def test_self_training_branches_follow_the_flag(make: type[nn.Module], k: int, mode: str) -> None:
+    torch.manual_seed(0)
+    run_both_ways(make(), torch.randn(4, 3, 12, 12), k, mode)
+
+
+def test_eval_with_microbatches_equals_eager_eval() -> None:
+    """Eval is per sample, so any micro-batch count gives eager's eval outputs."""
+    torch.manual_seed(0)
+    model = Branchy().train()
+    x = torch.randn(8, 3, 12, 12)
+    c = crosscut.compile(model, ["cpu"] * 3, x, microbatches=4, require_all_devices=True)
+    ref = copy.deepcopy(model)
+    c.eval()
+    ref.eval()
+    torch.testing.assert_close(c(x), ref(x), rtol=1e-5, atol=1e-6)
+    assert_state(c, ref)  # eval never touches the running statistics
+    c.train()
+    out = c(x)
+    assert isinstance(out, tuple) and len(out) == 2  # back to the training program
+    c.close()
+
+
+def test_graphs_equal_in_both_modes_need_no_second_program() -> None:
+    model = torchvision.models.resnet18(num_classes=10)
+    graph = crosscut.trace(model, torch.randn(2, 3, 32, 32))
+    assert other_mode_graph(model, graph) is None
+    c = crosscut.compile(model, ["cpu", "cpu"], torch.randn(2, 3, 32, 32))
+    assert c._other is None  # one program: leaf modules switch by their own flags
+    c.close()
+
+
+# ---- every non-heavy torchvision classifier, compiled in one mode, run in the other --------
+
+HEAVY = {
+    "vit_b_16", "vit_b_32", "vit_l_16", "vit_l_32", "vit_h_14",
+    "regnet_y_16gf", "regnet_y_32gf", "regnet_y_128gf", "regnet_x_16gf", "regnet_x_32gf",
+    "vgg13", "vgg13_bn", "vgg16", "vgg16_bn", "vgg19", "vgg19_bn", "vgg11_bn",
+    "efficientnet_b5", "efficientnet_b6", "efficientnet_b7",
+    "efficientnet_v2_m", "efficientnet_v2_l", "convnext_large", "convnext_base",
+    "swin_b", "swin_v2_b", "wide_resnet101_2", "wide_resnet50_2", "resnext101_64x4d",
+    "resnext101_32x8d", "resnet152", "maxvit_t", "densenet201", "densenet161",
+}  # fmt: skip
+TORCHVISION = [
+    n for n in sorted(torchvision.models.list_models(module=torchvision.models)) if n not in HEAVY
+]
+
+
+def _torchvision(name: str) -> tuple[nn.Module, torch.Tensor]:
+    kw: dict[str, Any] = {"num_classes": 10}
+    if name in ("googlenet", "inception_v3"):
+        kw["init_weights"] = False  # aux_logits stay on: their heads exist in training only
+    if name.startswith("vit_"):
+        kw["image_size"] = 64 if "_14" not in name else 56
+    model: nn.Module = torchvision.models.get_model(name, weights=None, **kw)
+    # inception_v3's auxiliary head (training only) needs 17x17 maps: 299 px
+    size = 299 if name == "inception_v3" else 56 if name.startswith("vit_h") else 64
+    return model, torch.randn(2, 3, size, size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TORCHVISION)
+def test_torchvision_compiled_in_one_mode_runs_in_the_other(name: str) -> None:
+    torch.manual_seed(0)
+    model, x = _torchvision(name)
+    for mode, flag in (("train", False), ("infer", True)):
+        model.train(mode == "train")
+        graph = crosscut.trace(model, x, mode=mode)
+        other = other_mode_graph(model, graph)
+        assert graph.gm is not None
+        c = CompiledModule(
+            model,
+            graph.gm,
+            chunks(graph.gm, 2),
+            ["cpu", "cpu"],
+            "1f1b",
+            1,
+            other_gm=other,
+            gm_training=mode == "train",
+        )
+        ref = copy.deepcopy(model).train(flag)
+        c.train(flag)
+        torch.manual_seed(1)
+        out = c(x)
+        torch.manual_seed(1)
+        want = ref(x)
+        assert type(out) is type(want)  # googlenet: GoogLeNetOutputs in training, else a Tensor
+        for a, b in zip(leaves(out), leaves(want)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # fx tracing reorders a few ops
+        assert_close_state(c, ref)
+        c.close()
+
+
+def test_a_mode_the_model_cannot_run_at_these_inputs_is_refused_by_name() -> None:
+    """inception_v3 at 80 px runs in eval, but its training-only aux head cannot."""
+    model = torchvision.models.inception_v3(weights=None, init_weights=False).eval()
+    x = torch.randn(2, 3, 80, 80)
+    c = crosscut.compile(model, ["cpu", "cpu"], x, mode="infer")
+    assert c(x).shape == (2, 1000)
+    c.train()
+    with pytest.raises(RuntimeError_, match=r"compiled in eval mode.*cannot be traced.*avg_pool2d"):
+        c(x)
+    c.eval()
+    assert c(x).shape == (2, 1000)
+    c.close()
+
+
+def assert_close_state(c: nn.Module, ref: nn.Module) -> None:
+    got, want = c.state_dict(), ref.state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+# ---- timm: norm-act layers that call F.batch_norm(training=self.training) -------------------
+
+TIMM = [
+    "efficientnet_b0",  # BatchNormAct2d + SiLU + squeeze-excite
+    "mobilenetv3_small_050",  # hard-swish, BatchNormAct2d
+    "regnetx_002",  # RegNet, BatchNormAct2d + ReLU
+    "resnet10t",  # timm ResNet, plain BatchNorm2d (graphs agree)
+    "convnext_atto",  # LayerNorm2d + GELU (graphs agree)
+    "mobilevit_xxs",  # conv + transformer blocks
+    "rexnet_100",  # ReLU6 / SiLU mix
+    "lcnet_050",  # PP-LCNet, hard-swish
+    "ese_vovnet19b_slim_dw",  # VoVNet, effective SE
+    "gernet_s",  # ByobNet
+    "mixnet_s",  # mixed depthwise kernels
+    "ghostnet_050",  # ghost modules
+    "edgenext_xx_small",  # LayerNorm + attention (graphs agree)
+    "cs3darknet_s",  # CSP Darknet
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TIMM)
+def test_timm_classifiers_switch_modes_like_eager(name: str) -> None:
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=10)
+    x = torch.randn(2, 3, 64, 64)
+    y = torch.randint(0, 10, (2,))
+    for mode in ("train", "infer"):
+        model.train(mode == "train")
+        ref = copy.deepcopy(model)
+        c = crosscut.compile(model, ["cpu"] * 3, x, mode=mode, require_all_devices=True)
+        # train step, then eval, then train again: each against eager on the same state
+        for flag in (True, False, True):
+            c.train(flag)
+            ref.train(flag)
+            torch.manual_seed(1)
+            out = c(x)
+            torch.manual_seed(1)
+            want = ref(x)
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+            if flag:
+                F.cross_entropy(out, y).backward()
+                F.cross_entropy(want, y).backward()
+                torch.optim.SGD(c.parameters(), lr=0.1).step()
+                torch.optim.SGD(ref.parameters(), lr=0.1).step()
+                c.zero_grad()
+                ref.zero_grad()
+            assert_close_state(c, ref)
+        c.close()
+
+
+# ---- parameters in the model's names and order --------------------------------------------
+
+
+class Frozen(nn.Module):
+    """Frozen, unused and same-shaped parameters: what an index-keyed optimizer trips on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.spare = nn.Linear(4, 4)  # never used in forward
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.c = nn.Conv2d(4, 4, 3, padding=1)
+        self.d = nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+        self.b.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.b(F.relu(self.a(x)))
+        y = self.d(F.relu(y)) + self.c(F.relu(y))  # c and d on different stages in some plans
+        return self.fc(y.mean((2, 3)))
+
+
+def test_named_parameters_and_buffers_follow_the_model() -> None:
+    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False)
+    x = torch.randn(2, 3, 64, 64)
+    for k in (2, 3):
+        c = crosscut.compile(model, ["cpu"] * k, x, require_all_devices=True)
+        got = list(c.named_parameters())
+        want = list(model.named_parameters())
+        assert [n for n, _ in got] == [n for n, _ in want]
+        assert all(torch.equal(p, q) for (_, p), (_, q) in zip(got, want))
+        assert [n for n, _ in c.named_buffers()] == [n for n, _ in model.named_buffers()]
+        assert len(list(c.parameters())) == len(want)
+        c.close()
+
+
+def test_optimizer_checkpoint_moves_eager_to_plan_a_to_plan_b() -> None:
+    torch.manual_seed(0)
+    model = Frozen()
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 3, (4,))
+    ref = copy.deepcopy(model)
+
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+    def step(m: nn.Module, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+
+    ref_opt = sgd(ref.parameters())
+    for _ in range(3):  # uninterrupted eager training
+        step(ref, ref_opt)
+
+    opt = sgd(model.parameters())
+    step(model, opt)  # step 1 eagerly
+    state, opt_state = model.state_dict(), opt.state_dict()
+    for k, stages in ((2, [0, 0, 0, 0, 1, 0, 0, 1, 1, 1]), (3, [0, 0, 1, 1, 2, 1, 1, 2, 2, 2])):
+        model2 = Frozen()
+        gm = fx.symbolic_trace(model2)
+        comp = [n.name for n in gm.graph.nodes if n.op not in SKIP]
+        assert len(comp) == len(stages)
+        c = CompiledModule(model2, gm, dict(zip(comp, stages)), ["cpu"] * k, "1f1b", 1)
+        c.load_state_dict(state)
+        c_opt = sgd(c.parameters())
+        c_opt.load_state_dict(opt_state)
+        step(c, c_opt)  # step 2 on plan A, step 3 on plan B
+        state, opt_state = c.state_dict(), c_opt.state_dict()
+        c.close()
+    assert_state_dicts_equal(state, ref.state_dict())
+    assert [s.get("momentum_buffer") is None for s in opt_state["state"].values()] == [
+        s.get("momentum_buffer") is None for s in ref_opt.state_dict()["state"].values()
+    ]
+    for key, s in opt_state["state"].items():
+        assert torch.equal(
+            s["momentum_buffer"], ref_opt.state_dict()["state"][key]["momentum_buffer"]
+        )
+
+
+def assert_state_dicts_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
+
+
+# ---- copies ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mb", [1, 2])
+def test_deepcopy_and_pickle_rebuild_the_executor(mb: int) -> None:
+    torch.manual_seed(0)
+    model = Branchy()
+    x = torch.randn(4, 3, 12, 12)
+    c = crosscut.compile(model, ["cpu"] * 2, x, microbatches=mb, require_all_devices=True)
+    c.eval()
+    want = c(x)
+    for twin in (copy.deepcopy(c), pickle.loads(pickle.dumps(c))):
+        assert isinstance(twin, CompiledModule)
+        assert torch.equal(twin(x), want)
+        twin.train()
+        assert isinstance(twin(x), tuple)  # the copy keeps both programs
+        with torch.no_grad():  # and owns its state: the original does not move
+            next(twin.parameters()).add_(1.0)
+        assert torch.equal(c(x), want)
+        twin.close()
+    c.close()

@@ -12,7 +12,11 @@ micro-batch the stages run inline, so the comparisons are bit-exact
 from __future__ import annotations
 
 import copy
+import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -163,6 +167,32 @@ def test_graphs_equal_in_both_modes_need_no_second_program() -> None:
     c = crosscut.compile(model, ["cpu", "cpu"], torch.randn(2, 3, 32, 32))
     assert c._other is None  # one program: leaf modules switch by their own flags
     c.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("dist")
+def test_torchrun_ranks_refuse_the_other_mode_by_name() -> None:
+    """2 gloo ranks: training runs as compiled; eval is refused on every rank, no hang."""
+    script = Path(__file__).parent / "dist_scripts" / "modes_check.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run([*cmd, str(script)], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("REFUSED")) == [
+        "REFUSED 0",
+        "REFUSED 1",
+    ]
+    sys.path.insert(0, str(script.parent))
+    from modes_check import Branchy  # type: ignore[import-not-found]
+
+    torch.manual_seed(0)  # as the script: the batch first, then the model
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+    model = Branchy()
+    want = float(F.cross_entropy(model(x), y))
+    losses = [
+        float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("LOSS")
+    ]
+    assert losses == [pytest.approx(want, abs=1e-6)]
 
 
 # ---- every non-heavy torchvision classifier, compiled in one mode, run in the other --------

@@ -27,7 +27,7 @@ from torch import fx, nn
 
 import crosscut
 from crosscut.api import other_mode_graph
-from crosscut.errors import RuntimeError_
+from crosscut.errors import CodegenError, RuntimeError_
 from crosscut.runtime import CompiledModule
 
 torch.set_num_threads(1)
@@ -157,6 +157,36 @@ def test_eval_with_microbatches_equals_eager_eval() -> None:
     c.train()
     out = c(x)
     assert isinstance(out, tuple) and len(out) == 2  # back to the training program
+    c.close()
+
+
+class Reordered(nn.Module):
+    """Eval runs the layers in the other order: no placement of the plan can serve both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 6)
+        self.fc2 = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return self.fc2(torch.relu(self.fc1(x)))
+        return self.fc1(torch.relu(self.fc2(x)))
+
+
+def test_other_mode_that_no_placement_serves_is_refused_at_compile_time() -> None:
+    model = Reordered().train()
+    gm = fx.symbolic_trace(model)
+    other = fx.symbolic_trace(copy.deepcopy(model).eval())
+    with pytest.raises(
+        CodegenError, match=r"other train/eval mode, node 'fc1' must run on stage 0"
+    ):
+        CompiledModule(model, gm, {"fc1": 0, "relu": 1, "fc2": 1}, ["cpu", "cpu"], other_gm=other)
+    # on one stage both orders run: the same model compiles and switches like eager
+    c = CompiledModule(model, gm, {"fc1": 0, "relu": 0, "fc2": 0}, ["cpu"], other_gm=other)
+    x = torch.randn(3, 6)
+    c.eval()
+    assert torch.equal(c(x), model.eval()(x))
     c.close()
 
 

@@ -207,7 +207,7 @@ def test_train_step_calls_loss_fn_per_micro_batch_with_its_own_values() -> None:
     want = [float(ref(xc)[1].detach()) for xc in x.chunk(2)]
     assert seen == pytest.approx(want, rel=1e-5)
     total = sum(loss_fn(ref(xc), yc) / 2 for xc, yc in zip(x.chunk(2), y.chunk(2)))
-    assert float(loss) == pytest.approx(float(total), rel=1e-5)
+    assert float(loss) == pytest.approx(float(total.detach()), rel=1e-5)
 
 
 def test_bad_rules_are_refused_before_tracing() -> None:
@@ -259,3 +259,37 @@ def test_merge_unit_rules() -> None:
     assert normalize_merge(None) == {} and normalize_merge("sum") == {"": "sum"}
     gm = fx.symbolic_trace(Energy())
     assert check_outputs(gm, {1: "sum"}, 4) == {"1": "sum"}  # no shapes: nothing to refuse
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("dist")
+def test_merge_and_autocast_under_torchrun(tmp_path: Any, monkeypatch: Any) -> None:
+    """Two gloo ranks: the refusal on every rank, the merged sum on the last, and bfloat16
+    autocast through the stages and the messages between them (forward and train_step)."""
+    import tests.test_distributed as td
+
+    script = td.ROOT / "tests" / "dist_scripts" / "merge_check.py"
+    monkeypatch.setattr(td, "SCRIPT", script)
+    from merge_check import batch, build, loss_fn  # type: ignore[import-not-found]  # td's path
+
+    td.ok(td.launch(2, ["--out", str(tmp_path)], timeout=180))
+    ranks = [torch.load(tmp_path / f"merge_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for seen in ranks:
+        assert "output '1': a tensor of shape []" in seen["refused"]
+    assert ranks[0]["plain"] is None and ranks[0]["loss"] is None  # stage 0 returns nothing
+    model, (x, y) = build(), batch()
+    want = model(x)
+    torch.testing.assert_close(ranks[1]["plain"], want)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = model(x)
+        got = ranks[1]["autocast"]
+        assert got[0].dtype == got[1].dtype == eager[0].dtype == torch.bfloat16
+        torch.testing.assert_close(got, eager, rtol=2e-2, atol=2e-2)
+        total = sum(loss_fn(model(xc), yc) / 2 for xc, yc in zip(x.chunk(2), y.chunk(2)))
+    assert ranks[1]["loss"] == pytest.approx(float(total.detach()), rel=1e-2)
+    total.backward()
+    grads = {**ranks[0]["grads"], **ranks[1]["grads"]}
+    assert set(grads) == {k for k, _ in model.named_parameters()}
+    for key, p in model.named_parameters():
+        assert grads[key].dtype == torch.float32
+        torch.testing.assert_close(grads[key], p.grad, rtol=5e-2, atol=5e-3, msg=key)

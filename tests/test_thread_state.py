@@ -244,3 +244,40 @@ def test_grad_scaler_skips_the_step_when_only_the_first_stage_overflows() -> Non
     assert scaler.get_scale() == 2.0**7  # backed off
     after = c.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())  # no stage stepped
+
+
+def test_wire_dtypes_follow_autocast_and_leave_the_model_untouched() -> None:
+    """Under torchrun the receivers post buffers in the dtypes autocast gives each value
+    (runtime/wire_dtypes.py), derived on fake tensors: batch norm's counters stay put."""
+    from crosscut.api import trace
+    from crosscut.errors import DistributedError
+    from crosscut.runtime.wire_dtypes import WireDtypes
+
+    class WithNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.bn = nn.BatchNorm2d(4)
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.bn(self.conv(x)).mean((2, 3))
+            return self.fc(h), nn.functional.mse_loss(h, h.flip(0), reduction="none")
+
+    model = WithNorm().train()
+    graph = trace(model, torch.randn(2, 3, 8, 8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    wire = WireDtypes(graph.gm, torch.device("cpu"), cross_shaped=False)
+    assert wire.for_state(ThreadState.capture()) == {}  # autocast off: the traced dtypes
+    with torch.autocast("cpu", dtype=BF16):
+        state = ThreadState.capture()
+        real = model(torch.randn(2, 3, 8, 8))
+    dtypes = wire.for_state(state)
+    assert dtypes["conv"] == [BF16] and dtypes["fc"] == [real[0].dtype] == [BF16]
+    assert dtypes["mse_loss"] == [real[1].dtype] == [torch.float32]  # autocast's fp32 list
+    model.load_state_dict(before)  # the real call above counted a batch; fakes do not:
+    wire._cache.clear()
+    wire.for_state(state)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(DistributedError, match="cross-shaped"):
+        WireDtypes(graph.gm, torch.device("cpu"), cross_shaped=True).for_state(state)

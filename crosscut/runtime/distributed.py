@@ -87,6 +87,8 @@ from crosscut.runtime.output_merge import OutputMerge, check_outputs
 from crosscut.runtime.p2p import Messenger, build_routes
 from crosscut.runtime.plan_rules import check_bn_mode, check_one_stage_per_device, group_widths
 from crosscut.runtime.stage_io import Posted, StageIO
+from crosscut.runtime.thread_state import ThreadState
+from crosscut.runtime.wire_dtypes import WireDtypes
 from crosscut.schedule import Action, make_schedule, validate_schedule
 
 __all__ = [
@@ -175,6 +177,8 @@ class DistributedPipeline(RankState, nn.Module):
         # the last stage's merge of micro-batch outputs in forward (runtime/output_merge.py)
         rules = check_outputs(gm, output_merge, self.microbatches)
         self._merge = OutputMerge(self._template, rules)
+        # the dtypes values cross ranks in under the caller's autocast (runtime/wire_dtypes.py)
+        self._wire = WireDtypes(gm, self.device, any(w > 1 for w in widths))
         # every rank creates every process group, in the same order (new_group is collective)
         self._position_groups = make_position_groups(self.rank_layout, self.timeout_s)
         self._device_groups = make_device_groups(self.rank_layout, self.timeout_s)
@@ -307,6 +311,8 @@ class DistributedPipeline(RankState, nn.Module):
                 "mode='train'/'infer' for the mode you need, or run it locally "
                 "(crosscut.compile without torchrun switches programs)",
             )
+        # this thread runs the schedule: the caller's autocast holds; the messages follow it
+        self._io.dtypes = self._wire.for_state(ThreadState.capture([self.device.type]))
         if self._group is not None and self.member > 0:
             self._group.follow(self.stage, self._schedules[kind][self.stage_index], kind == "train")
             return [], []

@@ -14,7 +14,7 @@ so both ends of an edge agree without exchanging anything at run time.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +47,13 @@ class StageIO:
     replica: int
     replicas: int
     microbatches: int
+    # value -> leaf dtypes under the caller's autocast (runtime/wire_dtypes.py); {}: traced
+    dtypes: dict[str, list[torch.dtype | None]] = field(default_factory=dict)
+
+    def _dtype(self, value: str, j: int, traced: torch.dtype) -> torch.dtype:
+        want = self.dtypes.get(value)
+        got = want[j] if want is not None and j < len(want) else None
+        return got if got is not None else traced
 
     # ---- model inputs -----------------------------------------------------------------
     def split_batch(self, inputs: Any, what: str) -> list[list[Any]] | None:
@@ -94,7 +101,11 @@ class StageIO:
                 continue
             leaves = self.routes.meta[e.value][1]
             templates = [
-                torch.empty(tuple(leaves[j].shape), dtype=leaves[j].dtype, device=self.device)
+                torch.empty(
+                    tuple(leaves[j].shape),
+                    dtype=self._dtype(e.value, j, leaves[j].dtype),
+                    device=self.device,
+                )
                 for j in idx
             ]
             tags = [self.routes.tag(i, a.microbatch, j, a.kind == "B") for j in idx]
@@ -172,6 +183,14 @@ class StageIO:
         for j, (t, ref) in enumerate(zip(leaves, expected)):
             if not isinstance(ref, torch.Tensor):
                 continue
+            dtype = self._dtype(e.value, j, ref.dtype)
+            if isinstance(t, torch.Tensor) and t.dtype != dtype and tuple(t.shape) == ref.shape:
+                raise DistributedError(
+                    f"stage {e.src} produced {e.value!r} as {t.dtype} but its receiver "
+                    f"posted {dtype} (the trace's dtype under the caller's autocast)",
+                    value={"value": e.value, "microbatch": a.microbatch},
+                    remedy="enter the same torch.autocast state on every rank around the call",
+                )
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(ref.shape):
                 raise DistributedError(
                     f"stage {e.src} produced {e.value!r} with shape "

@@ -25,10 +25,12 @@ from crosscut.errors import DistributedError, InputError
 from crosscut.partitioner.plan import Plan
 from crosscut.runtime.checkpoint import assemble_checkpoint
 from crosscut.runtime.distributed import DistributedPipeline, check_bn_mode, plan_hash
+from crosscut.runtime.grad_scaler import PipelineGradScaler
 
 __all__ = [
     "DistContext",
     "DistributedPipeline",
+    "PipelineGradScaler",
     "assemble_checkpoint",
     "compile_distributed",
     "init",

@@ -264,8 +264,9 @@ def test_merge_unit_rules() -> None:
 @pytest.mark.distributed
 @pytest.mark.xdist_group("dist")
 def test_merge_and_autocast_under_torchrun(tmp_path: Any, monkeypatch: Any) -> None:
-    """Two gloo ranks: the refusal on every rank, the merged sum on the last, and bfloat16
-    autocast through the stages and the messages between them (forward and train_step)."""
+    """Two gloo ranks: the refusal on every rank, the merged sum on the last, bfloat16
+    autocast through the stages and the messages between them (forward and train_step),
+    and a gradient scaler whose inf check spans both ranks."""
     import tests.test_distributed as td
 
     script = td.ROOT / "tests" / "dist_scripts" / "merge_check.py"
@@ -293,3 +294,11 @@ def test_merge_and_autocast_under_torchrun(tmp_path: Any, monkeypatch: Any) -> N
     for key, p in model.named_parameters():
         assert grads[key].dtype == torch.float32
         torch.testing.assert_close(grads[key], p.grad, rtol=5e-2, atol=5e-3, msg=key)
+    # PipelineGradScaler: rank 0's inf skips rank 1's step too; then both step, same scale
+    for seen in ranks:
+        assert seen["unchanged1"] and not seen["unchanged2"]
+        assert seen["scale1"] == seen["scale2"] == 2.0**7
+    state = {**ranks[0]["state"], **ranks[1]["state"]}
+    with torch.no_grad():
+        for key, p in model.named_parameters():  # one SGD step (lr 0.1) on the same gradients
+            torch.testing.assert_close(state[key], p - 0.1 * p.grad, rtol=5e-2, atol=5e-3)

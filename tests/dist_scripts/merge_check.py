@@ -4,8 +4,9 @@ Two gloo ranks, two stages, two micro-batches. The model returns ``(logits,
 logits.pow(2).sum())``: compiled without a rule it must be refused on every
 rank; with ``output_merge={1: "sum"}`` the last rank's forward returns the
 whole batch's sum. Under bfloat16 autocast the stages compute and exchange
-bfloat16 activations (and gradients), as eager mode computes them. Each rank
-dumps what it saw; the test compares with eager mode.
+bfloat16 activations (and gradients), as eager mode computes them; a
+``PipelineGradScaler`` skips a step on every rank when one rank's gradients
+hold an inf. Each rank dumps what it saw; the test compares with eager mode.
 """
 
 from __future__ import annotations
@@ -50,6 +51,27 @@ def loss_fn(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Te
     return nn.functional.cross_entropy(out[0], y) + 1e-3 * out[1]
 
 
+def scaler_steps(pipe: Any, x: torch.Tensor, y: torch.Tensor, rank: int) -> dict[str, Any]:
+    """Rank 0 alone finds an inf: every rank skips; then every rank steps, same scale."""
+    scaler = cd.PipelineGradScaler("cpu", init_scale=2.0**8)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in pipe.local_state_dict().items()}
+    out: dict[str, Any] = {}
+    for step in (1, 2):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pipe.train_step(x, y, lambda o, t: scaler.scale(loss_fn(o, t)))
+        if step == 1 and rank == 0:
+            next(iter(pipe.parameters())).grad.view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        now = pipe.local_state_dict()
+        out[f"unchanged{step}"] = all(torch.equal(before[k], v) for k, v in now.items())
+        out[f"scale{step}"] = scaler.get_scale()
+    out["state"] = pipe.local_state_dict()
+    return out
+
+
 def main() -> int:
     ctx = cd.init(timeout_s=60)
     x, y = batch()
@@ -67,6 +89,7 @@ def main() -> int:
             loss = pipe.train_step(x, y, loss_fn)
         seen["loss"] = None if loss is None else float(loss)
         seen["grads"] = pipe.local_grads()
+        seen.update(scaler_steps(pipe, x, y, ctx.rank))
     except CrosscutError as exc:
         sys.stderr.write(f"CROSSCUT-ERROR rank {ctx.rank}: {type(exc).__name__}: {exc}\n")
         return 3

@@ -65,6 +65,7 @@ from crosscut.codegen.batch_split import BatchSplitStage
 from crosscut.codegen.split import StagedProgram, ValueRef, map_structure
 from crosscut.codegen.transfers import INPUT
 from crosscut.errors import InputError, RuntimeError_
+from crosscut.runtime.microbatch import micro_rows, scatter
 from crosscut.runtime.output_merge import OutputMerge, gather
 from crosscut.runtime.thread_state import ThreadState
 from crosscut.schedule import (
@@ -79,48 +80,6 @@ from crosscut.schedule import (
 __all__ = ["LocalExecutor", "gather", "scatter"]
 
 DEFAULT_TIMEOUT_S = 600.0
-
-
-def scatter(args: Sequence[Any], microbatches: int) -> list[list[Any]]:
-    """Split every tensor in ``args`` (nested structures too) along dim 0 into equal parts.
-
-    Non-tensors are repeated. With one micro-batch the arguments are passed
-    through untouched (no views), which keeps that case bit-exact.
-    """
-    if microbatches == 1:
-        return [list(args)]
-    leaves, spec = pytree.tree_flatten(list(args))
-    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
-    if len(sizes) != 1:
-        raise InputError(
-            "every tensor argument needs the same batch size along dim 0",
-            value=sorted(sizes),
-            remedy="pass batch-first tensors of one batch size",
-        )
-    batch = sizes.pop()
-    if batch % microbatches:
-        raise InputError(
-            f"the batch size must be divisible by the number of micro-batches ({microbatches})",
-            value={"batch": batch, "microbatches": microbatches},
-            remedy=f"use a batch that is a multiple of {microbatches} or change microbatches",
-        )
-    parts = [
-        t.chunk(microbatches, 0) if isinstance(t, torch.Tensor) and t.dim() > 0 else None
-        for t in leaves
-    ]
-    out: list[list[Any]] = []
-    for m in range(microbatches):
-        mb = [p[m] if p is not None else leaf for p, leaf in zip(parts, leaves)]
-        out.append(list(pytree.tree_unflatten(mb, spec)))
-    return out
-
-
-def _rows(args: Sequence[Any]) -> int | None:
-    """The samples in one micro-batch: dim 0 of its first batch-major tensor."""
-    for t in pytree.tree_leaves(list(args)):
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            return int(t.shape[0])
-    return None
 
 
 class _Abort(Exception):
@@ -400,7 +359,7 @@ class LocalExecutor:
                 )
 
             results.append(self._output(run, m, "output", fetch))
-        sizes = [_rows(mb) for mb in mbs]
+        sizes = [micro_rows(mb) for mb in mbs]
         return self.merge.merge(results, self.output_device, sizes)
 
     # ---- pipelined training step ------------------------------------------------------
@@ -412,7 +371,10 @@ class LocalExecutor:
         Gradients are accumulated into ``.grad`` of the stage parameters (call
         ``optimizer.zero_grad()`` before and ``optimizer.step()`` after, as with
         eager training). ``loss_fn`` must average over the batch (the default
-        ``reduction="mean"``) for the result to equal full-batch training.
+        ``reduction="mean"``) for the result to equal full-batch training. It is
+        called on each micro-batch's outputs, unmerged: an output without a batch
+        dimension is that micro-batch's value (``output_merge`` rules apply to
+        :meth:`forward` only).
         """
         prog = self.program
         last = len(prog.stages) - 1

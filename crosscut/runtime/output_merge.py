@@ -36,7 +36,10 @@ A leaf that is not batch-major and has no rule is refused when the module is
 compiled (:func:`check_outputs`, from the shapes the trace recorded at the
 micro-batch size), with an :class:`~crosscut.errors.InputError` naming its
 path and the remedy — never merged by a guess. Where the graph carries no
-shapes, the same rule is checked on the values at run time.
+shapes, the same rule is checked on the values at run time. One ambiguity
+remains: a tensor that is not per-sample but whose first dimension happens to
+equal the micro-batch (a ``[4, k]`` statistic with 4-sample micro-batches)
+looks batch-major at one traced size; give such an output a rule.
 
 ``output_merge`` is spelt like ``torch.distributed.pipelining``'s
 ``output_merge_spec`` in spirit (a rule per output, concatenation on dim 0 by

@@ -23,14 +23,12 @@ Placement is a callback (``stage_of[node.name]``) into torch.fx's
 from __future__ import annotations
 
 import copy
-import inspect
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import fx
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.fx.passes.split_module import split_module
 
@@ -40,20 +38,11 @@ from crosscut.codegen.order import order_by_stage
 from crosscut.codegen.transfers import INPUT, Transfer, plan_transfers
 from crosscut.codegen.width import Collective
 from crosscut.errors import CodegenError
+from crosscut.partitioner.alias import GROUP, MUTATES, inplace_target
 
 __all__ = ["Stage", "StagedProgram", "ValueRef", "build_stages", "map_structure"]
 
 _SKIP_OPS = ("placeholder", "get_attr", "output")
-_INPLACE_OPERATORS = {
-    operator.iadd,
-    operator.isub,
-    operator.imul,
-    operator.itruediv,
-    operator.ifloordiv,
-    operator.iand,
-    operator.ior,
-    operator.ixor,
-}
 
 
 @dataclass(frozen=True)
@@ -161,29 +150,31 @@ def _check_assignment(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stage
         )
 
 
-def _mutated_input(node: fx.Node, modules: Mapping[str, nn.Module]) -> fx.Node | None:
-    """The node whose value ``node`` modifies in place, if any."""
-    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    if first is None:
-        return None
-    if node.op == "call_module":
-        return first if getattr(modules[str(node.target)], "inplace", False) is True else None
-    if node.op == "call_method":
-        t = str(node.target)
-        return first if t.endswith("_") and not t.endswith("__") else None
-    if node.op == "call_function":
-        if node.target in _INPLACE_OPERATORS:
-            return first
-        if getattr(node.target, "__name__", "").endswith("_") and not getattr(
-            node.target, "__name__", ""
-        ).endswith("__"):
-            return first
-        try:
-            bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            return first if node.kwargs.get("inplace") is True else None
-        return first if bound.arguments.get("inplace") is True else None
-    return None
+def _check_mutation_ties(gm: fx.GraphModule, stage_of: Mapping[str, int]) -> None:
+    """The trace's mutation ties (``partitioner/alias.py``) hold: one stage per tie.
+
+    The solvers honour them; a hand-made plan may not, and then a write through
+    a view would happen on another stage than a reader that must see it (or
+    must not), which no rewiring here can repair.
+    """
+    first: dict[int, fx.Node] = {}
+    for n in gm.graph.nodes:
+        group = n.meta.get(GROUP)
+        if group is None or n.name not in stage_of:
+            continue
+        head = first.setdefault(group, n)
+        if stage_of[n.name] != stage_of[head.name]:
+            writes = [
+                m.name for m in gm.graph.nodes if m.meta.get(GROUP) == group and m.meta.get(MUTATES)
+            ]
+            raise _fail(
+                f"{n.name!r} (stage {stage_of[n.name]}) and {head.name!r} (stage "
+                f"{stage_of[head.name]}) share storage that {writes} write in place (through "
+                "a view); eager order holds only if they run on one stage",
+                {"nodes": (head.name, n.name), "writes": writes},
+                f"put {n.name!r} on stage {stage_of[head.name]} (OpGraph.ties lists the group; "
+                "plans from crosscut.partition keep it), or make the write out-of-place",
+            )
 
 
 def _protect_inplace(gm: fx.GraphModule, st: dict[str, int]) -> list[str]:
@@ -199,7 +190,7 @@ def _protect_inplace(gm: fx.GraphModule, st: dict[str, int]) -> list[str]:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     clones: list[str] = []
     for node in list(gm.graph.nodes):
-        v = _mutated_input(node, modules) if node.op not in _SKIP_OPS else None
+        v = inplace_target(node, modules) if node.op not in _SKIP_OPS else None
         if v is None or v.op == "get_attr":
             continue
         s = st[node.name]
@@ -306,6 +297,7 @@ def build_stages(
     if not devices:
         raise _fail("at least one stage device is needed", list(stage_devices), "pass ['cpu']")
     _check_assignment(gm, stage_of, len(devices))
+    _check_mutation_ties(gm, stage_of)
     work = copy.deepcopy(gm)
     st = {n.name: int(stage_of[n.name]) for n in work.graph.nodes if n.op not in _SKIP_OPS}
     clones = _protect_inplace(work, st)
@@ -350,9 +342,11 @@ def build_stages(
             m.name
             for n in sub.graph.nodes
             if n.op not in _SKIP_OPS
-            and (m := _mutated_input(n, sub_mods)) is not None
+            and (m := inplace_target(n, sub_mods)) is not None
             and m.op == "placeholder"
         }
+        names = {v for v, _ in inputs}  # ... and inputs written through a view (alias.py)
+        mutated |= {b for n in sub.graph.nodes for b in n.meta.get(MUTATES, []) if b in names}
         stages.append(Stage(s, dev, sub, inputs, outputs, param_keys, mutated, [dev]))
 
     for tid, where in owners.items():

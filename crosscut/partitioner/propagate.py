@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from crosscut.errors import InputError
+from crosscut.partitioner.alias import record_writes, versions
 
 __all__ = ["Propagator", "first_line", "iter_tensors", "named_tensors", "shapes_of"]
 
@@ -70,7 +71,12 @@ class Propagator(torch.fx.Interpreter):
                 self.fetch_attr(str(n.target)),
             )
         elif n.op in ("call_module", "call_function", "call_method"):
+            # version counters before and after: which inputs (and module buffers) the op
+            # wrote, views included (they share their base's counter); see alias.py
+            module = self.fetch_attr(str(n.target)) if n.op == "call_module" else None
+            before = versions(n, self.env, module)
             out = self._run_op(n)
+            record_writes(n, before, versions(n, self.env, module))
         else:
             out = super().run_node(n)
         if n.op == "placeholder" or n.op == "get_attr":

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 
 from crosscut.errors import InputError, TraceError
 from crosscut.graph import OpGraph, OpNode
+from crosscut.partitioner.alias import order_mutations
 from crosscut.partitioner.propagate import (
     Propagator,
     first_line,
@@ -117,6 +118,10 @@ class _LeafTracer(torch.fx.Tracer):
 
     def __init__(self, leaves: set[str], leaf_types: tuple[type[nn.Module], ...]) -> None:
         super().__init__()
+        # buffers read in forward become get_attr nodes, so ``self.calls.add_(1)`` is a
+        # node of the graph (run on every call) instead of running once, on the caller's
+        # real buffer, while tracing
+        self.proxy_buffer_attributes = True
         self.leaves = set(leaves)
         self.leaf_types = leaf_types
         self.found: dict[str, str] = {}
@@ -201,6 +206,28 @@ def _training(model: nn.Module, train: bool) -> Iterator[None]:
             m.training = flag
 
 
+@contextmanager
+def _untouched_state(model: nn.Module) -> Iterator[None]:
+    """Give every buffer back as it was: tracing must not change the caller's model.
+
+    Buffers read in forward are traced as graph nodes, so nothing should write
+    them; but Python code the tracer runs for real (a tensor attribute that is
+    not a registered buffer's alias, a leaf's hook) still could. Buffers are
+    cloned (they are small: statistics and counters) and copied back where their
+    version counter moved. Parameters are always traced as nodes.
+    """
+    saved = [
+        (b, b._version, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, version, copy in saved:
+                if b._version != version:
+                    b.copy_(copy)
+
+
 # ---- the public entry point ------------------------------------------------------------------
 
 
@@ -221,11 +248,11 @@ def trace(
     """
     inputs, leaf_paths, leaf_types = _validate(model, example_inputs, mode, leaf_modules)
     train = mode == "train"
-    with _training(model, train):
+    with _training(model, train), _untouched_state(model):
         gm, auto = _symbolic_trace(model, leaf_paths, leaf_types)
         prop = _propagate(gm, inputs, train)
+    ties = _ties(gm) + order_mutations(gm)  # writes through views: partitioner/alias.py
     nodes = _build_nodes(gm, prop, auto)
-    ties = _ties(gm)
     graph = OpGraph(
         nodes=nodes,
         batch_size=int(inputs[0].shape[0]),

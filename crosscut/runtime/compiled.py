@@ -66,6 +66,7 @@ from crosscut.codegen.attrs import get_attr
 from crosscut.codegen.modes import derive_assignment, share_state, used_stages
 from crosscut.codegen.source import program_source
 from crosscut.codegen.split import StagedProgram, build_stages
+from crosscut.codegen.state_writes import check_state_writes
 from crosscut.errors import CrosscutError, InputError, RuntimeError_
 from crosscut.runtime.batchnorm import (
     commit_batchnorm,
@@ -139,6 +140,7 @@ class CompiledModule(nn.Module):
         self.stages = nn.ModuleList([s.module for s in program.stages])
         # how micro-batch outputs merge; an output that cannot is refused here (output_merge.py)
         self._output_merge = check_outputs(gm, output_merge, microbatches)
+        check_state_writes(model, gm, microbatches)  # buffers written M times? (state_writes.py)
         self._schedule = schedule
         self._timeout = timeout
         self._microbatches = microbatches
@@ -151,6 +153,7 @@ class CompiledModule(nn.Module):
         self._other_error = other_gm if isinstance(other_gm, CrosscutError) else None
         if isinstance(other_gm, fx.GraphModule):
             check_outputs(other_gm, output_merge, microbatches, strict_paths=False)
+            check_state_writes(model, other_gm, microbatches)
             self._other = _other_program(program, gm, other_gm, stage_of, stage_devices, groups)
             self._other_executor = self._new_executor(self._other)
         original = model.state_dict(keep_vars=True)

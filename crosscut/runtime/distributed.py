@@ -66,6 +66,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from crosscut.codegen.split import StagedProgram, ValueRef, build_stages, map_structure
+from crosscut.codegen.state_writes import check_state_writes
 from crosscut.codegen.transfers import INPUT
 from crosscut.errors import DistributedError, InputError
 from crosscut.runtime.batchnorm import install_step_batchnorm
@@ -176,6 +177,7 @@ class DistributedPipeline(RankState, nn.Module):
         program = self._build(model, gm)
         # the last stage's merge of micro-batch outputs in forward (runtime/output_merge.py)
         rules = check_outputs(gm, output_merge, self.microbatches)
+        check_state_writes(model, gm, self.microbatches)  # codegen/state_writes.py
         self._merge = OutputMerge(self._template, rules)
         # the dtypes values cross ranks in under the caller's autocast (runtime/wire_dtypes.py)
         self._wire = WireDtypes(gm, self.device, any(w > 1 for w in widths))

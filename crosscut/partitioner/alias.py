@@ -1,0 +1,305 @@
+"""Alias analysis: which traced values share storage, and which nodes write into it.
+
+Why a pipeline needs it. Eager PyTorch runs a forward in program order, so a
+write into a slice (``y[:, :4].add_(1)``, ``y.narrow(1, 4, 2).mul_(2)``,
+``w[:, 0].relu_()``, ``y[..., 0] = 1``) is seen by every later reader of ``y``
+and by none before it. The fx graph does not say so: the reader of ``y`` has an
+edge to ``y``'s producer, not to the write into its view, so a plan may put the
+reader on an earlier stage than the write (it then misses it) or a later one
+while another micro-batch's write is already in flight (same-device stages
+hand tensors over without copying). ``codegen/split.py``'s ``_protect_inplace``
+repairs the simple case, an in-place op it recognises by name on the value it
+receives directly. Everything else — writes through a view, ``setitem``,
+functional writes it cannot name, and state (buffers) written in forward — is
+made explicit graph structure here, BEFORE partitioning, so the solver sees it.
+
+How aliases are found: by mechanism, not by a list of view ops. The trace runs
+every node on fake tensors (``propagate.py``), and fake tensors keep PyTorch's
+real view semantics: a view (``getitem`` with slices or ints, ``narrow``,
+``view``, ``reshape``, ``select``, ``transpose``, ``permute``, ``expand``,
+``unsqueeze``, ``squeeze``, ``flatten``, ``t``, ``as_strided``,
+``chunk``/``split``/``unbind`` items, ``contiguous``/``to``/``type`` that
+return ``self``, ``detach``, ``nn.Identity``, ``nn.Flatten``, an in-place op's
+result, ...) shares its base's storage. Two nodes are in one *alias class* when
+their outputs share a storage; the class's *base* is its first node in graph
+order. A write is found the same way: every tensor a node reads has its version
+counter recorded before and after the node runs (views share the counter with
+their base), so ``setitem``, ``out=`` and ops without a trailing underscore are
+caught too; :func:`inplace_target` (names: ``add_``, ``inplace=True``, ``+=``)
+covers nodes the fake tensors could not run.
+
+What is done with a class that is written through a view (or by a write
+``_protect_inplace`` cannot name, or whose base is model state): let ``L`` be
+its last write in graph order. The class's base producer, its members up to
+``L``, and every node reading a member before ``L`` become one tie
+(``OpGraph.ties``, honoured by every solver, and checked again by codegen for
+hand-made plans), so the writes happen in eager order on one stage. Each node
+that reads a member ``X`` after ``L`` is rewired to read
+``mutated_value(X, L)``, an identity whose second argument is ``L``: an edge
+that puts it no earlier than the write and hands it the written value. These
+identities join the tie, so what crosses a cut is the value after the last
+write. Ties stay small: a class of plain in-place chains (``ReLU(inplace=True)``,
+``out += identity``) without views is left to ``_protect_inplace``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, fx, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten
+
+__all__ = [
+    "GROUP",
+    "MUTATED",
+    "MUTATES",
+    "STATE",
+    "AliasClass",
+    "alias_classes",
+    "inplace_target",
+    "mutated_value",
+    "order_mutations",
+    "record_writes",
+    "versions",
+]
+
+MUTATED = "crosscut_mutated"  # meta: input nodes whose storage this node wrote (trace time)
+STATE = "crosscut_state_writes"  # meta: a call_module's own buffers it wrote (qualified keys)
+MUTATES = "crosscut_mutates"  # meta: base names of the alias classes this node writes
+GROUP = "crosscut_mutation_group"  # meta: index of the mutation tie this node belongs to
+
+_INPLACE_OPERATORS = {
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+}
+
+
+def mutated_value(x: Any, *after: Any) -> Any:
+    """``x`` itself; the other arguments are writes it must follow (graph edges only)."""
+    return x
+
+
+def inplace_target(node: fx.Node, modules: Mapping[str, nn.Module]) -> fx.Node | None:
+    """The input ``node`` modifies in place by its name or flag (``add_``, ``inplace=True``)."""
+    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    if first is None:
+        return None
+    if node.op == "call_module":
+        return first if getattr(modules[str(node.target)], "inplace", False) is True else None
+    if node.op == "call_method":
+        t = str(node.target)
+        return first if t.endswith("_") and not t.endswith("__") else None
+    if node.op == "call_function":
+        if node.target in _INPLACE_OPERATORS:
+            return first
+        name = getattr(node.target, "__name__", "")
+        if name.endswith("_") and not name.endswith("__"):
+            return first
+        try:
+            bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return first if node.kwargs.get("inplace") is True else None
+        return first if bound.arguments.get("inplace") is True else None
+    return None
+
+
+# ---- recording writes while the trace runs each node on fake tensors ----------------
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
+
+
+def versions(
+    node: fx.Node, env: Mapping[fx.Node, Any], module: nn.Module | None
+) -> dict[str, list[int]]:
+    """Version counters of what ``node`` can write: its inputs, and a module's own buffers."""
+    out = {a.name: [t._version for t in _tensors(env.get(a))] for a in node.all_input_nodes}
+    if module is not None:
+        for key, b in module.named_buffers():
+            out[f"{node.target}.{key}"] = [b._version]
+    return out
+
+
+def record_writes(
+    node: fx.Node, before: Mapping[str, list[int]], after: Mapping[str, list[int]]
+) -> None:
+    """Store in ``node.meta`` the inputs and module buffers whose version counters moved."""
+    moved = [k for k, v in before.items() if after.get(k) != v]
+    inputs = {a.name for a in node.all_input_nodes}
+    node.meta[MUTATED] = [k for k in moved if k in inputs]
+    node.meta[STATE] = [k for k in moved if k not in inputs]
+
+
+# ---- alias classes ---------------------------------------------------------------------
+
+
+@dataclass
+class AliasClass:
+    """Nodes whose outputs share one storage, and the nodes writing into it."""
+
+    base: fx.Node
+    members: list[fx.Node] = field(default_factory=list)  # graph order, base first
+    writes: list[fx.Node] = field(default_factory=list)  # graph order
+
+
+def _storages(node: fx.Node) -> list[Any]:
+    refs = []
+    for t in _tensors(node.meta.get("val")):
+        try:
+            refs.append(StorageWeakRef(t.untyped_storage()))  # type: ignore[no-untyped-call]
+        except (RuntimeError, NotImplementedError):  # sparse / storage-less tensors
+            continue
+    return refs
+
+
+def alias_classes(gm: fx.GraphModule) -> list[AliasClass]:
+    """The alias classes of ``gm`` (from the trace's fake values) that something writes."""
+    parent: dict[Any, Any] = {}
+
+    def find(x: Any) -> Any:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    node_ref: dict[fx.Node, Any] = {}
+    for n in gm.graph.nodes:
+        refs = _storages(n)
+        for r in refs:
+            parent.setdefault(r, r)
+        for r in refs[1:]:
+            parent[find(r)] = find(refs[0])
+        if refs:
+            node_ref[n] = refs[0]
+    classes: dict[Any, AliasClass] = {}
+    for n in gm.graph.nodes:
+        if n in node_ref:
+            root = find(node_ref[n])
+            cls = classes.setdefault(root, AliasClass(n))
+            cls.members.append(n)
+    of = {n: find(r) for n, r in node_ref.items()}
+    modules = dict(gm.named_modules())
+    for n in gm.graph.nodes:
+        if n.op not in ("call_module", "call_function", "call_method"):
+            continue
+        written = {a for a in n.all_input_nodes if a.name in n.meta.get(MUTATED, [])}
+        static = inplace_target(n, modules)
+        if n.target is operator.setitem and isinstance(n.args[0], fx.Node):
+            static = n.args[0]  # y[idx] = v: a write _protect_inplace cannot rewire (None)
+        if static is not None:
+            written.add(static)
+        for root in {of[a] for a in written if a in of}:
+            classes[root].writes.append(n)
+    return [c for c in classes.values() if c.writes]
+
+
+# ---- making write order graph structure ------------------------------------------------
+
+
+def _needs_order(cls: AliasClass, modules: Mapping[str, nn.Module]) -> bool:
+    """A class ``_protect_inplace`` cannot handle: a view, an unnamed write, state, an input."""
+    if cls.base.op in ("get_attr", "placeholder"):
+        return True
+    order = {n: i for i, n in enumerate(cls.base.graph.nodes)}
+    last = order[cls.writes[-1]]
+    writes = set(cls.writes)
+    if any(m is not cls.base and m not in writes and order[m] < last for m in cls.members):
+        return True  # a view exists while the class is written
+    return any(inplace_target(w, modules) is None for w in cls.writes)
+
+
+def order_mutations(gm: fx.GraphModule) -> list[list[str]]:
+    """Make write order explicit in ``gm`` (in place); returns the ties to keep on one stage.
+
+    See the module docstring. Nodes of each tie carry ``meta[GROUP]`` (its
+    index) so codegen can refuse a hand-made plan that splits them, and each
+    write carries ``meta[MUTATES]`` (the written class's base) so a stage knows
+    which of its inputs it changes.
+    """
+    modules = dict(gm.named_modules())
+    ties: list[list[str]] = []
+    for cls in alias_classes(gm):
+        if cls.base.op == "placeholder":
+            _write_a_copy(gm, cls)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}  # identities were inserted
+        for w in cls.writes:
+            w.meta[MUTATES] = sorted({*w.meta.get(MUTATES, []), cls.base.name})
+        if not _needs_order(cls, modules):
+            continue
+        last = cls.writes[-1]
+        early = {m for m in cls.members if order[m] <= order[last]}  # values written by L
+        readers = {u for m in early for u in m.users}
+        tie = {cls.base, *early, *cls.writes, *(u for u in readers if order[u] < order[last])}
+        tie |= _rewire_later_readers(gm, early, readers, last, order)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        group = len(ties)
+        names = []
+        for n in sorted(tie, key=order.__getitem__):
+            if n.op in ("placeholder", "output"):
+                continue
+            n.meta[GROUP] = group
+            names.append(n.name)
+        ties.append(names)
+    gm.graph.lint()
+    gm.recompile()
+    return [t for t in ties if len(t) > 1]
+
+
+def _write_a_copy(gm: fx.GraphModule, cls: AliasClass) -> None:
+    """A written model input is read through ``x.clone()``: the writes change the copy.
+
+    Why: micro-batches are views of the caller's batch that share one version
+    counter, so writing one would invalidate what autograd saved for another
+    (and on same-device stages the caller's tensor would be written while
+    other stages read it). The caller's tensor is left as it was (eager would
+    write it); every value the model computes is eager's.
+    """
+    x = cls.base
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(first):
+        c = gm.graph.call_method("clone", (x,))
+    c.meta = {k: v for k, v in x.meta.items() if k in ("val", "tensor_meta")}
+    x.replace_all_uses_with(c, delete_user_cb=lambda u: u is not c)
+    cls.base = c
+    cls.members = [c if m is x else m for m in cls.members]
+
+
+def _rewire_later_readers(
+    gm: fx.GraphModule,
+    members: set[fx.Node],
+    readers: set[fx.Node],
+    last: fx.Node,
+    order: Mapping[fx.Node, int],
+) -> set[fx.Node]:
+    """Readers after ``last`` read ``mutated_value(member, last)``; returns those identities.
+
+    ``members`` are the class's values up to ``last``; views made after it are
+    ordinary readers (nothing writes the class after them).
+    """
+    made: dict[fx.Node, fx.Node] = {}
+    anchor = last
+    for u in sorted(readers, key=order.__getitem__):
+        if order[u] <= order[last]:
+            continue
+        for x in sorted((a for a in u.all_input_nodes if a in members), key=order.__getitem__):
+            if x not in made:
+                with gm.graph.inserting_after(anchor):
+                    ident = gm.graph.call_function(mutated_value, (x, last))
+                ident.meta = {k: v for k, v in x.meta.items() if k in ("val", "tensor_meta")}
+                if "nn_module_stack" in last.meta:
+                    ident.meta["nn_module_stack"] = last.meta["nn_module_stack"]
+                made[x] = anchor = ident
+            u.replace_input_with(x, made[x])
+    return set(made.values())

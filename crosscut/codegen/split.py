@@ -33,6 +33,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.fx.passes.split_module import split_module
 
 from crosscut.codegen.attrs import get_attr, set_attr
+from crosscut.codegen.fanout import separate_fanout
 from crosscut.codegen.groups import apply_groups, check_groups
 from crosscut.codegen.order import order_by_stage
 from crosscut.codegen.transfers import INPUT, Transfer, plan_transfers
@@ -88,6 +89,8 @@ class StagedProgram:
     clones: list[str] = field(default_factory=list)  # clone nodes inserted for in-place safety
     # original key of a channel-sharded tensor -> (stage, shard local names, cat dim or None)
     shard_sources: dict[str, tuple[int, list[str], int | None]] = field(default_factory=dict)
+    # per-reader aliases of a fanned-out value (codegen/fanout.py): alias -> aliased value
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 def map_structure(fn: Any, obj: Any) -> Any:
@@ -301,6 +304,10 @@ def build_stages(
     work = copy.deepcopy(gm)
     st = {n.name: int(stage_of[n.name]) for n in work.graph.nodes if n.op not in _SKIP_OPS}
     clones = _protect_inplace(work, st)
+    modules = dict(work.named_modules())
+    mutators = [n for n in work.graph.nodes if n.op not in _SKIP_OPS and inplace_target(n, modules)]
+    grouped = {k for k, (devs, _) in enumerate(groups or []) if len(devs) > 1}
+    aliases = separate_fanout(work, st, mutators, grouped)  # gradients summed in eager's order
     node_bytes = _node_bytes(work, example_inputs)
 
     origin: dict[int, list[str]] = {}
@@ -382,4 +389,5 @@ def build_stages(
         key_sources,
         clones,
         shard_sources,
+        aliases,
     )

@@ -21,6 +21,7 @@ really lost.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -265,8 +266,13 @@ def build_routes(
     gm: fx.GraphModule,
     stage_inputs: list[list[tuple[str, int]]],
     output_sources: dict[str, int],
+    aliases: Mapping[str, str] | None = None,
 ) -> Routes:
-    """One edge per (value, reading stage), plus edges that bring outputs to the last stage."""
+    """One edge per (value, reading stage), plus edges that bring outputs to the last stage.
+
+    ``aliases`` (alias -> value) names values codegen added after tracing
+    (per-reader aliases, ``codegen/fanout.py``): they take the traced value's shapes.
+    """
     last = len(stage_inputs) - 1
     edges: list[Edge] = []
     seen: set[tuple[str, int]] = set()
@@ -283,8 +289,10 @@ def build_routes(
     free = grad_free(gm)
     meta: dict[str, tuple[Any, list[Any]]] = {}
     flags: dict[str, list[bool]] = {}
+    aliases = aliases or {}
     for e in edges:
-        val = nodes[e.value].meta.get("val") if e.value in nodes else None
+        name = aliases.get(e.value, e.value)
+        val = nodes[name].meta.get("val") if name in nodes else None
         if val is None:
             raise DistributedError(
                 f"the shape of {e.value!r} (sent stage {e.src} -> {e.dst}) is unknown",
@@ -294,7 +302,7 @@ def build_routes(
         leaves, spec = pytree.tree_flatten(val)
         meta[e.value] = (spec, leaves)
         flags[e.value] = [
-            isinstance(t, torch.Tensor) and t.is_floating_point() and e.value not in free
+            isinstance(t, torch.Tensor) and t.is_floating_point() and name not in free
             for t in leaves
         ]
     count = max([len(v[1]) for v in meta.values()] + [1])

@@ -163,6 +163,26 @@ class Counter(nn.Module):
         return self.fc(y.mean((2, 3))) + self.calls.float() * 0.01
 
 
+class NoGradUpdates(nn.Module):
+    """An EMA under ``torch.no_grad()`` read after the update, and a frozen teacher branch.
+
+    fx does not record ``no_grad``: traced naively, the buffer joins each call's
+    autograd graph (the second backward fails) and the teacher gets gradients.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.teacher = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("avg", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        with torch.no_grad():
+            self.avg.mul_(0.9).add_(0.1 * y.mean(0))
+            t = self.teacher(x)
+        return self.b(y) - self.avg + t
+
+
 class FusedBN(nn.BatchNorm2d):
     """A batch norm traced through (like timm's BatchNormAct2d): its counter is a graph node."""
 
@@ -215,7 +235,8 @@ def eager_step(model: nn.Module, x: torch.Tensor, mb: int) -> tuple[torch.Tensor
     out.pow(2).sum().backward()
     with torch.no_grad():
         for p in model.parameters():
-            p -= p.grad
+            if p.grad is not None:
+                p -= p.grad
     return out, model.state_dict()
 
 
@@ -224,7 +245,8 @@ def compiled_step(c: CompiledModule, x: torch.Tensor) -> tuple[torch.Tensor, dic
     out.pow(2).sum().backward()
     with torch.no_grad():
         for p in c.parameters():
-            p -= p.grad
+            if p.grad is not None:
+                p -= p.grad
     return out, c.state_dict()
 
 
@@ -397,3 +419,19 @@ def test_batch_norm_counter_traced_through_keeps_bn_mode_with_microbatches() -> 
     assert int(sd["bn.num_batches_tracked"]) == 2 == int(ref_sd["bn.num_batches_tracked"])
     for key in ref_sd:
         torch.testing.assert_close(sd[key], ref_sd[key])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_no_grad_blocks_in_forward_run_without_autograd_like_eager(k: int) -> None:
+    torch.manual_seed(0)
+    model = NoGradUpdates()
+    x = torch.randn(4, 8)
+    c = crosscut.compile(model, ["cpu"] * k, x, microbatches=1, require_all_devices=True)
+    ref = copy.deepcopy(model)
+    for _ in range(3):  # the second backward failed when the EMA joined the graph
+        out, sd = compiled_step(c, x)
+        expected, ref_sd = eager_step(ref, x, 1)
+        assert torch.equal(out, expected)
+        assert all(torch.equal(sd[key], ref_sd[key]) for key in ref_sd)
+    assert dict(c.named_parameters())["teacher.weight"].grad is None
+    assert ref.teacher.weight.grad is None

@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten
 from crosscut.errors import InputError, TraceError
 from crosscut.graph import OpGraph, OpNode
 from crosscut.partitioner.alias import order_mutations
+from crosscut.partitioner.grad_mode import NO_GRAD, detach_no_grad
 from crosscut.partitioner.propagate import (
     Propagator,
     first_line,
@@ -126,6 +127,12 @@ class _LeafTracer(torch.fx.Tracer):
         self.leaf_types = leaf_types
         self.found: dict[str, str] = {}
 
+    def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        node = super().create_node(*args, **kwargs)
+        if not torch.is_grad_enabled():  # inside the forward's own torch.no_grad()
+            node.meta[NO_GRAD] = True
+        return node
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaves or isinstance(m, self.leaf_types):
             return True
@@ -163,7 +170,8 @@ def _symbolic_trace(
     for _ in range(sum(1 for _ in model.modules()) + 1):
         tracer = _LeafTracer(user_leaves | set(auto), leaf_types)
         try:
-            graph = tracer.trace(model)
+            with torch.enable_grad():  # so NO_GRAD marks only the forward's own no_grad blocks
+                graph = tracer.trace(model)
         except Exception as exc:
             raise _root_failure(model, exc, auto) from exc
         if not tracer.found:
@@ -171,6 +179,7 @@ def _symbolic_trace(
         auto.update(tracer.found)
     kept = {p: r for p, r in auto.items() if not any(p.startswith(q + ".") for q in auto)}
     gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    detach_no_grad(gm)  # fx does not record torch.no_grad(): see grad_mode.py
     return gm, dict(sorted(kept.items()))
 
 

@@ -64,6 +64,7 @@ from torch import fx, nn
 
 from crosscut.codegen.attrs import get_attr
 from crosscut.codegen.modes import derive_assignment, share_state, used_stages
+from crosscut.codegen.rng import RandomScope, in_program_order
 from crosscut.codegen.source import program_source
 from crosscut.codegen.split import StagedProgram, build_stages
 from crosscut.codegen.state_writes import check_state_writes
@@ -156,6 +157,12 @@ class CompiledModule(nn.Module):
             check_state_writes(model, other_gm, microbatches)
             self._other = _other_program(program, gm, other_gm, stage_of, stage_devices, groups)
             self._other_executor = self._new_executor(self._other)
+        # random ops draw per (call, micro-batch, op) seeds: the same on every plan
+        # (codegen/rng.py); one micro-batch inline in program order keeps eager's draws
+        modules = [st.module for p in (program, self._other) if p is not None for st in p.stages]
+        self._rng = RandomScope(modules)
+        inline = microbatches == 1 and all(torch.device(d).type == "cpu" for d in stage_devices)
+        self._eager_draws = inline and in_program_order(gm, dict(stage_of))
         original = model.state_dict(keep_vars=True)
         self._keys = list(original)
         self._param_names = [k for k, _ in model.named_parameters(remove_duplicate=False)]
@@ -266,6 +273,7 @@ class CompiledModule(nn.Module):
         """Same inputs and outputs as the original model (outputs on the last device)."""
         self._check_bn()
         executor = self._active()[1]
+        self._rng.start(enabled=not self._eager_draws)
         return self._committed(lambda: executor.forward(args))
 
     def train_step(
@@ -282,6 +290,7 @@ class CompiledModule(nn.Module):
         self._check_bn()
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         executor = self._active()[1]
+        self._rng.start(enabled=not self._eager_draws)
         loss: torch.Tensor = self._committed(lambda: executor.train_step(args, targets, loss_fn))
         return loss
 

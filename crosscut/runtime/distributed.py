@@ -65,6 +65,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from crosscut.codegen.rng import RandomScope
 from crosscut.codegen.split import StagedProgram, ValueRef, build_stages, map_structure
 from crosscut.codegen.state_writes import check_state_writes
 from crosscut.codegen.transfers import INPUT
@@ -86,7 +87,12 @@ from crosscut.runtime.groups import (
 from crosscut.runtime.members import GroupRole, build_member
 from crosscut.runtime.output_merge import OutputMerge, check_outputs
 from crosscut.runtime.p2p import Messenger, build_routes
-from crosscut.runtime.plan_rules import check_bn_mode, check_one_stage_per_device, group_widths
+from crosscut.runtime.plan_rules import (
+    check_bn_mode,
+    check_mode,
+    check_one_stage_per_device,
+    group_widths,
+)
 from crosscut.runtime.stage_io import Posted, StageIO
 from crosscut.runtime.thread_state import ThreadState
 from crosscut.runtime.wire_dtypes import WireDtypes
@@ -206,6 +212,7 @@ class DistributedPipeline(RankState, nn.Module):
             self._group = GroupRole(link, self.split)
             self._keep_member(build_member(gm, program.stages[self.stage_index], link))
         self.stage = self.stage.to(self.device)
+        self._rng = RandomScope([self.stage])  # plan-independent draws (codegen/rng.py)
         if bn_mode == "step":
             install_step_batchnorm(self.stage)
         if self._group is not None:
@@ -247,7 +254,7 @@ class DistributedPipeline(RankState, nn.Module):
             for k, v in model.state_dict().items()
             if k not in self.key_sources and k not in program.shard_sources
         }
-        self.routes = build_routes(gm, self._inputs, self._output_sources)
+        self.routes = build_routes(gm, self._inputs, self._output_sources, program.aliases)
         self.edges = self.routes.edges
         nodes = {n.name: n for n in gm.graph.nodes}
         self.micro_batch = (
@@ -302,17 +309,7 @@ class DistributedPipeline(RankState, nn.Module):
         targets: Any,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     ) -> tuple[list[torch.Tensor], list[Any]]:
-        if self.mode_lock is not None and self.training != self.mode_lock[0]:
-            compiled_in = "train" if self.mode_lock[0] else "eval"
-            raise InputError(
-                f"this model's forward reads self.training, and ranks under torchrun hold only "
-                f"the {compiled_in}-mode program; running it in the other mode would compute "
-                "something else",
-                value=self.mode_lock[1],
-                remedy=f"call .{'train' if self.mode_lock[0] else 'eval'}() again, compile with "
-                "mode='train'/'infer' for the mode you need, or run it locally "
-                "(crosscut.compile without torchrun switches programs)",
-            )
+        check_mode(self.mode_lock, self.training)
         # this thread runs the schedule: the caller's autocast holds; the messages follow it
         self._io.dtypes = self._wire.for_state(ThreadState.capture([self.device.type]))
         if self._group is not None and self.member > 0:
@@ -461,6 +458,7 @@ class DistributedPipeline(RankState, nn.Module):
         the gradients equal those of the whole batch's mean loss. Call
         ``optimizer.zero_grad()`` before and ``optimizer.step()`` after.
         """
+        self._rng.start(enabled=True)
         losses, _ = self._bn.run(self.stage, lambda: self._run("train", inputs, targets, loss_fn))
         self._allreduce_grads()
         if self._group is not None:
@@ -484,6 +482,7 @@ class DistributedPipeline(RankState, nn.Module):
         replica's sum).
         """
         with torch.no_grad():
+            self._rng.start(enabled=True)
             _, results = self._bn.run(self.stage, lambda: self._run("infer", inputs, None, None))
         if self._group is not None:
             self._group.sync_buffers(self.stage)

@@ -14,7 +14,7 @@ from typing import Any
 
 from crosscut.errors import DistributedError, InputError
 
-__all__ = ["check_bn_mode", "check_one_stage_per_device", "group_widths"]
+__all__ = ["check_bn_mode", "check_mode", "check_one_stage_per_device", "group_widths"]
 
 
 def group_widths(plan: Any) -> list[int]:
@@ -56,3 +56,19 @@ def check_bn_mode(bn_mode: str) -> None:
             remedy="use bn_mode='step' for whole-batch running statistics, or compile "
             "locally for 'exact'",
         )
+
+
+def check_mode(lock: tuple[bool, list[str]] | None, training: bool) -> None:
+    """Ranks hold one train/eval program: the other mode of a model whose graph reads
+    ``self.training`` is refused on every rank alike (``lock``: compiled flag, differences)."""
+    if lock is None or training == lock[0]:
+        return
+    compiled_in = "train" if lock[0] else "eval"
+    raise InputError(
+        f"this model's forward reads self.training, and ranks under torchrun hold only the "
+        f"{compiled_in}-mode program; running it in the other mode would compute something else",
+        value=lock[1],
+        remedy=f"call .{'train' if lock[0] else 'eval'}() again, compile with mode='train'/"
+        "'infer' for the mode you need, or run it locally (crosscut.compile without torchrun "
+        "switches programs)",
+    )

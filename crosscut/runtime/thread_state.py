@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from crosscut.codegen.rng import current_key, draw_scope
+
 __all__ = ["ThreadState"]
 
 # device types whose autocast state is always captured (others when a stage runs on them)
@@ -49,6 +51,7 @@ class ThreadState:
     autocast: tuple[tuple[str, bool, torch.dtype], ...]  # (device type, enabled, dtype)
     autocast_cache: bool
     saved_tensor_hooks: tuple[Callable[..., Any], Callable[..., Any]] | None
+    draw_key: tuple[int, int] | None = None  # random ops' (call seed, micro-batch): codegen/rng.py
 
     @classmethod
     def capture(cls, device_types: Iterable[str] = ()) -> ThreadState:
@@ -67,6 +70,7 @@ class ThreadState:
             autocast=autocast,
             autocast_cache=torch.is_autocast_cache_enabled(),
             saved_tensor_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
+            draw_key=current_key(),
         )
 
     @property
@@ -87,4 +91,5 @@ class ThreadState:
             if self.saved_tensor_hooks is not None:
                 pack, unpack = self.saved_tensor_hooks
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+            stack.enter_context(draw_scope(self.draw_key))
             yield

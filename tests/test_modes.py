@@ -223,6 +223,15 @@ def test_torchrun_ranks_refuse_the_other_mode_by_name() -> None:
         float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("LOSS")
     ]
     assert losses == [pytest.approx(want, abs=1e-6)]
+    # each rank's parameters under the model's names, in the model's order; together all of them
+    order = [n for n, _ in model.named_parameters()]
+    per_rank = [
+        line.split()[2].split(",") for line in done.stdout.splitlines() if line.startswith("PARAMS")
+    ]
+    assert len(per_rank) == 2
+    for names in per_rank:
+        assert names == [n for n in order if n in names]
+    assert sorted(n for names in per_rank for n in names) == sorted(order)
 
 
 # ---- every non-heavy torchvision classifier, compiled in one mode, run in the other --------

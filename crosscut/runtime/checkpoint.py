@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,7 @@ class RankState:
     _param_keys: dict[str, list[str]]  # local name -> original keys (whole tensors)
     _shard_sources: dict[str, tuple[int, list[str], int | None]]  # key -> (stage, names, dim)
     _orphans: dict[str, torch.Tensor]
+    original_keys: list[str]  # the model's state_dict keys, in order
 
     def _named_local(self) -> dict[str, torch.Tensor]:
         return {
@@ -115,6 +116,32 @@ class RankState:
             for k, m, dim, t in self.named_shards()
             if isinstance(t, nn.Parameter) and t.grad is not None
         }
+
+    def named_parameters(  # type: ignore[override]
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the model's names, in the model's order.
+
+        As ``CompiledModule.named_parameters``: whole tensors under their
+        original key, a channel-split member's pieces as ``KEY#shardM``. An
+        optimizer built from ``parameters()`` on every rank indexes its state
+        in the model's order.
+        """
+        whole = dict(self.named_original_tensors())
+        shards = {key: (m, t) for key, m, _dim, t in self.named_shards()}
+        seen: set[int] = set()
+        for key in self.original_keys:
+            if key in whole:
+                name, t = key, whole[key]
+            elif key in shards:
+                name, t = f"{key}#shard{shards[key][0]}", shards[key][1]
+            else:
+                continue
+            if not isinstance(t, nn.Parameter) or (remove_duplicate and id(t) in seen):
+                continue
+            seen.add(id(t))
+            if recurse or "." not in key:
+                yield prefix + name, t
 
     def orphans(self) -> dict[str, torch.Tensor]:
         """Original keys the traced graph never reads (kept so checkpoints are complete)."""

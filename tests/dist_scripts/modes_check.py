@@ -51,6 +51,8 @@ def main() -> None:
             print(f"REFUSED {torch.distributed.get_rank()}", flush=True)
     pipe.train()
     pipe.train_step((x,), y, F.cross_entropy)  # the compiled mode still runs after the refusal
+    names = [n for n, _ in pipe.named_parameters()]
+    print(f"PARAMS {torch.distributed.get_rank()} {','.join(names)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,16 @@
 The random models are DAGs of conv/bn/relu/pool blocks joined by concat and
 add, the shapes CNNs are made of; each is compiled over 2 or 3 CPU devices with
 every device used, and must match eager (outputs, loss, and the parameters after
-an SGD step with learning rate 1, i.e. the gradients).
+an SGD step with learning rate 1, i.e. the gradients). A second family also
+writes into views of its values (and of its input) and updates buffers in
+forward: each must match eager, buffers included, or be refused at compile
+time with a crosscut error.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -16,6 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import crosscut
+from crosscut.errors import CrosscutError
 from crosscut.verify import verify_plan
 
 
@@ -149,3 +154,116 @@ def test_branch_early_in_fx_order_on_a_later_stage() -> None:
     stage_of = {"a": 1, "relu": 1, "b": 0, "add": 1}  # fx order: a, relu, b, add
     compiled = CompiledModule(model, gm, stage_of, [torch.device("cpu")] * 2)
     torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+
+
+# ---- in-place writes through views and buffers written in forward (issue 13) -------------
+
+WRITES = ("none", "slice_add", "narrow_mul", "select_neg", "view_mul", "chained", "select_fill")
+
+
+def write_into(t: torch.Tensor, kind: str) -> None:
+    """Write into a view of ``t`` (N, C, H, W) in place, as models do.
+
+    Only writes whose backward saves nothing: a later write into the same base
+    would otherwise invalidate what autograd saved, and eager itself fails.
+    """
+    if kind == "slice_add":
+        t[:, :2].add_(1.0)
+    elif kind == "narrow_mul":
+        t.narrow(1, 1, 2).mul_(2.0)
+    elif kind == "select_neg":
+        t[:, 0].neg_()
+    elif kind == "view_mul":
+        t.view(t.shape[0], -1)[:, ::2].mul_(0.5)
+    elif kind == "chained":
+        t[:, 1:].narrow(1, 0, 1)[..., 0].sub_(1.0)
+    elif kind == "select_fill":
+        t.select(1, 2).fill_(0.25)
+
+
+class MutatingCNN(RandomCNN):
+    """RandomCNN that writes into views of earlier values (the input too) and updates buffers.
+
+    ``writes[i] = (target, kind)``: after block ``i``, write ``kind`` into value
+    ``target`` (0 = the model input), which blocks before read unchanged and
+    blocks after read written. ``counter`` / ``ema``: a call counter and an EMA
+    (under ``torch.no_grad()``) updated in forward.
+    """
+
+    def __init__(
+        self,
+        spec: list[tuple[int, int, str, bool, bool]],
+        writes: list[tuple[int, str]],
+        counter: bool,
+        ema: bool,
+    ) -> None:
+        super().__init__(spec, width=4)
+        self.writes, self.counter, self.ema = writes, counter, ema
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("avg", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.counter:
+            self.calls.add_(1)
+        outs = [x]
+        for block, (src, skip, join, _bn, _pool), (target, kind) in zip(
+            self.blocks, self.spec, self.writes
+        ):
+            inp = outs[src] * 1.0  # readers that save nothing for backward: eager stays valid
+            if join == "cat":
+                inp = torch.cat([inp, outs[skip]], dim=1)
+            y = block(inp)
+            if join == "add":
+                y = y + outs[skip]
+            outs.append(y * 1.0)  # relu saved ``y``: write into a value nothing saved
+            write_into(outs[target], kind)
+        if self.ema:
+            with torch.no_grad():
+                self.avg.mul_(0.9).add_(0.1 * outs[-1].mean((0, 2, 3)))
+        return self.head(outs[-1].mean(dim=(2, 3)) + self.avg)
+
+
+@st.composite
+def mutating_specs(draw: st.DrawFn) -> tuple[list[tuple[int, int, str, bool, bool]], Any]:
+    spec = draw(cnn_specs())
+    writes = [
+        (draw(st.integers(0, i + 1)), draw(st.sampled_from(WRITES))) for i in range(len(spec))
+    ]
+    state = draw(st.sampled_from(["none", "none", "none", "counter", "ema"]))
+    return spec, (writes, state == "counter", state == "ema")
+
+
+@settings(
+    max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(mutating_specs(), st.integers(2, 3), st.sampled_from([1, 2]))
+def test_random_cnns_writing_views_and_buffers_are_eager_or_refused(
+    drawn: tuple[list[tuple[int, int, str, bool, bool]], Any], devices: int, micro: int
+) -> None:
+    """Every drawn model equals eager (outputs, state after an SGD step) or is refused."""
+    from tests.test_mutation import compiled_step, eager_step, same
+
+    spec, (writes, counter, ema) = drawn
+    torch.manual_seed(0)
+    model = MutatingCNN(spec, writes, counter, ema)
+    x = torch.randn(4, 3, 8, 8)
+    try:
+        c = crosscut.compile(
+            model, ["cpu"] * devices, x, microbatches=micro, schedule="1f1b", time_limit=5
+        )
+    except CrosscutError as exc:
+        assert micro > 1 and (counter or ema), exc  # only state written M times is refused
+        assert "is written in forward" in str(exc) and "microbatches=1" in str(exc)
+        return
+    before = copy.deepcopy(model.state_dict())
+    ref = copy.deepcopy(model)
+    for _ in range(2):
+        out, sd = compiled_step(c, x.clone())
+        expected, ref_sd = eager_step(ref, x.clone(), micro)
+        exact = micro == 1
+        assert same(out, expected, exact), (out - expected).abs().max()
+        assert list(sd) == list(ref_sd)
+        bad = [k for k in ref_sd if not same(sd[k], ref_sd[k], exact)]
+        assert not bad, bad
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the caller's model untouched

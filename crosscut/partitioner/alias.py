@@ -2,7 +2,7 @@
 
 Why a pipeline needs it. Eager PyTorch runs a forward in program order, so a
 write into a slice (``y[:, :4].add_(1)``, ``y.narrow(1, 4, 2).mul_(2)``,
-``w[:, 0].relu_()``, ``y[..., 0] = 1``) is seen by every later reader of ``y``
+``w[:, 0].relu_()``) is seen by every later reader of ``y``
 and by none before it. The fx graph does not say so: the reader of ``y`` has an
 edge to ``y``'s producer, not to the write into its view, so a plan may put the
 reader on an earlier stage than the write (it then misses it) or a later one
@@ -24,12 +24,15 @@ result, ...) shares its base's storage. Two nodes are in one *alias class* when
 their outputs share a storage; the class's *base* is its first node in graph
 order. A write is found the same way: every tensor a node reads has its version
 counter recorded before and after the node runs (views share the counter with
-their base), so ``setitem``, ``out=`` and ops without a trailing underscore are
-caught too; :func:`inplace_target` (names: ``add_``, ``inplace=True``, ``+=``)
-covers nodes the fake tensors could not run.
+their base), so ``out=`` arguments and writes without a trailing underscore
+(``operator.setitem`` where a graph has it) are caught too;
+:func:`inplace_target` (names: ``add_``, ``inplace=True``, ``+=``) covers
+nodes the fake tensors could not run (leaves run on zeros).
 
 What is done with a class that is written through a view (or by a write
-``_protect_inplace`` cannot name, or whose base is model state): let ``L`` be
+``_protect_inplace`` cannot name, or whose base is model state or a model
+input — an input is first read through ``x.clone()``, see
+:func:`_write_a_copy`): let ``L`` be
 its last write in graph order. The class's base producer, its members up to
 ``L``, and every node reading a member before ``L`` become one tie
 (``OpGraph.ties``, honoured by every solver, and checked again by codegen for

@@ -335,7 +335,9 @@ def compile(
     run on the given devices in order. Inside a torchrun job (after
     ``crosscut.distributed.init()``, world size > 1) each rank gets a
     :class:`~crosscut.runtime.distributed.DistributedPipeline` running its own
-    stage instead, and ``devices`` is ignored. ``require_all_devices`` makes the solver
+    stage instead: every option is validated on every rank first, and
+    without ``plan`` rank 0 partitions with these options for ``devices`` (one
+    per stage; ``None``: the ranks' own device kind). ``require_all_devices`` makes the solver
     use every device even where fewer stages would be faster (useful for tests
     and for models that must be spread for memory).
     """
@@ -351,8 +353,21 @@ def compile(
     from crosscut.runtime.output_merge import normalize_merge
 
     normalize_merge(output_merge)  # a bad rule fails here, before tracing
+    # every option is checked here, on every rank alike under torchrun: the same error
+    # everywhere, before any rank waits on another
+    _check_options(
+        mode=mode,
+        objective=objective,
+        schedule=schedule,
+        microbatches=microbatches,
+        time_limit=time_limit,
+        optimizer=optimizer,
+        cost=cost,
+    )
+    _cross_options(cross_shaped, widths, splits, 2)
     if _distributed_run():
-        # Under torchrun every rank runs its own stage; the devices come from the ranks.
+        # Under torchrun every rank runs its own stage; the devices come from the ranks
+        # (or, given, say what rank 0 plans for).
         from crosscut.distributed import compile_distributed
 
         return compile_distributed(
@@ -363,18 +378,21 @@ def compile(
             microbatches=None if plan is not None else microbatches,
             bn_mode=bn_mode,
             output_merge=output_merge,
+            devices=devices,
+            partition_options={
+                "mode": mode,
+                "objective": objective,
+                "time_limit": time_limit,
+                "optimizer": optimizer,
+                "cost": cost,
+                "seed": seed,
+                "cross_shaped": cross_shaped,
+                "widths": widths,
+                "splits": splits,
+            },
         )
     cl = Cluster.from_any(devices)
     if plan is None:
-        _check_options(
-            mode=mode,
-            objective=objective,
-            schedule=schedule,
-            microbatches=microbatches,
-            time_limit=time_limit,
-            optimizer=optimizer,
-            cost=cost,
-        )
         graph = trace(model, micro_inputs(example_inputs, microbatches), mode=mode)
         graph.model_name = type(model).__name__
         the_plan = partition(

@@ -12,6 +12,7 @@ arguments are not given.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -124,27 +125,61 @@ def _as_tuple(example_inputs: Any) -> tuple[torch.Tensor, ...]:
 def _plan_on_rank0(
     model: nn.Module,
     replica_batch: tuple[torch.Tensor, ...],
-    stages: int,
-    device: torch.device,
+    cluster: Any,
     microbatches: int,
     schedule: str,
+    options: Mapping[str, Any],
 ) -> Plan:
-    """Rank 0 partitions (the solver need not be deterministic), everyone gets its plan."""
+    """Rank 0 partitions (the solver need not be deterministic), everyone gets its plan.
+
+    ``options`` are :func:`crosscut.partition`'s (objective, time limit, costs,
+    cross-shaped search): what the caller gave ``compile``, honoured here.
+    """
     from crosscut.api import partition
 
     box: list[Any] = [None]
     if dist.get_rank() == 0:
+        extra = dict(options)
+        if extra.get("cross_shaped"):
+            extra["colocate"] = False  # ranks are devices: no two stages on one group
         plan = partition(
             model,
-            [device.type] * stages,
+            cluster,
             replica_batch,
             microbatches=microbatches,
             schedule=schedule,
             require_all_devices=True,
+            **extra,
         )
         box[0] = plan.to_json()
     dist.broadcast_object_list(box, src=0)
     return Plan.from_json(str(box[0]))
+
+
+def _plan_cluster(devices: Any, stages: int, device: torch.device) -> Any:
+    """The cluster rank 0 plans for: ``devices`` if given (one per stage), else the ranks'."""
+    from crosscut.cost_models import Cluster
+
+    if devices is None:  # one logical device per stage, of the ranks' kind
+        if device.type == "cpu":
+            return ["cpu"] * stages
+        # GPUs on other ranks (other nodes) are not visible here: price this rank's own
+        # GPU for every stage instead of naming cuda:i devices rank 0 may not have
+        from crosscut.cost_models.cluster import _cuda_spec
+
+        base = _cuda_spec(device)
+        specs = [base.renamed(f"gpu{i}", f"cuda:{i}") for i in range(stages)]
+        return Cluster.from_specs(specs, "pcie")
+    cluster = Cluster.from_any(devices)
+    if len(cluster.devices) != stages:
+        raise InputError(
+            f"under torchrun, devices must list one device per pipeline stage: "
+            f"{stages} ranks per replica, {len(cluster.devices)} devices given",
+            value=[d.name for d in cluster.devices],
+            remedy=f"pass {stages} devices (or a spec such as '{stages}xV100' to plan for that "
+            "hardware), or None to plan for the ranks' own devices",
+        )
+    return cluster
 
 
 def compile_distributed(
@@ -159,6 +194,8 @@ def compile_distributed(
     device: torch.device | str | None = None,
     bn_mode: str = "micro",
     output_merge: Any = None,
+    devices: Any = None,
+    partition_options: Mapping[str, Any] | None = None,
 ) -> DistributedPipeline:
     """This rank's :class:`DistributedPipeline` of ``model`` under ``plan``.
 
@@ -170,7 +207,9 @@ def compile_distributed(
     (same seed) or load a checkpoint; replicas are synchronised from replica 0.
     ``bn_mode``: ``"micro"`` or ``"step"``, as for :func:`crosscut.compile`.
     ``output_merge``: as for :func:`crosscut.compile` (the last stage merges
-    its replica's micro-batch outputs in ``forward``).
+    its replica's micro-batch outputs in ``forward``). Without a plan, rank 0
+    partitions for ``devices`` (one per stage; ``None``: the ranks' own kind)
+    with ``partition_options`` (:func:`crosscut.partition`'s keywords).
     """
     from crosscut.api import other_mode_graph, trace
     from crosscut.codegen.modes import mode_differences
@@ -204,7 +243,10 @@ def compile_distributed(
             )
         mb = microbatches or 1
         share = tuple(t[: t.shape[0] // reps] for t in inputs)
-        the_plan = _plan_on_rank0(model, share, world // reps, dev, mb, schedule or "1f1b")
+        cluster = _plan_cluster(devices, world // reps, dev)
+        the_plan = _plan_on_rank0(
+            model, share, cluster, mb, schedule or "1f1b", partition_options or {}
+        )
     else:
         the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     m = microbatches or the_plan.options.microbatches

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -435,3 +439,50 @@ def test_no_grad_blocks_in_forward_run_without_autograd_like_eager(k: int) -> No
         assert all(torch.equal(sd[key], ref_sd[key]) for key in ref_sd)
     assert dict(c.named_parameters())["teacher.weight"].grad is None
     assert ref.teacher.weight.grad is None
+
+
+# ---- under torchrun ----------------------------------------------------------------------
+
+
+def _torchrun(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    return subprocess.run(
+        [*cmd, str(script), *args], env=env, capture_output=True, text=True, timeout=240
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("dist")
+def test_torchrun_buffers_written_in_forward_and_view_writes_train_like_eager(
+    tmp_path: Path,
+) -> None:
+    """2 gloo ranks, 1 micro-batch: 3 SGD steps give eager's parameters and buffers;
+    with 2 micro-batches every rank refuses the buffer update by name."""
+    script = Path(__file__).parent / "dist_scripts" / "mutation_check.py"
+    done = _torchrun(script, str(tmp_path), "1")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    got: dict[str, torch.Tensor] = {}
+    for r in range(2):
+        got.update(torch.load(tmp_path / f"rank{r}.pt"))
+    sys.path.insert(0, str(script.parent))
+    from mutation_check import Writer, data  # type: ignore[import-not-found]
+
+    torch.manual_seed(0)
+    x, y = data()
+    model = Writer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    want = model.state_dict()
+    assert set(got) == set(want)
+    assert int(got["calls"]) == 3
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], msg=key)
+
+    refused = _torchrun(script, str(tmp_path / "m2"), "2")
+    assert refused.returncode == 0, refused.stdout[-2000:] + refused.stderr[-2000:]
+    lines = sorted(line for line in refused.stdout.splitlines() if line.startswith("REFUSED"))
+    assert lines == ["REFUSED 0", "REFUSED 1"]

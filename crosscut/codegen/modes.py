@@ -29,10 +29,16 @@ import torch
 from torch import fx
 
 from crosscut.codegen.attrs import get_attr, set_attr
-from crosscut.codegen.split import StagedProgram
+from crosscut.codegen.split import StagedProgram, build_stages
 from crosscut.errors import CodegenError
 
-__all__ = ["derive_assignment", "mode_differences", "share_state", "used_stages"]
+__all__ = [
+    "derive_assignment",
+    "mode_differences",
+    "other_program",
+    "share_state",
+    "used_stages",
+]
 
 _SKIP_OPS = ("placeholder", "get_attr", "output")
 
@@ -177,3 +183,30 @@ def share_state(primary: StagedProgram, other: StagedProgram, stage_map: Sequenc
             )
         for n1, n2 in zip(names1, names2):
             set_attr(other.stages[s2].module, n2, _tensor(primary, s1, n1))
+
+
+def other_program(
+    program: StagedProgram,
+    gm: fx.GraphModule,
+    other_gm: fx.GraphModule,
+    stage_of: Mapping[str, int],
+    stage_devices: Sequence[torch.device | str],
+    groups: Sequence[tuple[Sequence[torch.device | str], str]] | None,
+) -> tuple[StagedProgram, list[int]]:
+    """The other train/eval mode's graph placed by the plan's program, sharing its state.
+
+    Also returns, per stage of the other program, the plan stage it stands for.
+    """
+    key_stage = {k: s for k, (s, _) in program.key_sources.items()}
+    key_stage.update({k: s for k, (s, _, _) in program.shard_sources.items()})
+    assignment = derive_assignment(other_gm, gm, stage_of, key_stage)
+    used = used_stages(assignment)  # stages the other graph leaves empty are dropped
+    index = {s: i for i, s in enumerate(used)}
+    other = build_stages(
+        other_gm,
+        {n: index[s] for n, s in assignment.items()},
+        [stage_devices[s] for s in used],
+        groups=[groups[s] for s in used] if groups is not None else None,
+    )
+    share_state(program, other, used)
+    return other, used

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -28,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from crosscut.errors import DistributedError
+from crosscut.errors import DistributedError, InputError
+from crosscut.runtime.contract import dtype_of_to, refuse_placement, share_of
+from crosscut.runtime.groups import RankLayout
 
 __all__ = [
     "MANIFEST",
@@ -62,6 +65,10 @@ class RankState:
     _shard_sources: dict[str, tuple[int, list[str], int | None]]  # key -> (stage, names, dim)
     _orphans: dict[str, torch.Tensor]
     original_keys: list[str]  # the model's state_dict keys, in order
+    device: torch.device
+    replica: int
+    stage_index: int
+    rank_layout: RankLayout
 
     def _named_local(self) -> dict[str, torch.Tensor]:
         return {
@@ -127,21 +134,79 @@ class RankState:
         optimizer built from ``parameters()`` on every rank indexes its state
         in the model's order.
         """
-        whole = dict(self.named_original_tensors())
-        shards = {key: (m, t) for key, m, _dim, t in self.named_shards()}
         seen: set[int] = set()
-        for key in self.original_keys:
-            if key in whole:
-                name, t = key, whole[key]
-            elif key in shards:
-                name, t = f"{key}#shard{shards[key][0]}", shards[key][1]
-            else:
-                continue
+        for name, t in self._named_share():
             if not isinstance(t, nn.Parameter) or (remove_duplicate and id(t) in seen):
                 continue
             seen.add(id(t))
-            if recurse or "." not in key:
+            if recurse or "." not in name:
                 yield prefix + name, t
+
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """This rank's share of the model's state_dict, under the model's keys and order.
+
+        A channel-split member's pieces appear as ``KEY#shardM``;
+        :func:`assemble_checkpoint` joins every rank's share into the model's.
+        """
+        out: dict[str, Any] = OrderedDict() if destination is None else destination
+        for name, t in self._named_share():
+            out[prefix + name] = t if keep_vars else t.detach().to("cpu", copy=True)
+        return out
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load a whole checkpoint of the model (or this rank's share): each rank takes its part."""
+        whole = dict(self.named_original_tensors())
+        shards = {key: (m, dim, t) for key, m, dim, t in self.named_shards()}
+        known = set(self.original_keys)
+        unexpected = [k for k in state_dict if k.split("#shard")[0] not in known]
+        missing = [k for k in [*whole, *shards] if k not in state_dict]
+        if strict and (missing or unexpected):
+            raise InputError(
+                "load_state_dict needs the model's keys (a whole checkpoint, or this rank's share)",
+                value={"missing": missing[:10], "unexpected": unexpected[:10]},
+                remedy="load a state_dict of the original model, or pass strict=False",
+            )
+        width = len(self.rank_layout.group_ranks(self.replica, self.stage_index))
+        with torch.no_grad():
+            for key, t in whole.items():
+                if key in state_dict:
+                    t.copy_(share_of(state_dict, key, t.shape, None).to(t.device))
+            for key, (m, dim, t) in shards.items():
+                if key in state_dict:
+                    piece = None if dim is None else (dim, m, width)
+                    t.copy_(share_of(state_dict, key, t.shape, piece).to(t.device))
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _named_share(self) -> list[tuple[str, torch.Tensor]]:
+        whole = dict(self.named_original_tensors())
+        shards = {key: (m, t) for key, m, _dim, t in self.named_shards()}
+        out: list[tuple[str, torch.Tensor]] = []
+        for key in self.original_keys:
+            if key in whole:
+                out.append((key, whole[key]))
+            elif key in shards:
+                out.append((f"{key}#shard{shards[key][0]}", shards[key][1]))
+        return out
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """A dtype change of this rank's stage; device moves are refused (runtime/contract.py)."""
+        dtype = dtype_of_to(args, kwargs, [str(self.device)])
+        if dtype is not None:
+            self.stage.to(dtype)
+        return self
+
+    def cuda(self, device: Any = None) -> Any:
+        raise refuse_placement(".cuda()", [str(self.device)])
+
+    def cpu(self) -> Any:
+        raise refuse_placement(".cpu()", [str(self.device)])
+
+    def close(self) -> None:
+        """Nothing to stop (the schedule runs on the caller's thread); for the shared contract."""
 
     def orphans(self) -> dict[str, torch.Tensor]:
         """Original keys the traced graph never reads (kept so checkpoints are complete)."""

@@ -57,13 +57,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from crosscut.codegen.attrs import get_attr
-from crosscut.codegen.modes import derive_assignment, share_state, used_stages
+from crosscut.codegen.modes import other_program, share_state
 from crosscut.codegen.rng import RandomScope, in_program_order
 from crosscut.codegen.source import program_source
 from crosscut.codegen.split import StagedProgram, build_stages
@@ -74,36 +75,13 @@ from crosscut.runtime.batchnorm import (
     discard_batchnorm,
     install_step_batchnorm,
 )
+from crosscut.runtime.contract import dtype_of_to, load_file, refuse_placement, save_file
 from crosscut.runtime.local import LocalExecutor
 from crosscut.runtime.output_merge import check_outputs
 
 __all__ = ["BN_MODES", "CompiledModule"]
 
 BN_MODES = ("micro", "step", "exact")
-
-
-def _other_program(
-    program: StagedProgram,
-    gm: fx.GraphModule,
-    other_gm: fx.GraphModule,
-    stage_of: Mapping[str, int],
-    stage_devices: Sequence[torch.device | str],
-    groups: Sequence[tuple[Sequence[torch.device | str], str]] | None,
-) -> StagedProgram:
-    """The other train/eval mode's graph placed by the plan's program, sharing its state."""
-    key_stage = {k: s for k, (s, _) in program.key_sources.items()}
-    key_stage.update({k: s for k, (s, _, _) in program.shard_sources.items()})
-    assignment = derive_assignment(other_gm, gm, stage_of, key_stage)
-    used = used_stages(assignment)  # stages the other graph leaves empty are dropped
-    index = {s: i for i, s in enumerate(used)}
-    other = build_stages(
-        other_gm,
-        {n: index[s] for n, s in assignment.items()},
-        [stage_devices[s] for s in used],
-        groups=[groups[s] for s in used] if groups is not None else None,
-    )
-    share_state(program, other, used)
-    return other
 
 
 class CompiledModule(nn.Module):
@@ -150,12 +128,15 @@ class CompiledModule(nn.Module):
         # its stage modules are not children: they share every state tensor with ``stages``
         self._gm_training = gm_training
         self._other: StagedProgram | None = None
+        self._other_map: list[int] = []
         self._other_executor: LocalExecutor | None = None
         self._other_error = other_gm if isinstance(other_gm, CrosscutError) else None
         if isinstance(other_gm, fx.GraphModule):
             check_outputs(other_gm, output_merge, microbatches, strict_paths=False)
             check_state_writes(model, other_gm, microbatches)
-            self._other = _other_program(program, gm, other_gm, stage_of, stage_devices, groups)
+            self._other, self._other_map = other_program(
+                program, gm, other_gm, stage_of, stage_devices, groups
+            )
             self._other_executor = self._new_executor(self._other)
         # random ops draw per (call, micro-batch, op) seeds: the same on every plan
         # (codegen/rng.py); one micro-batch inline in program order keeps eager's draws
@@ -397,23 +378,52 @@ class CompiledModule(nn.Module):
                 dst.copy_(src.to(dst.device))
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
-    # ---- placement is the plan's business -------------------------------------------
-    def _refuse(self, what: str) -> RuntimeError_:
-        return RuntimeError_(
-            f"CompiledModule.{what}() is refused: placement comes from the plan "
-            "(one device per stage)",
-            value=[str(s.device) for s in self._program.stages],
-            remedy="recompile with the devices you want (crosscut.compile(model, devices))",
-        )
+    # ---- placement is the plan's business; dtype is the user's ------------------------
+    def _devices(self) -> list[str]:
+        return [str(s.device) for s in self._program.stages]
 
     def to(self, *args: Any, **kwargs: Any) -> CompiledModule:  # type: ignore[override]
-        raise self._refuse("to")
+        """A dtype change (``.to(torch.float64)``); device moves are refused (contract.py)."""
+        dtype = dtype_of_to(args, kwargs, self._devices())
+        if dtype is not None:
+            self._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+        return self
 
     def cuda(self, device: Any = None) -> CompiledModule:
-        raise self._refuse("cuda")
+        raise refuse_placement(".cuda()", self._devices())
 
     def cpu(self) -> CompiledModule:
-        raise self._refuse("cpu")
+        raise refuse_placement(".cpu()", self._devices())
+
+    def _apply(self, fn: Any, recurse: bool = True) -> CompiledModule:
+        """Convert every program's tensors and the orphans, keeping one tensor per key."""
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        if self._other is not None:
+            for st in self._other.stages:
+                st.module._apply(fn, recurse)  # type: ignore[no-untyped-call]
+            share_state(self._program, self._other, self._other_map)
+        with torch.no_grad():
+            for key, t in self._orphans.items():
+                if isinstance(t, nn.Parameter):
+                    t.data = fn(t.data)
+                else:
+                    self._orphans[key] = fn(t)
+        return self
+
+    # ---- checkpoints ----------------------------------------------------------------
+    def save_checkpoint(self, path: str | Path, optimizer: Any = None, extra: Any = None) -> None:
+        """One file: the model's state_dict, the optimizer's, ``extra``; written atomically.
+
+        Parameters follow the model's order, so the file loads under any plan of
+        the model (and ``state`` into the model itself).
+        """
+        save_file(self.state_dict(), path, optimizer, extra)
+
+    def load_checkpoint(self, path: str | Path, optimizer: Any = None) -> Any:
+        """Restore :meth:`save_checkpoint`'s file (and the optimizer); returns ``extra``."""
+        state, extra = load_file(path, optimizer)
+        self.load_state_dict(state)
+        return extra
 
     # ---- the model's names and order ---------------------------------------------------
     def _named_state(self, names: list[str], prefix: str, recurse: bool) -> Iterator[Any]:

@@ -109,7 +109,7 @@ __all__ = [
 Saved = dict[int, tuple[dict[str, Any], dict[str, Any], torch.Tensor | None, torch.Tensor | None]]
 
 
-class DistributedPipeline(RankState, nn.Module):
+class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
     """This rank's stage of a pipelined, possibly replicated, model.
 
     ``parameters()`` are this rank's parameters only (build the optimizer

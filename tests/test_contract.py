@@ -1,0 +1,51 @@
+"""The runtime contract (``tests/contract.py``) on both runtimes: local CPU devices,
+2 and 4 gloo ranks under torchrun, and a cross-shaped plan on 4 ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import crosscut
+
+sys.path.insert(0, str(Path(__file__).parent))
+from contract import Small, batch, check_contract, eager_loss
+
+SCRIPT = Path(__file__).parent / "dist_scripts" / "contract_check.py"
+
+
+@pytest.mark.parametrize(("k", "m"), [(2, 1), (3, 2)])
+def test_local_runtime_keeps_the_contract(k: int, m: int, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Small()
+    x, _ = batch()
+    pipe = crosscut.compile(model, ["cpu"] * k, x, microbatches=m, require_all_devices=True)
+    assert check_contract(pipe, model, m, tmp_path) is not None
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("dist")
+@pytest.mark.parametrize(("world", "case"), [(2, "pipeline"), (4, "pipeline"), (4, "cross")])
+def test_torchrun_ranks_keep_the_contract(world: int, case: str, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    done = subprocess.run(
+        [*cmd, "--nproc-per-node", str(world), str(SCRIPT), case, str(tmp_path)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert sorted(line.split()[1] for line in lines if line.startswith("OK")) == [
+        str(r) for r in range(world)
+    ]
+    losses = [float(line.split()[1]) for line in lines if line.startswith("LOSS")]
+    torch.manual_seed(0)
+    want = eager_loss(Small(), *batch(), 2)
+    assert losses and all(abs(v - want) < 1e-5 for v in losses)

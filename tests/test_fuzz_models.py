@@ -5,8 +5,10 @@ add, the shapes CNNs are made of; each is compiled over 2 or 3 CPU devices with
 every device used, and must match eager (outputs, loss, and the parameters after
 an SGD step with learning rate 1, i.e. the gradients). A second family also
 writes into views of its values (and of its input) and updates buffers in
-forward: each must match eager, buffers included, or be refused at compile
-time with a crosscut error.
+forward; a third reads ``self.training`` (branches, functional batch norm, a
+training-only head) and returns scalars beside the logits, compiled in one
+mode and run in both. Each must match eager, buffers included, or be refused
+at compile time with a crosscut error.
 """
 
 from __future__ import annotations
@@ -267,3 +269,120 @@ def test_random_cnns_writing_views_and_buffers_are_eager_or_refused(
         assert not bad, bad
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # the caller's model untouched
+
+
+# ---- forwards that read self.training, and outputs without a batch dimension (issue 13) -----
+
+MODAL = ("none", "branch", "functional_bn")
+OUTPUTS = ("logits", "with_sum", "with_sum_no_rule", "train_only_aux")
+
+
+class ModalCNN(RandomCNN):
+    """RandomCNN whose blocks may read ``self.training`` and whose output may hold a scalar.
+
+    ``modal[i]``: after block ``i``, ``"branch"`` scales by ``if self.training``;
+    ``"functional_bn"`` calls ``F.batch_norm(..., training=self.training)`` on a
+    batch norm's buffers (timm's ``BatchNormAct2d``). ``output``: the logits;
+    with their squared sum; or an auxiliary head returned in training only.
+    """
+
+    def __init__(
+        self, spec: list[tuple[int, int, str, bool, bool]], modal: list[str], output: str
+    ) -> None:
+        super().__init__(spec, width=4)
+        self.modal, self.output = modal, output
+        self.norms = nn.ModuleList(nn.BatchNorm2d(4) for _ in spec)
+        self.aux = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        outs = [x]
+        for block, norm, (src, skip, join, _bn, _pool), kind in zip(
+            self.blocks, self.norms, self.spec, self.modal
+        ):
+            inp = outs[src]
+            if join == "cat":
+                inp = torch.cat([inp, outs[skip]], dim=1)
+            y = block(inp)
+            if join == "add":
+                y = y + outs[skip]
+            if kind == "branch" and self.training:
+                y = y * 0.5 + 0.25
+            elif kind == "functional_bn":
+                y = nn.functional.batch_norm(
+                    y, norm.running_mean, norm.running_var, norm.weight, norm.bias, self.training
+                )
+            outs.append(y)
+        pooled = outs[-1].mean(dim=(2, 3))
+        logits = self.head(pooled)
+        if self.output in ("with_sum", "with_sum_no_rule"):
+            return logits, logits.pow(2).sum()
+        if self.output == "train_only_aux" and self.training:
+            return logits, self.aux(pooled)
+        return logits
+
+
+def eager_parts(model: nn.Module, x: torch.Tensor, micro: int, output: str) -> Any:
+    """Eager on the same micro-batches, merged as the compiled module merges them."""
+    parts = [model(xm) for xm in x.chunk(micro)]
+    if isinstance(parts[0], tuple):
+        first = torch.cat([p[0] for p in parts])
+        second = (
+            torch.stack([p[1] for p in parts]).sum()
+            if output.startswith("with_sum")
+            else torch.cat([p[1] for p in parts])
+        )
+        return first, second
+    return torch.cat(parts)
+
+
+@settings(
+    max_examples=16, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+    cnn_specs(),
+    st.data(),
+    st.integers(2, 3),
+    st.sampled_from([1, 2]),
+    st.sampled_from(["train", "infer"]),
+)
+def test_random_cnns_reading_self_training_switch_modes_like_eager(
+    spec: list[tuple[int, int, str, bool, bool]],
+    data: st.DataObject,
+    devices: int,
+    micro: int,
+    mode: str,
+) -> None:
+    """Compiled in one mode, run train -> eval -> train: eager's outputs and state, or refused."""
+    modal = [data.draw(st.sampled_from(MODAL)) for _ in spec]
+    output = data.draw(st.sampled_from(OUTPUTS))
+    torch.manual_seed(0)
+    model = ModalCNN(spec, modal, output).train(mode == "train")
+    x = torch.randn(4, 3, 8, 8)
+    merge = {"1": "sum"} if output == "with_sum" else None
+    try:
+        c = crosscut.compile(
+            model, ["cpu"] * devices, x, mode=mode, microbatches=micro, output_merge=merge
+        )
+    except CrosscutError as exc:  # only a scalar without a merge rule, with micro-batches
+        assert output == "with_sum_no_rule" and micro > 1, exc
+        assert "output_merge" in str(exc)
+        return
+    ref = copy.deepcopy(model)
+    for flag in (True, False, True):
+        c.train(flag)
+        ref.train(flag)
+        out = c(x)
+        with torch.no_grad():
+            want = eager_parts(ref, x, micro if flag else 1, output)
+        got, exp = (out, want) if isinstance(out, tuple) else ((out,), (want,))
+        assert type(out) is type(want) and len(got) == len(exp)
+        for a, b in zip(got, exp):
+            if micro == 1:
+                assert torch.equal(a.detach(), b), (a - b).abs().max()
+            else:
+                torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-5)
+        sd, ref_sd = c.state_dict(), ref.state_dict()
+        assert list(sd) == list(ref_sd)
+        for k, v in ref_sd.items():
+            torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    c.close()

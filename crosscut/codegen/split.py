@@ -14,7 +14,9 @@ Placement is a callback (``stage_of[node.name]``) into torch.fx's
   destination stage);
 * safety checks: backward edges, empty stages, tied parameters on different
   stages, and in-place ops on values that cross a cut (rewritten so every
-  consumer sees what it would see in eager mode);
+  consumer sees what it would see in eager mode); writes through views are
+  ordered earlier, in the trace (``partitioner/alias.py``), and a plan that
+  splits one of those mutation ties is refused here;
 * for cross-shaped plans (``groups``), the width split of a stage over its
   device group (``codegen/width.py``): channel shards with explicit gathers,
   or batch replicas whose gradients reduce onto the group leader.

@@ -308,12 +308,14 @@ def test_every_assignment_on_three_stages_is_eager_or_refused(
 
 def test_the_writes_become_a_small_tie_and_later_readers_read_the_written_value() -> None:
     g = crosscut.trace(SliceAdd(), torch.randn(2, 8))
-    assert ["a", "mul", "getitem", "add_", "mutated_value"] in g.ties
+    # the base is copied at its first view: 'a' and its earlier reader 'mul' stay free
+    assert g.ties == [["clone", "getitem", "add_", "mutated_value"]]
     gm = g.gm
-    b = next(n for n in gm.graph.nodes if n.name == "b")
-    assert [a.name for a in b.all_input_nodes] == ["mutated_value"]  # not the base 'a'
-    ident = next(n for n in gm.graph.nodes if n.name == "mutated_value")
-    assert [a.name for a in ident.all_input_nodes] == ["a", "add_"]
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert [a.name for a in nodes["mul"].all_input_nodes] == ["a"]
+    assert [a.name for a in nodes["clone"].all_input_nodes] == ["a"]
+    assert [a.name for a in nodes["b"].all_input_nodes] == ["mutated_value"]  # not the base
+    assert [a.name for a in nodes["mutated_value"].all_input_nodes] == ["clone", "add_"]
 
 
 def test_solver_plan_on_three_devices_with_two_microbatches_equals_eager() -> None:
@@ -335,8 +337,8 @@ def test_a_plan_splitting_a_mutation_tie_is_refused_at_compile_time() -> None:
     model = SliceAdd()
     gm = crosscut.trace(model, torch.randn(2, 8)).gm
     st = {n.name: 0 for n in gm.graph.nodes if n.op not in SKIP}
-    st.update({"mul": 1, "b": 1, "add": 1})  # the reader before the write, after it
-    with pytest.raises(CodegenError, match=r"'mul'.*write in place"):
+    st.update({"add_": 1, "mutated_value": 1, "b": 1, "add": 1})  # the write, not its view
+    with pytest.raises(CodegenError, match=r"'add_'.*write in place"):
         CompiledModule(model, gm, st, ["cpu"] * 2)
 
 

@@ -31,10 +31,12 @@ nodes the fake tensors could not run (leaves run on zeros).
 
 What is done with a class that is written through a view (or by a write
 ``_protect_inplace`` cannot name, or whose base is model state or a model
-input — an input is first read through ``x.clone()``, see
-:func:`_write_a_copy`): let ``L`` be
-its last write in graph order. The class's base producer, its members up to
-``L``, and every node reading a member before ``L`` become one tie
+input). From its first view or write on, a model input, or a computed base
+that something reads before that point, is read through ``base.clone()``
+(:func:`_write_a_copy`), which becomes the class's base: the early readers
+see the value as made, on any stage. Let ``L`` be its last write in graph
+order. The class's base, its members up to ``L``, and every node reading a
+member before ``L`` become one tie
 (``OpGraph.ties``, honoured by every solver, and checked again by codegen for
 hand-made plans), so the writes happen in eager order on one stage. Each node
 that reads a member ``X`` after ``L`` is rewired to read
@@ -234,12 +236,14 @@ def order_mutations(gm: fx.GraphModule) -> list[list[str]]:
     modules = dict(gm.named_modules())
     ties: list[list[str]] = []
     for cls in alias_classes(gm):
-        if cls.base.op == "placeholder":
-            _write_a_copy(gm, cls)
+        handled = _needs_order(cls, modules)
         order = {n: i for i, n in enumerate(gm.graph.nodes)}  # identities were inserted
+        if handled and cls.base.op != "get_attr" and _copy_pays(cls, order):
+            _write_a_copy(gm, cls, order)
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}
         for w in cls.writes:
             w.meta[MUTATES] = sorted({*w.meta.get(MUTATES, []), cls.base.name})
-        if not _needs_order(cls, modules):
+        if not handled:
             continue
         last = cls.writes[-1]
         early = {m for m in cls.members if order[m] <= order[last]}  # values written by L
@@ -260,23 +264,42 @@ def order_mutations(gm: fx.GraphModule) -> list[list[str]]:
     return [t for t in ties if len(t) > 1]
 
 
-def _write_a_copy(gm: fx.GraphModule, cls: AliasClass) -> None:
-    """A written model input is read through ``x.clone()``: the writes change the copy.
+def _first_touch(cls: AliasClass, order: Mapping[fx.Node, int]) -> fx.Node:
+    """The class's first view or write: before it, the base is read as it was made."""
+    return min((m for m in [*cls.members, *cls.writes] if m is not cls.base), key=order.__getitem__)
 
-    Why: micro-batches are views of the caller's batch that share one version
-    counter, so writing one would invalidate what autograd saved for another
-    (and on same-device stages the caller's tensor would be written while
-    other stages read it). The caller's tensor is left as it was (eager would
-    write it); every value the model computes is eager's.
+
+def _copy_pays(cls: AliasClass, order: Mapping[fx.Node, int]) -> bool:
+    """A model input always; a computed base when some node reads it before the first touch."""
+    if cls.base.op == "placeholder":
+        return True
+    first = order[_first_touch(cls, order)]
+    inside = {*cls.members, *cls.writes}
+    return any(u not in inside and u.op != "output" and order[u] < first for u in cls.base.users)
+
+
+def _write_a_copy(gm: fx.GraphModule, cls: AliasClass, order: Mapping[fx.Node, int]) -> None:
+    """From the class's first view or write on, the base is read through ``base.clone()``.
+
+    The writes then change the copy, and the base keeps the value it was made
+    with, so its readers before that point stay out of the tie and may sit on
+    any stage (they would otherwise all join it: cheap in bytes, one copy per
+    micro-batch, against a tie that can span the network). For a model input
+    it is needed anyway: micro-batches are views of the caller's batch sharing
+    one version counter, so writing one would invalidate what autograd saved for
+    another. The caller's tensor is left as it was (eager would write it);
+    every value the model computes is eager's.
     """
     x = cls.base
-    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    first = _first_touch(cls, order)
     with gm.graph.inserting_before(first):
         c = gm.graph.call_method("clone", (x,))
-    c.meta = {k: v for k, v in x.meta.items() if k in ("val", "tensor_meta")}
-    x.replace_all_uses_with(c, delete_user_cb=lambda u: u is not c)
+    c.meta = {k: v for k, v in x.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")}
+    for u in list(x.users):
+        if u is not c and (u.op == "output" or order[u] >= order[first]):
+            u.replace_input_with(x, c)
     cls.base = c
-    cls.members = [c if m is x else m for m in cls.members]
+    cls.members = [c, *(m for m in cls.members if m is not x)]
 
 
 def _rewire_later_readers(

@@ -488,3 +488,38 @@ def test_torchrun_buffers_written_in_forward_and_view_writes_train_like_eager(
     assert refused.returncode == 0, refused.stdout[-2000:] + refused.stderr[-2000:]
     lines = sorted(line for line in refused.stdout.splitlines() if line.startswith("REFUSED"))
     assert lines == ["REFUSED 0", "REFUSED 1"]
+
+
+class ModalWriter(nn.Module):
+    """Reads ``self.training`` (two traced programs) and writes a slice and a counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 5)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        y = self.c1(x)
+        z = y * 3
+        if self.training:
+            y = y * 2
+        y[:, :4].add_(1)
+        return self.fc((self.c2(y) + z).mean((2, 3)))
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_writes_and_counters_follow_train_eval_switches(mode: str) -> None:
+    """The other mode's program keeps the mutation ties too (codegen/modes.py places it)."""
+    torch.manual_seed(0)
+    model = ModalWriter().train(mode == "train")
+    x = torch.randn(4, 3, 8, 8)
+    c = crosscut.compile(model, ["cpu"] * 3, x, mode=mode, require_all_devices=True)
+    ref = copy.deepcopy(model)
+    for flag in (True, False, True, False):
+        c.train(flag)
+        ref.train(flag)
+        assert torch.equal(c(x), ref(x))
+    assert int(c.state_dict()["calls"]) == 4 == int(ref.state_dict()["calls"])

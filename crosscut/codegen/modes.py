@@ -31,6 +31,7 @@ from torch import fx
 from crosscut.codegen.attrs import get_attr, set_attr
 from crosscut.codegen.split import StagedProgram, build_stages
 from crosscut.errors import CodegenError
+from crosscut.partitioner.alias import GROUP
 
 __all__ = [
     "derive_assignment",
@@ -96,9 +97,30 @@ def derive_assignment(
         if n.name in stage_of and plan_nodes.get(n.name) == (n.op, n.target)
     }
     try:
-        return _place(gm, hints, key_stage)
+        return _place_tied(gm, hints, key_stage)
     except CodegenError:
-        return _place(gm, {}, key_stage)
+        return _place_tied(gm, {}, key_stage)
+
+
+def _place_tied(
+    gm: fx.GraphModule, hints: Mapping[str, int], key_stage: Mapping[str, int]
+) -> dict[str, int]:
+    """:func:`_place`, re-run with each mutation tie (``partitioner/alias.py``) raised to the
+    stage of its latest member until every tie shares one stage (or, when state pins a
+    member earlier, the placement is left for ``build_stages`` to refuse by name)."""
+    raised = dict(hints)
+    out = _place(gm, raised, key_stage)
+    for _ in range(len(gm.graph.nodes)):
+        top: dict[int, int] = {}
+        tied = [n for n in gm.graph.nodes if n.name in out and n.meta.get(GROUP) is not None]
+        for n in tied:
+            top[n.meta[GROUP]] = max(top.get(n.meta[GROUP], 0), out[n.name])
+        late = {n.name: top[n.meta[GROUP]] for n in tied if out[n.name] < top[n.meta[GROUP]]}
+        if not late or all(raised.get(k) == v for k, v in late.items()):
+            return out
+        raised.update(late)
+        out = _place(gm, raised, key_stage)
+    return out
 
 
 def _place(

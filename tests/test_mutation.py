@@ -128,6 +128,25 @@ class ManyReaders(nn.Module):
         return r2 + y + r1
 
 
+class ViewChain(nn.Module):
+    """Writes through views that only the chain itself reads, each step reading the last
+    one's result (timm's bn -> Identity -> ReLU(inplace=True), a flatten view written by an
+    in-place dropout): no tie is needed, and a cut anywhere in the chain still gives eager's
+    values and gradients. (``z.relu_(); f(z)`` instead reads ``z``, not the write, and is
+    tied: nothing but the tie orders ``f`` after the write.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.ident = nn.Linear(8, 8), nn.Linear(8, 8), nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # each step reads the previous one's result (a relu_ here would save its output
+        # for backward, and the second write would then break eager's own backward)
+        z = self.ident(self.a(x)).add_(1)
+        w = z.view(-1).mul_(2)
+        return self.b(w.view(z.shape))  # a shape read is not a data read
+
+
 class ConvWrites(nn.Module):
     """A CNN writing slices of a feature map (the issue's 3-device, 2-micro-batch case)."""
 
@@ -304,6 +323,14 @@ def test_every_assignment_on_three_stages_is_eager_or_refused(
 ) -> None:
     ran, _ = check_every_assignment(factory, 3, 2)
     assert ran >= 1
+
+
+@pytest.mark.parametrize("mb", [1, 2])
+def test_a_chain_of_views_written_in_place_needs_no_tie(mb: int) -> None:
+    gm = crosscut.trace(ViewChain(), torch.randn(4 // mb, 8)).gm
+    assert not any(GROUP in n.meta for n in gm.graph.nodes)
+    ran, refused = check_every_assignment(ViewChain, 3, mb)
+    assert refused == 0 and ran == len(list(assignments(gm, 3)))
 
 
 def test_the_writes_become_a_small_tie_and_later_readers_read_the_written_value() -> None:

@@ -75,7 +75,7 @@ __all__ = [
 
 MUTATED = "crosscut_mutated"  # meta: input nodes whose storage this node wrote (trace time)
 STATE = "crosscut_state_writes"  # meta: a call_module's own buffers it wrote (qualified keys)
-MUTATES = "crosscut_mutates"  # meta: base names of the alias classes this node writes
+MUTATES = "crosscut_mutates"  # meta: names of the values (base and views) this node writes
 GROUP = "crosscut_mutation_group"  # meta: index of the mutation tie this node belongs to
 
 _INPLACE_OPERATORS = {
@@ -213,11 +213,43 @@ def alias_classes(gm: fx.GraphModule) -> list[AliasClass]:
 # ---- making write order graph structure ------------------------------------------------
 
 
+_META_METHODS = {"size", "dim", "stride", "numel", "nelement", "is_contiguous", "element_size"}
+
+
+def _reads_data(u: fx.Node) -> bool:
+    """False for ``x.shape`` / ``x.size()`` and the like: shapes do not change on a write."""
+    if u.op == "call_function" and u.target is getattr:
+        return False
+    return not (u.op == "call_method" and u.target in _META_METHODS)
+
+
+def _is_chain(cls: AliasClass, order: Mapping[fx.Node, int]) -> bool:
+    """Nothing outside the class can see the writes out of order: no tie is needed.
+
+    True when no node outside the class reads a value made before the last
+    write (so no reader may run before a write, nor miss one), and every value
+    made after it reads only the last write or later values (so each later
+    reader depends on the last write by a data edge). timm's ``bn -> Identity
+    -> ReLU(inplace=True)`` blocks are such chains; a stage that receives one
+    of their values and writes it clones it (``Stage.mutated_inputs``).
+    """
+    last = order[cls.writes[-1]]
+    inside = {*cls.members, *cls.writes}
+    for m in cls.members:
+        if order[m] < last and any(u not in inside and _reads_data(u) for u in m.users):
+            return False
+        if order[m] > last and any(order[a] < last for a in m.all_input_nodes if a in inside):
+            return False
+    return True
+
+
 def _needs_order(cls: AliasClass, modules: Mapping[str, nn.Module]) -> bool:
     """A class ``_protect_inplace`` cannot handle: a view, an unnamed write, state, an input."""
     if cls.base.op in ("get_attr", "placeholder"):
         return True
     order = {n: i for i, n in enumerate(cls.base.graph.nodes)}
+    if _is_chain(cls, order):
+        return False
     last = order[cls.writes[-1]]
     writes = set(cls.writes)
     if any(m is not cls.base and m not in writes and order[m] < last for m in cls.members):
@@ -241,13 +273,15 @@ def order_mutations(gm: fx.GraphModule) -> list[list[str]]:
         if handled and cls.base.op != "get_attr" and _copy_pays(cls, order):
             _write_a_copy(gm, cls, order)
             order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        for w in cls.writes:
-            w.meta[MUTATES] = sorted({*w.meta.get(MUTATES, []), cls.base.name})
+        for w in cls.writes:  # every value of the class it changes (a stage input among
+            # them is cloned before the stage writes it: split.py's mutated_inputs)
+            seen = [m.name for m in cls.members if order[m] <= order[w]]
+            w.meta[MUTATES] = sorted({*w.meta.get(MUTATES, []), cls.base.name, *seen})
         if not handled:
             continue
         last = cls.writes[-1]
         early = {m for m in cls.members if order[m] <= order[last]}  # values written by L
-        readers = {u for m in early for u in m.users}
+        readers = {u for m in early for u in m.users if _reads_data(u)}
         tie = {cls.base, *early, *cls.writes, *(u for u in readers if order[u] < order[last])}
         tie |= _rewire_later_readers(gm, early, readers, last, order)
         order = {n: i for i, n in enumerate(gm.graph.nodes)}

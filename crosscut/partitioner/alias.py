@@ -44,7 +44,10 @@ that reads a member ``X`` after ``L`` is rewired to read
 that puts it no earlier than the write and hands it the written value. These
 identities join the tie, so what crosses a cut is the value after the last
 write. Ties stay small: a class of plain in-place chains (``ReLU(inplace=True)``,
-``out += identity``) without views is left to ``_protect_inplace``.
+``out += identity``) without views is left to ``_protect_inplace``, and so is a
+chain whose every later step reads the previous write's result (timm's
+``bn -> Identity -> ReLU(inplace=True)``, :func:`_is_chain`): data edges
+already order it.
 """
 
 from __future__ import annotations
@@ -262,8 +265,8 @@ def order_mutations(gm: fx.GraphModule) -> list[list[str]]:
 
     See the module docstring. Nodes of each tie carry ``meta[GROUP]`` (its
     index) so codegen can refuse a hand-made plan that splits them, and each
-    write carries ``meta[MUTATES]`` (the written class's base) so a stage knows
-    which of its inputs it changes.
+    write carries ``meta[MUTATES]`` (the values of its class made up to it) so a
+    stage knows which of its inputs it changes.
     """
     modules = dict(gm.named_modules())
     ties: list[list[str]] = []

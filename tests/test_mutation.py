@@ -1,7 +1,7 @@
-"""Writes through views and buffers written in forward: compiled vs eager (issue 13, items 2-3).
+"""Writes through views: compiled vs eager (issue 13, item 2; buffers: test_forward_state.py).
 
 Small models of our own write into slices, ``narrow``/``select`` views, views
-of views, a model input, and buffers. Each runs compiled on 2-3 CPU stages with
+of views, and a model input. Each runs compiled on 2-3 CPU stages with
 1 and 2 micro-batches, over EVERY edge-respecting stage assignment of its
 traced graph: an assignment either is refused at compile time with a
 ``CodegenError`` (it splits a mutation tie, ``partitioner/alias.py``) or gives
@@ -13,19 +13,14 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 
 import crosscut
-from crosscut.errors import CodegenError, CrosscutError
+from crosscut.errors import CodegenError
 from crosscut.partitioner.alias import GROUP
 from crosscut.runtime import CompiledModule
 
@@ -165,68 +160,6 @@ class ConvWrites(nn.Module):
         w = self.c3(z)
         w[:, 0].relu_()
         return self.fc((y + w + z).mean((2, 3)))
-
-
-class Counter(nn.Module):
-    """A buffer counter and an EMA buffer updated in forward, beside a batch norm."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1 = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4, 3)
-        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
-        self.register_buffer("avg", torch.zeros(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls.add_(1)
-        y = torch.relu(self.bn(self.c1(x)))
-        m = y.mean((0, 2, 3)).detach()
-        self.avg.mul_(0.9).add_(0.1 * m)
-        return self.fc(y.mean((2, 3))) + self.calls.float() * 0.01
-
-
-class NoGradUpdates(nn.Module):
-    """An EMA under ``torch.no_grad()`` read after the update, and a frozen teacher branch.
-
-    fx does not record ``no_grad``: traced naively, the buffer joins each call's
-    autograd graph (the second backward fails) and the teacher gets gradients.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.teacher = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-        self.register_buffer("avg", torch.zeros(8))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.a(x)
-        with torch.no_grad():
-            self.avg.mul_(0.9).add_(0.1 * y.mean(0))
-            t = self.teacher(x)
-        return self.b(y) - self.avg + t
-
-
-class FusedBN(nn.BatchNorm2d):
-    """A batch norm traced through (like timm's BatchNormAct2d): its counter is a graph node."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-        y = F.batch_norm(
-            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, 0.1
-        )
-        return torch.relu(y)
-
-
-class FusedNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.c = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = FusedBN(4)
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.bn(self.c(x)).mean((2, 3)))
 
 
 # ---- helpers ---------------------------------------------------------------------------
@@ -390,131 +323,6 @@ def test_written_model_input_is_a_copy_and_values_are_eager() -> None:
     assert torch.equal(xc, x)  # the caller's tensor is not written (documented)
     expected = model(x.clone())
     torch.testing.assert_close(out, expected)
-
-
-# ---- buffers written in forward --------------------------------------------------------
-
-
-def state(m: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in m.state_dict().items()}
-
-
-@pytest.mark.parametrize("mode", ["train", "infer"])
-def test_trace_partition_compile_leave_the_callers_model_unchanged(mode: str) -> None:
-    torch.manual_seed(0)
-    for factory in (Counter, FusedNet):
-        model = factory().train(mode == "train")
-        before = state(model)
-        x = torch.randn(4, 3, 8, 8)
-        crosscut.trace(model, x, mode=mode)
-        crosscut.partition(model, ["cpu", "cpu"], x, mode=mode)
-        crosscut.compile(model, ["cpu", "cpu"], x, mode=mode, require_all_devices=True)
-        after = model.state_dict()
-        assert list(after) == list(before)
-        assert all(torch.equal(before[k], after[k]) for k in before), [
-            k for k in before if not torch.equal(before[k], after[k])
-        ]
-
-
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_buffer_counter_and_ema_update_on_every_call_like_eager(k: int) -> None:
-    torch.manual_seed(0)
-    model = Counter()
-    x = torch.randn(4, 3, 8, 8)
-    c = crosscut.compile(model, ["cpu"] * k, x, microbatches=1, require_all_devices=True)
-    ref = copy.deepcopy(model)
-    for _ in range(3):
-        out, sd = compiled_step(c, x)
-        expected, ref_sd = eager_step(ref, x, 1)
-        assert torch.equal(out, expected)
-    assert int(sd["calls"]) == 3 == int(ref_sd["calls"])
-    assert all(torch.equal(sd[key], ref_sd[key]) for key in ref_sd)
-    assert int(model.state_dict()["calls"]) == 0  # the caller's model untouched
-
-
-def test_buffer_written_in_forward_with_microbatches_is_refused_by_name() -> None:
-    model = Counter()
-    with pytest.raises(CrosscutError, match="'calls' is written in forward by node 'add_'") as e:
-        crosscut.compile(model, ["cpu", "cpu"], torch.randn(4, 3, 8, 8), microbatches=2)
-    assert "microbatches=1" in str(e.value)
-
-
-def test_batch_norm_counter_traced_through_keeps_bn_mode_with_microbatches() -> None:
-    """num_batches_tracked written as a graph node is batch norm's own: bn_mode governs it."""
-    torch.manual_seed(0)
-    model = FusedNet()
-    x = torch.randn(4, 3, 8, 8)
-    c = crosscut.compile(model, ["cpu", "cpu"], x, microbatches=2, require_all_devices=True)
-    ref = copy.deepcopy(model)
-    out, sd = compiled_step(c, x)
-    expected, ref_sd = eager_step(ref, x, 2)
-    torch.testing.assert_close(out, expected)
-    assert int(sd["bn.num_batches_tracked"]) == 2 == int(ref_sd["bn.num_batches_tracked"])
-    for key in ref_sd:
-        torch.testing.assert_close(sd[key], ref_sd[key])
-
-
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_no_grad_blocks_in_forward_run_without_autograd_like_eager(k: int) -> None:
-    torch.manual_seed(0)
-    model = NoGradUpdates()
-    x = torch.randn(4, 8)
-    c = crosscut.compile(model, ["cpu"] * k, x, microbatches=1, require_all_devices=True)
-    ref = copy.deepcopy(model)
-    for _ in range(3):  # the second backward failed when the EMA joined the graph
-        out, sd = compiled_step(c, x)
-        expected, ref_sd = eager_step(ref, x, 1)
-        assert torch.equal(out, expected)
-        assert all(torch.equal(sd[key], ref_sd[key]) for key in ref_sd)
-    assert dict(c.named_parameters())["teacher.weight"].grad is None
-    assert ref.teacher.weight.grad is None
-
-
-# ---- under torchrun ----------------------------------------------------------------------
-
-
-def _torchrun(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    return subprocess.run(
-        [*cmd, str(script), *args], env=env, capture_output=True, text=True, timeout=240
-    )
-
-
-@pytest.mark.distributed
-@pytest.mark.xdist_group("dist")
-def test_torchrun_buffers_written_in_forward_and_view_writes_train_like_eager(
-    tmp_path: Path,
-) -> None:
-    """2 gloo ranks, 1 micro-batch: 3 SGD steps give eager's parameters and buffers;
-    with 2 micro-batches every rank refuses the buffer update by name."""
-    script = Path(__file__).parent / "dist_scripts" / "mutation_check.py"
-    done = _torchrun(script, str(tmp_path), "1")
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    got: dict[str, torch.Tensor] = {}
-    for r in range(2):
-        got.update(torch.load(tmp_path / f"rank{r}.pt"))
-    sys.path.insert(0, str(script.parent))
-    from mutation_check import Writer, data  # type: ignore[import-not-found]
-
-    torch.manual_seed(0)
-    x, y = data()
-    model = Writer()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(3):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    want = model.state_dict()
-    assert set(got) == set(want)
-    assert int(got["calls"]) == 3
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], msg=key)
-
-    refused = _torchrun(script, str(tmp_path / "m2"), "2")
-    assert refused.returncode == 0, refused.stdout[-2000:] + refused.stderr[-2000:]
-    lines = sorted(line for line in refused.stdout.splitlines() if line.startswith("REFUSED"))
-    assert lines == ["REFUSED 0", "REFUSED 1"]
 
 
 class ModalWriter(nn.Module):

@@ -217,3 +217,19 @@ def test_torchrun_buffers_written_in_forward_and_view_writes_train_like_eager(
     assert refused.returncode == 0, refused.stdout[-2000:] + refused.stderr[-2000:]
     lines = sorted(line for line in refused.stdout.splitlines() if line.startswith("REFUSED"))
     assert lines == ["REFUSED 0", "REFUSED 1"]
+
+
+@pytest.mark.parametrize("bn_mode", ["step", "exact"])
+def test_traced_through_batch_norm_under_step_or_exact_with_microbatches_is_refused(
+    bn_mode: str,
+) -> None:
+    """bn_mode='step'/'exact' reach leaf batch norms only: a graph that updates a batch
+    norm's statistics itself (its forward traced through) is refused by name."""
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.raises(CrosscutError, match=r"'bn\.(running_mean|num_batches_tracked)'") as e:
+        crosscut.compile(FusedNet(), ["cpu", "cpu"], x, microbatches=2, bn_mode=bn_mode)
+    assert "bn_mode='micro'" in str(e.value)
+    leaf = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(3))
+    leaf(x)  # materialise the lazy layer
+    crosscut.compile(leaf, ["cpu", "cpu"], x, microbatches=2, bn_mode="step")  # leaf: fine
+    crosscut.compile(FusedNet(), ["cpu", "cpu"], x, microbatches=1, bn_mode=bn_mode)

@@ -14,17 +14,21 @@ buffer and the node. The one exception is batch norm's own running statistics
 (``running_mean``, ``running_var``, ``num_batches_tracked`` of a
 ``_BatchNorm``, traced through as in timm's ``BatchNormAct2d``): what they do
 over micro-batches is the documented ``bn_mode`` contract of
-:class:`~crosscut.runtime.CompiledModule`.
+:class:`~crosscut.runtime.CompiledModule` — except that ``"step"`` and
+``"exact"`` reach only batch norms called as leaf modules, so a batch norm
+whose statistics the graph updates itself is refused under them.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
 from crosscut.errors import CodegenError
 from crosscut.partitioner.alias import MUTATES, STATE
 
-__all__ = ["check_state_writes", "state_writes"]
+__all__ = ["check_state_writes", "state_writes", "traced_batch_norm_writes"]
 
 
 def state_writes(gm: fx.GraphModule) -> list[tuple[str, str]]:
@@ -53,10 +57,53 @@ def _batch_norm_stat(model: nn.Module, key: str) -> bool:
     )
 
 
-def check_state_writes(model: nn.Module, gm: fx.GraphModule, microbatches: int) -> None:
-    """Refuse state written in forward when it would be written ``microbatches`` times per call."""
+def traced_batch_norm_writes(model: nn.Module, gm: fx.GraphModule) -> list[tuple[str, str]]:
+    """``(node, key)`` where the graph itself updates a batch norm's statistics.
+
+    That is a batch norm traced through rather than called as a leaf (a
+    subclass with its own forward, like timm's ``BatchNormAct2d``): a
+    training-mode ``F.batch_norm`` on its running buffers, or the
+    ``num_batches_tracked.add_(1)`` of its forward. ``bn_mode="step"`` swaps
+    leaf batch norms only, so it cannot reach these.
+    """
+    by_name = {n.name: n for n in gm.graph.nodes}
+    out = [(n, k) for n, k in state_writes(gm) if _batch_norm_stat(model, k)]
+    out = [(n, k) for n, k in out if by_name[n].op != "call_module"]
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in (F.batch_norm, torch.batch_norm):
+            continue
+        args = [*n.args, *n.kwargs.values()]
+        training = n.kwargs.get("training", n.args[5] if len(n.args) > 5 else False)
+        stats = [a for a in args if isinstance(a, fx.Node) and a.op == "get_attr"]
+        keys = [str(a.target) for a in stats if _batch_norm_stat(model, str(a.target))]
+        if training is not False and keys:
+            out.append((n.name, keys[0]))
+    return out
+
+
+def check_state_writes(
+    model: nn.Module, gm: fx.GraphModule, microbatches: int, bn_mode: str = "micro"
+) -> None:
+    """Refuse state written in forward when it would be written ``microbatches`` times per call.
+
+    Batch norm statistics are ``bn_mode``'s: with ``"micro"`` every micro-batch
+    updates them (documented); ``"step"`` and ``"exact"`` promise otherwise,
+    which they cannot keep for a batch norm the graph updates itself
+    (:func:`traced_batch_norm_writes`), so that is refused too.
+    """
     if microbatches <= 1:
         return
+    if bn_mode != "micro":
+        for node, key in traced_batch_norm_writes(model, gm):
+            raise CodegenError(
+                f"batch norm statistic {key!r} is updated by the traced graph itself (node "
+                f"{node!r}: the batch norm's forward is traced through, not called as a leaf), "
+                f"so bn_mode={bn_mode!r} cannot update it once per step; with microbatches="
+                f"{microbatches} it would be updated once per micro-batch",
+                value={"state": key, "node": node, "bn_mode": bn_mode},
+                remedy="use bn_mode='micro' (per micro-batch updates, documented) or "
+                "microbatches=1",
+            )
     for node, key in state_writes(gm):
         if _batch_norm_stat(model, key):
             continue

@@ -119,7 +119,7 @@ class CompiledModule(nn.Module):
         self.stages = nn.ModuleList([s.module for s in program.stages])
         # how micro-batch outputs merge; an output that cannot is refused here (output_merge.py)
         self._output_merge = check_outputs(gm, output_merge, microbatches)
-        check_state_writes(model, gm, microbatches)  # buffers written M times? (state_writes.py)
+        check_state_writes(model, gm, microbatches, bn_mode)  # written M times? (state_writes.py)
         self._schedule = schedule
         self._timeout = timeout
         self._microbatches = microbatches
@@ -133,7 +133,7 @@ class CompiledModule(nn.Module):
         self._other_error = other_gm if isinstance(other_gm, CrosscutError) else None
         if isinstance(other_gm, fx.GraphModule):
             check_outputs(other_gm, output_merge, microbatches, strict_paths=False)
-            check_state_writes(model, other_gm, microbatches)
+            check_state_writes(model, other_gm, microbatches, bn_mode)
             self._other, self._other_map = other_program(
                 program, gm, other_gm, stage_of, stage_devices, groups
             )

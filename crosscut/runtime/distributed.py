@@ -183,7 +183,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         program = self._build(model, gm)
         # the last stage's merge of micro-batch outputs in forward (runtime/output_merge.py)
         rules = check_outputs(gm, output_merge, self.microbatches)
-        check_state_writes(model, gm, self.microbatches)  # codegen/state_writes.py
+        check_state_writes(model, gm, self.microbatches, bn_mode)  # codegen/state_writes.py
         self._merge = OutputMerge(self._template, rules)
         # the dtypes values cross ranks in under the caller's autocast (runtime/wire_dtypes.py)
         self._wire = WireDtypes(gm, self.device, any(w > 1 for w in widths))

@@ -1,11 +1,16 @@
 """Under torchrun: a model whose forward reads ``self.training`` trains in the mode it was
 compiled for and refuses the other by name on every rank (ranks hold one program).
 
-Prints ``LOSS <x>`` on the last stage, then ``REFUSED <rank>`` on each rank that refused
-eval mode with crosscut's error, then ``PARAMS <rank> <names>``.
+Each rank writes ``<dir>/rank<r>.json`` (argv[1]): its loss (on the last stage),
+whether it refused eval mode with crosscut's error, and its parameter names. Files, not
+stdout: torchrun interleaves the ranks' output.
 """
 
 from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed
@@ -41,18 +46,21 @@ def main() -> None:
     x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
     pipe = crosscut.compile(Branchy(), None, x, require_all_devices=True)
     loss = pipe.train_step((x,), y, F.cross_entropy)
-    if loss is not None:
-        print(f"LOSS {float(loss):.6f}", flush=True)
     pipe.eval()
+    refused = False
     try:
         pipe(x)
     except CrosscutError as exc:
-        if "reads self.training" in str(exc):
-            print(f"REFUSED {torch.distributed.get_rank()}", flush=True)
+        refused = "reads self.training" in str(exc)
     pipe.train()
     pipe.train_step((x,), y, F.cross_entropy)  # the compiled mode still runs after the refusal
-    names = [n for n, _ in pipe.named_parameters()]
-    print(f"PARAMS {torch.distributed.get_rank()} {','.join(names)}", flush=True)
+    record = {
+        "loss": None if loss is None else float(loss),
+        "refused": refused,
+        "params": [n for n, _ in pipe.named_parameters()],
+    }
+    rank = torch.distributed.get_rank()
+    (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

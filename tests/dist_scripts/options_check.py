@@ -1,12 +1,14 @@
 """Under torchrun: options are validated on every rank alike and honoured.
 
-argv[1] names the case; each rank prints ``ERROR <rank> <class>: <message>`` for a
-refused call, or ``PLAN <rank> <objective> <stages>`` for a compiled one.
+argv[1] names the case; each rank writes ``<argv[2]>/rank<r>.txt``: ``ERROR <class>:
+<message>`` for a refused call, or ``PLAN <objective> <stages>`` for a compiled one
+(files, not stdout: torchrun interleaves the ranks' output).
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed
@@ -32,12 +34,13 @@ def main() -> None:
     x = torch.randn(4, 3, 8, 8)
     options = dict(CASES[sys.argv[1]])
     devices = options.pop("devices", None)
+    out = Path(sys.argv[2]) / f"rank{rank}.txt"
     try:
         pipe = crosscut.compile(model, devices, x, **options)  # type: ignore[arg-type]
     except CrosscutError as exc:
-        print(f"ERROR {rank} {type(exc).__name__}: {exc}", flush=True)
+        out.write_text(f"ERROR {type(exc).__name__}: {exc}")
         return
-    print(f"PLAN {rank} {pipe.plan.options.objective} {pipe.plan.num_stages}", flush=True)
+    out.write_text(f"PLAN {pipe.plan.options.objective} {pipe.plan.num_stages}")
 
 
 if __name__ == "__main__":

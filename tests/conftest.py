@@ -19,7 +19,25 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-__all__ = ["SEGMENTATION", "build_meta", "classification_names", "input_size"]
+__all__ = ["SEGMENTATION", "build_meta", "classification_names", "graphviz", "input_size"]
+
+
+@pytest.fixture
+def graphviz() -> None:
+    """Tests that draw SVG/PNG need Graphviz's ``dot``: skipped on a machine without it.
+
+    A system tool may enable tests, never be required; CI installs Graphviz and sets
+    ``CROSSCUT_REQUIRE_DOT=1``, so there a missing ``dot`` is a failure, not a skip.
+    """
+    import shutil
+
+    if shutil.which("dot"):
+        return
+    msg = "Graphviz `dot` is not on PATH (apt-get install graphviz)"
+    if os.environ.get("CROSSCUT_REQUIRE_DOT") == "1":
+        pytest.fail(msg + " and CROSSCUT_REQUIRE_DOT=1")
+    pytest.skip(msg + "; set CROSSCUT_REQUIRE_DOT=1 to make this a failure")
+
 
 SEGMENTATION = (
     "fcn_resnet50",

@@ -59,7 +59,11 @@ def test_partition_writes_a_valid_plan(plan_path: Path) -> None:
 
 
 @pytest.mark.parametrize("suffix", [".html", ".svg", ".dot", ".png"])
-def test_show_writes_each_format(plan_path: Path, tmp_path: Path, suffix: str) -> None:
+def test_show_writes_each_format(
+    plan_path: Path, tmp_path: Path, suffix: str, request: pytest.FixtureRequest
+) -> None:
+    if suffix in (".svg", ".png"):
+        request.getfixturevalue("graphviz")
     out = tmp_path / f"plan{suffix}"
     assert main(["show", str(plan_path), "-o", str(out)]) == 0
     data = out.read_bytes()

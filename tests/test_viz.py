@@ -151,7 +151,7 @@ def test_coarsen_caps_boxes_even_without_module_paths(plan: Plan) -> None:
     assert plan.num_stages <= len(deep) <= 5 + plan.num_stages
 
 
-def test_coarse_svg_renders_quickly(big: Plan) -> None:
+def test_coarse_svg_renders_quickly(big: Plan, graphviz: None) -> None:
     t0 = time.perf_counter()
     svg = render_dot(plan_to_dot(big), "svg").decode()
     assert time.perf_counter() - t0 < 20
@@ -161,14 +161,18 @@ def test_coarse_svg_renders_quickly(big: Plan) -> None:
 
 
 # ---- SVG / render ---------------------------------------------------------------------
-def test_svg_has_one_cluster_group_per_stage(plan: Plan) -> None:
+def test_svg_has_one_cluster_group_per_stage(plan: Plan, graphviz: None) -> None:
     svg = render_dot(plan_to_dot(plan, coarse=False)).decode()
     assert len(_stage_clusters(svg)) == plan.num_stages
     assert svg.count('class="cluster"') == plan.num_stages + 1  # + the legend
 
 
 @pytest.mark.parametrize("suffix", [".html", ".svg", ".dot", ".png"])
-def test_render_dispatches_on_suffix(plan: Plan, tmp_path: Path, suffix: str) -> None:
+def test_render_dispatches_on_suffix(
+    plan: Plan, tmp_path: Path, suffix: str, request: pytest.FixtureRequest
+) -> None:
+    if suffix in (".svg", ".png", ".html"):
+        request.getfixturevalue("graphviz")
     out = render(plan, tmp_path / f"sub/plan{suffix}", simulation=make_simulation(plan))
     data = out.read_bytes()
     head = {
@@ -203,7 +207,7 @@ def test_missing_dot_gives_install_hint(
 
 
 # ---- HTML ----------------------------------------------------------------------------
-def test_html_is_self_contained_with_timeline_and_bars(plan: Plan) -> None:
+def test_html_is_self_contained_with_timeline_and_bars(plan: Plan, graphviz: None) -> None:
     sim = make_simulation(plan)
     page = plan_to_html(plan, simulation=sim)
     refs = re.findall(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", page, re.I)

@@ -39,20 +39,12 @@ After the schedule a batch-split group sums its members' parameter gradients
 and copies the leader's buffers to the others, so the members stay
 identical after an optimizer step; a channel-split member owns its shards.
 
-**Shapes are static, taken from the trace.** The graph is traced at the
-micro-batch size, so every fx node carries its output's shape and dtype; both
-ends of a transfer read them from the same graph, so no shapes travel at
-run time and a receiver posts its buffer before the sender has finished. The
-price: the global batch must be exactly ``R × M × micro-batch`` of the plan
-(checked, with a remedy). Non-tensor values (``x.size(0)``) are constants of
-that trace and are never sent.
-
-**Tags** are computed from static data (edge index, micro-batch, tensor
-leaf, direction), so messages match regardless of posting order. **Every
-wait has a timeout** (``timeout_s``) and a failure becomes a
-:class:`~crosscut.errors.DistributedError` naming the lost rank and the value,
-micro-batch and action this rank was waiting for (see
-:mod:`crosscut.runtime.p2p`).
+**Shapes and tags are static**: both ends of a transfer read shapes and
+dtypes from the same micro-batch trace (so receivers post before senders
+finish; the global batch must be exactly ``R × M × micro-batch``, checked),
+and tags come from (edge, micro-batch, leaf, direction). **Every wait has a
+timeout** (``timeout_s``); a failure is a :class:`~crosscut.errors.DistributedError`
+naming the lost rank and what this rank waited for (:mod:`crosscut.runtime.p2p`).
 """
 
 from __future__ import annotations

@@ -129,9 +129,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         super().__init__()
         check_bn_mode(bn_mode)
         check_one_stage_per_device(plan)
-        # (compiled training flag, graph differences) when the model's graph depends on
-        # self.training: ranks hold one mode's program, so the other mode is refused
-        self.mode_lock: tuple[bool, list[str]] | None = None
+        self.mode_lock: tuple[bool, list[str]] | None = None  # plan_rules.check_mode
         self.bn_mode = bn_mode
         if not dist.is_available() or not dist.is_initialized():
             raise DistributedError(

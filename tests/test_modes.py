@@ -30,6 +30,7 @@ import crosscut
 from crosscut.api import other_mode_graph
 from crosscut.errors import CodegenError, RuntimeError_
 from crosscut.runtime import CompiledModule
+from tests.test_transparency import HEAVY  # one list of the heavy classifiers
 
 torch.set_num_threads(1)
 SKIP = ("placeholder", "output", "get_attr")
@@ -232,15 +233,6 @@ def test_torchrun_ranks_refuse_the_other_mode_by_name(tmp_path: Path) -> None:
 
 # ---- every non-heavy torchvision classifier, compiled in one mode, run in the other --------
 
-HEAVY = {
-    "vit_b_16", "vit_b_32", "vit_l_16", "vit_l_32", "vit_h_14",
-    "regnet_y_16gf", "regnet_y_32gf", "regnet_y_128gf", "regnet_x_16gf", "regnet_x_32gf",
-    "vgg13", "vgg13_bn", "vgg16", "vgg16_bn", "vgg19", "vgg19_bn", "vgg11_bn",
-    "efficientnet_b5", "efficientnet_b6", "efficientnet_b7",
-    "efficientnet_v2_m", "efficientnet_v2_l", "convnext_large", "convnext_base",
-    "swin_b", "swin_v2_b", "wide_resnet101_2", "wide_resnet50_2", "resnext101_64x4d",
-    "resnext101_32x8d", "resnet152", "maxvit_t", "densenet201", "densenet161",
-}  # fmt: skip
 TORCHVISION = [
     n for n in sorted(torchvision.models.list_models(module=torchvision.models)) if n not in HEAVY
 ]

@@ -222,11 +222,6 @@ class RandomScope:
             m.register_forward_pre_hook(self._enter)
             m.register_forward_hook(self._leave)
 
-    @property
-    def active(self) -> bool:
-        """Whether any stage draws random numbers."""
-        return bool(self._random)
-
     def start(self, enabled: bool) -> None:
         """Begin a call: a fresh seed (only when enabled and something draws)."""
         self.seed = call_seed() if enabled and self._random else None

@@ -55,16 +55,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.utils import _pytree as pytree
 
 from crosscut.codegen.rng import RandomScope
-from crosscut.codegen.split import StagedProgram, ValueRef, build_stages, map_structure
+from crosscut.codegen.split import StagedProgram, build_stages
 from crosscut.codegen.state_writes import check_state_writes
 from crosscut.codegen.transfers import INPUT
 from crosscut.errors import DistributedError, InputError
 from crosscut.runtime.batchnorm import install_step_batchnorm
 from crosscut.runtime.bn_commit import StepCommit
 from crosscut.runtime.checkpoint import RankState
+from crosscut.runtime.engine import StageEngine
 from crosscut.runtime.group_comm import GroupLink
 from crosscut.runtime.groups import (
     RankLayout,
@@ -85,10 +85,10 @@ from crosscut.runtime.plan_rules import (
     check_one_stage_per_device,
     group_widths,
 )
-from crosscut.runtime.stage_io import Posted, StageIO
+from crosscut.runtime.stage_io import StageIO
 from crosscut.runtime.thread_state import ThreadState
 from crosscut.runtime.wire_dtypes import WireDtypes
-from crosscut.schedule import Action, make_schedule, validate_schedule
+from crosscut.schedule import make_schedule, validate_schedule
 
 __all__ = [
     "DistributedPipeline",
@@ -97,8 +97,6 @@ __all__ = [
     "group_widths",
     "plan_hash",
 ]
-
-Saved = dict[int, tuple[dict[str, Any], dict[str, Any], torch.Tensor | None, torch.Tensor | None]]
 
 
 class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
@@ -190,6 +188,10 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             position_groups=self._position_groups,
         )
         self._group: GroupRole | None = None
+        # forward/backward of one micro-batch, shared with the local runtime (runtime/engine.py)
+        self._engine = StageEngine.for_stage(
+            program, self.stage_index, self.microbatches, run=self._call_stage
+        )
         if self.width > 1:
             link = GroupLink(
                 self._msg,
@@ -229,7 +231,6 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         self.stage: nn.Module = me.module
         self._inputs = [list(st.inputs) for st in program.stages]
         self._outputs = list(me.outputs)
-        self._mutated = set(me.mutated_inputs)
         self._param_keys = dict(me.param_keys)
         self._shard_sources = {
             k: v for k, v in program.shard_sources.items() if v[0] == self.stage_index
@@ -321,110 +322,50 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
                 "the last stage computes the loss: it needs targets and loss_fn",
                 remedy="pass targets and loss_fn on every rank",
             )
-        row = self._schedules[kind][s]
         training = kind == "train"
-        saved: Saved = {}
-        posted: dict[Action, Posted] = {}
+        engine = self._engine
         losses: list[torch.Tensor] = []
         results: list[Any] = []
-        for pos, a in enumerate(row):
-            for b in row[pos : pos + 2]:  # this action's and the next one's receives
-                if b not in posted:
-                    posted[b] = self._io.post(b)
-            pend = posted.pop(a)
-            if a.kind == "F":
-                out, loss = self._forward(a, pend, mbs, tgts, loss_fn, saved, training)
-                if loss is not None:
-                    losses.append(loss)
-                if s == last and not training:
-                    results.append(out)
-            else:
-                self._backward(a, pend, saved)
-            self._msg.drain()
+
+        def model_input(m: int) -> Callable[[str], Any]:
+            def get(name: str) -> Any:
+                assert mbs is not None
+                return mbs[m][self._placeholders.index(name)]
+
+            return get
+
+        try:
+            for a in self._io.start(self._schedules[kind][s]):
+                if a.kind == "B":
+                    engine.backward(a, self._io)
+                else:
+                    m = a.microbatch
+                    out, loss = engine.forward(
+                        a,
+                        self._io,
+                        model_input(m),
+                        training=training,
+                        target=tgts[m][0] if tgts is not None else None,
+                        loss_fn=loss_fn,
+                    )
+                    if loss is not None:
+                        losses.append(loss)
+                    if s == last and not training:
+                        results.append(out)
+                self._msg.drain()
+        finally:
+            engine.saved.clear()
         self._msg.flush()
         return losses, results
 
-    def _forward(
-        self,
-        a: Action,
-        pend: Posted,
-        mbs: list[list[Any]] | None,
-        tgts: list[list[Any]] | None,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-        saved: Saved,
-        training: bool,
-    ) -> tuple[Any, torch.Tensor | None]:
-        s, m, last = self.stage_index, a.microbatch, self.num_stages - 1
-        received = self._io.receive_values(pend, training)
-
-        def model_input(name: str) -> Any:
-            assert mbs is not None
-            return mbs[m][self._placeholders.index(name)]
-
-        ins = []
-        for v, src in self._inputs[s]:
-            val = model_input(v) if src == INPUT else received[v]
-            if v in self._mutated:  # in-place on a received leaf is illegal: mutate a copy
-                val = pytree.tree_map(
-                    lambda t: t.clone() if isinstance(t, torch.Tensor) else t, val
-                )
-            ins.append(val)
-        token: torch.Tensor | None = None
-        if self._group is not None:  # a group leader: its members join through the token chain
+    def _call_stage(
+        self, ins: list[Any], m: int, training: bool
+    ) -> tuple[list[Any], torch.Tensor | None]:
+        """Run this rank's stage; a group leader's members join through the token chain."""
+        if self._group is not None:
             results, token = self._group.lead(self.stage, ins, m, training)
-        else:
-            results = list(self.stage(*ins))
-        outs = dict(zip(self._outputs, results))
-        self._io.send_values(a, outs)
-        out: Any = None
-        loss: torch.Tensor | None = None
-        if s == last:
-
-            def fetch(leaf: Any) -> Any:
-                if not isinstance(leaf, ValueRef):
-                    return leaf
-                name = leaf.name
-                if name in outs:
-                    return outs[name]
-                if self._output_sources.get(name) == INPUT:
-                    return model_input(name)
-                return received[name]
-
-            out = map_structure(fetch, self._template)
-            if training:
-                assert tgts is not None and loss_fn is not None
-                loss = loss_fn(out, tgts[m][0]) * (1.0 / self.microbatches)
-        if training:
-            saved[m] = (received, outs, loss, token)
-        return out, loss
-
-    def _backward(
-        self,
-        a: Action,
-        pend: Posted,
-        saved: Saved,
-    ) -> None:
-        m = a.microbatch
-        received, outs, loss, token = saved.pop(m)
-        sums = self._io.receive_grads(pend)
-        roots: list[torch.Tensor] = []
-        grads: list[torch.Tensor | None] = []
-        if loss is not None:
-            roots.append(loss)
-            grads.append(None)
-        for value, gs in sums.items():
-            flags = self.routes.grad_leaf[value]
-            actual = [t for t, f in zip(pytree.tree_leaves(outs[value]), flags) if f]
-            for t, g in zip(actual, gs):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    roots.append(t)
-                    grads.append(g)
-        if token is not None and token.requires_grad:  # the group's messages, in reverse
-            roots.append(token)
-            grads.append(torch.zeros_like(token))
-        if roots:
-            torch.autograd.backward(roots, grads)
-        self._io.send_grads(a, received)
+            return list(results), token
+        return list(self.stage(*ins)), None
 
     def _allreduce_grads(self) -> None:
         """Sum a batch group's shares' gradients, then average the replicas'."""

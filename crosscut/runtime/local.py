@@ -62,9 +62,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from crosscut.codegen.batch_split import BatchSplitStage
-from crosscut.codegen.split import StagedProgram, ValueRef, map_structure
-from crosscut.codegen.transfers import INPUT
+from crosscut.codegen.split import StagedProgram
 from crosscut.errors import InputError, RuntimeError_
+from crosscut.runtime.engine import StageEngine, consumers, sum_leaves
 from crosscut.runtime.microbatch import micro_rows, scatter
 from crosscut.runtime.output_merge import OutputMerge, gather
 from crosscut.runtime.thread_state import ThreadState
@@ -93,7 +93,8 @@ class _Run:
     timeout: float
     cond: threading.Condition = field(default_factory=threading.Condition)
     values: dict[tuple[int, str], tuple[Any, Any]] = field(default_factory=dict)
-    grads: dict[tuple[int, str], list[list[torch.Tensor | None]]] = field(default_factory=dict)
+    # (micro-batch, value) -> reading stage -> per-leaf gradient it sends back
+    grads: dict[tuple[int, str], dict[int, list[torch.Tensor | None]]] = field(default_factory=dict)
     error: tuple[str, BaseException] | None = None
 
     def put(self, key: tuple[int, str], value: Any, event: Any = None) -> None:
@@ -191,16 +192,16 @@ class LocalExecutor:
         self.merge = OutputMerge(program.output_template, output_merge)
         self._workers: list[_Worker] | None = None
         self._lock = threading.Lock()
-        # consumers of each (stage, value): how many gradient contributions B waits for
-        self._expected: dict[str, int] = {}
-        for st in program.stages:
-            for value, src in st.inputs:
-                if src != INPUT:
-                    self._expected[value] = self._expected.get(value, 0) + 1
-        last = len(program.stages) - 1
-        for value, src in program.output_sources.items():
-            if src not in (INPUT, last):
-                self._expected[value] = self._expected.get(value, 0) + 1
+        # who reads each value from another stage (its gradient contributions), and what
+        # each stage receives: one leaf per (value, reading stage), as under torchrun
+        self._readers = consumers(program)
+        self._reads: list[list[str]] = [
+            [v for v, readers in self._readers.items() if st.index in readers]
+            for st in program.stages
+        ]
+        self._engines = [
+            StageEngine.for_stage(program, k, microbatches) for k in range(len(program.stages))
+        ]
 
     # ---- workers ------------------------------------------------------------------
     def _ensure_workers(self) -> list[_Worker]:
@@ -314,15 +315,12 @@ class LocalExecutor:
         ev.record(worker.compute)
         return ev
 
-    def _output(self, run: _Run, mb: int, stage: str, fetch: Callable[[str], Any]) -> Any:
-        return map_structure(
-            lambda leaf: fetch(leaf.name) if isinstance(leaf, ValueRef) else leaf,
-            self.program.output_template,
-        )
+    def _model_input(self, run: _Run, m: int, stage: int) -> Callable[[str], Any]:
+        """Micro-batch ``m``'s model inputs on ``stage``'s device (attached: not leaves)."""
+        name = self.program.stages[stage].name
+        return lambda v: self._move(*run.get((m, v), name), stage, False)
 
-    # ---- forward (one autograd graph) ---------------------------------------------
-    def forward(self, args: Sequence[Any]) -> Any:
-        """Run all micro-batches forward; the result is differentiable end to end."""
+    def _start(self, args: Sequence[Any]) -> tuple[_Run, list[list[Any]]]:
         prog = self.program
         if len(args) != len(prog.placeholders):
             raise InputError(
@@ -335,32 +333,32 @@ class LocalExecutor:
         for m, mb in enumerate(mbs):
             for name, v in zip(prog.placeholders, mb):
                 run.put((m, name), v)
+        return run, mbs
+
+    # ---- forward (one autograd graph) ---------------------------------------------
+    def forward(self, args: Sequence[Any]) -> Any:
+        """Run all micro-batches forward; the result is differentiable end to end.
+
+        The stage engine runs untrained actions: values move with the
+        differentiable ``Tensor.to`` instead of as detached leaves, so the
+        batch builds one autograd graph across every device.
+        """
+        run, mbs = self._start(args)
+        results: dict[int, Any] = {}
 
         def do(a: Action) -> None:
-            st = prog.stages[a.stage]
-            ins = [
-                self._move(*run.get((a.microbatch, v), st.name), a.stage, False)
-                for v, _ in st.inputs
-            ]
-            outs = st.module(*ins)
-            ev = self._event(a.stage)
-            for name, val in zip(st.outputs, outs):
-                run.put((a.microbatch, name), val, ev)
+            transport = _LocalTransport(self, run, a.stage)
+            out, _ = self._engines[a.stage].forward(
+                a, transport, self._model_input(run, a.microbatch, a.stage), training=False
+            )
+            if self._engines[a.stage].last:
+                results[a.microbatch] = out
 
         with self._lock:
             self._execute(run, self.forward_schedule, do)
-        results = []
-        for m in range(self.microbatches):
-
-            def fetch(name: str, m: int = m) -> Any:
-                value, _ = run.values[(m, name)]
-                return pytree.tree_map(
-                    lambda t: t.to(self.output_device) if isinstance(t, torch.Tensor) else t, value
-                )
-
-            results.append(self._output(run, m, "output", fetch))
         sizes = [micro_rows(mb) for mb in mbs]
-        return self.merge.merge(results, self.output_device, sizes)
+        ordered = [results[m] for m in range(self.microbatches)]
+        return self.merge.merge(ordered, self.output_device, sizes)
 
     # ---- pipelined training step ------------------------------------------------------
     def train_step(
@@ -376,107 +374,91 @@ class LocalExecutor:
         dimension is that micro-batch's value (``output_merge`` rules apply to
         :meth:`forward` only).
         """
-        prog = self.program
-        last = len(prog.stages) - 1
-        mbs = scatter(args, self.microbatches)
+        run, _ = self._start(args)
         tgts = scatter([targets], self.microbatches)
-        scale = 1.0 / self.microbatches
-        run = _Run(self.timeout)
-        for m, mb in enumerate(mbs):
-            for name, v in zip(prog.placeholders, mb):
-                run.put((m, name), v)
-        saved: dict[tuple[int, int], tuple[dict[str, Any], dict[str, Any], Any]] = {}
         losses: list[torch.Tensor | None] = [None] * self.microbatches
 
-        def forward(a: Action) -> None:
-            st, m = prog.stages[a.stage], a.microbatch
-            leaves: dict[str, Any] = {}
-            ins = []
-            for v, src in st.inputs:
-                val, ev = run.get((m, v), st.name)
-                moved = self._move(val, ev, a.stage, src != INPUT)
-                if src != INPUT:
-                    leaves[v] = moved
-                if v in st.mutated_inputs:  # in-place on a leaf is illegal: mutate a copy
-                    moved = pytree.tree_map(
-                        lambda t: t.clone() if isinstance(t, torch.Tensor) else t, moved
-                    )
-                ins.append(moved)
-            outs = dict(zip(st.outputs, st.module(*ins)))
-            ev = self._event(a.stage)
-            for name, val in outs.items():
-                run.put((m, name), val, ev)
-            loss = None
-            if a.stage == last:
-
-                def fetch(name: str) -> Any:
-                    if name in outs:
-                        return outs[name]
-                    val, vev = run.get((m, name), st.name)
-                    if prog.output_sources[name] == INPUT:
-                        return self._move(val, vev, last, False)
-                    leaves[f"out:{name}"] = self._move(val, vev, last, True)
-                    return leaves[f"out:{name}"]
-
-                out = self._output(run, m, st.name, fetch)
-                loss = loss_fn(out, tgts[m][0])
-                if scale != 1.0:
-                    loss = loss * scale
-                losses[m] = loss.detach()
-            saved[(a.stage, m)] = (leaves, outs, loss)
-
-        def backward(a: Action) -> None:
-            st, m = prog.stages[a.stage], a.microbatch
-            leaves, outs, loss = saved.pop((a.stage, m))
-            roots: list[torch.Tensor] = []
-            grads: list[torch.Tensor | None] = []
-            if loss is not None:
-                roots.append(loss)
-                grads.append(None)
-            for name, val in outs.items():
-                need = self._expected.get(name, 0)
-                if need == 0:
-                    continue
-                key = (m, name)
-
-                def arrived(key: tuple[int, str] = key, need: int = need) -> bool:
-                    return len(run.grads.get(key, [])) >= need
-
-                run.wait_for(
-                    arrived,
-                    f"gradient of {name!r} for micro-batch {m}",
-                    st.name,
-                )
-                with run.cond:
-                    contributions = run.grads.pop(key)
-                flat = [t for t in pytree.tree_leaves(val)]
-                for i, t in enumerate(flat):
-                    parts = [g for c in contributions if (g := c[i]) is not None]
-                    if isinstance(t, torch.Tensor) and t.requires_grad and parts:
-                        total: torch.Tensor = parts[0]
-                        for p in parts[1:]:
-                            total = total + p.to(total.device)
-                        roots.append(t)
-                        grads.append(total.to(t.device))
-            if roots:
-                torch.autograd.backward(roots, grads)
-            for key_name, leaf in leaves.items():
-                name = key_name.removeprefix("out:")
-                flat = [
-                    t.grad if isinstance(t, torch.Tensor) else None
-                    for t in pytree.tree_leaves(leaf)
-                ]
-                with run.cond:
-                    run.grads.setdefault((m, name), []).append(flat)
-                    run.cond.notify_all()
-
         def do(a: Action) -> None:
-            (forward if a.kind == "F" else backward)(a)
+            engine = self._engines[a.stage]
+            transport = _LocalTransport(self, run, a.stage)
+            if a.kind == "B":
+                engine.backward(a, transport)
+                return
+            m = a.microbatch
+            _, loss = engine.forward(
+                a,
+                transport,
+                self._model_input(run, m, a.stage),
+                training=True,
+                target=tgts[m][0],
+                loss_fn=loss_fn,
+            )
+            if loss is not None:
+                losses[m] = loss.detach()
 
-        with self._lock:
-            self._execute(run, self.train_schedule, do)
+        try:
+            with self._lock:
+                self._execute(run, self.train_schedule, do)
+        finally:
+            for engine in self._engines:  # a failed step leaves no saved graphs behind
+                engine.saved.clear()
         total = torch.zeros((), device=self.output_device)
         for loss_m in losses:
             assert loss_m is not None
             total = total + loss_m.to(self.output_device)
         return total
+
+
+class _LocalTransport:
+    """The stage engine's transport in one process: the call's shared value table.
+
+    Values are published into ``_Run.values`` and moved to the reader's device
+    (on CUDA through its copy stream, after the producer's event); gradients
+    are collected per (micro-batch, value) from each reader and summed in
+    reader-stage order, so the sum does not depend on which thread finished
+    first.
+    """
+
+    def __init__(self, ex: LocalExecutor, run: _Run, stage: int) -> None:
+        self.ex = ex
+        self.run = run
+        self.stage = stage
+        self.name = ex.program.stages[stage].name
+
+    def receive_values(self, a: Action, training: bool) -> dict[str, Any]:
+        got = {}
+        for v in self.ex._reads[self.stage]:
+            value, event = self.run.get((a.microbatch, v), self.name)
+            got[v] = self.ex._move(value, event, self.stage, training)
+        return got
+
+    def send_values(self, a: Action, outs: dict[str, Any]) -> None:
+        event = self.ex._event(self.stage)
+        for name, value in outs.items():
+            self.run.put((a.microbatch, name), value, event)
+
+    def receive_grads(self, a: Action) -> dict[str, list[torch.Tensor | None]]:
+        sums: dict[str, list[torch.Tensor | None]] = {}
+        for name in self.ex.program.stages[self.stage].outputs:
+            readers = self.ex._readers.get(name, [])
+            if not readers:
+                continue
+            key = (a.microbatch, name)
+
+            def arrived(key: tuple[int, str] = key, need: int = len(readers)) -> bool:
+                return len(self.run.grads.get(key, {})) >= need
+
+            self.run.wait_for(arrived, f"gradient of {name!r} for micro-batch {key[0]}", self.name)
+            with self.run.cond:
+                contributions = self.run.grads.pop(key)
+            sums[name] = sum_leaves([contributions[r] for r in readers])
+        return sums
+
+    def send_grads(self, a: Action, received: dict[str, Any]) -> None:
+        for name, leaf in received.items():
+            flat = [
+                t.grad if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(leaf)
+            ]
+            with self.run.cond:
+                self.run.grads.setdefault((a.microbatch, name), {})[self.stage] = flat
+                self.run.cond.notify_all()

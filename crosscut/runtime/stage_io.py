@@ -1,4 +1,4 @@
-"""What one pipeline rank takes in and hands on per schedule action.
+"""What one pipeline rank takes in and hands on per schedule action: the P2P transport.
 
 Why separate from the executor: :class:`~crosscut.runtime.distributed.DistributedPipeline`
 should read like its schedule — receive, run the stage, send; receive
@@ -9,11 +9,16 @@ its tensor leaves, the shape check before a send, the sum of a value's
 gradients over its consumers, and this replica's micro-batches of the global
 batch. Everything is keyed by the static :class:`~crosscut.runtime.p2p.Routes`,
 so both ends of an edge agree without exchanging anything at run time.
+
+:class:`StageIO` is the torchrun :class:`~crosscut.runtime.engine.Transport`
+of the stage engine (the local runtime's is an in-process value table): it
+posts each action's receives one action ahead (:meth:`StageIO.start`), so a
+peer's sends for the next action find their buffers already posted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +54,16 @@ class StageIO:
     microbatches: int
     # value -> leaf dtypes under the caller's autocast (runtime/wire_dtypes.py); {}: traced
     dtypes: dict[str, list[torch.dtype | None]] = field(default_factory=dict)
+    posted: dict[Action, Posted] = field(default_factory=dict)  # receives posted ahead
+
+    def start(self, row: Sequence[Action]) -> Iterator[Action]:
+        """Yield ``row``'s actions, each with its own and the next action's receives posted."""
+        self.posted.clear()
+        for pos, a in enumerate(row):
+            for b in row[pos : pos + 2]:
+                if b not in self.posted:
+                    self.posted[b] = self.post(b)
+            yield a
 
     def _dtype(self, value: str, j: int, traced: torch.dtype) -> torch.dtype:
         want = self.dtypes.get(value)
@@ -115,11 +130,12 @@ class StageIO:
             out.append((i, pend))
         return out
 
-    def receive_values(self, pend: Posted, grad: bool) -> dict[str, Any]:
+    def receive_values(self, a: Action, grad: bool) -> dict[str, Any]:
         """Wait for an F action's inputs and rebuild each value (leaves needing grad if ``grad``).
 
         Values with no tensor leaves were never posted; they are rebuilt from the trace.
         """
+        pend = self.posted.pop(a)
         received: dict[str, Any] = {}
         for _i, p in pend:
             received[p.value] = self._assemble(p.value, self.msg.wait_recv(p), grad)
@@ -128,16 +144,24 @@ class StageIO:
                 received[e.value] = self._assemble(e.value, [], grad)
         return received
 
-    def receive_grads(self, pend: Posted) -> dict[str, list[torch.Tensor]]:
-        """Wait for a B action's output gradients, summed over each value's consumers."""
+    def receive_grads(self, a: Action) -> dict[str, list[torch.Tensor | None]]:
+        """Wait for a B action's output gradients, summed over each value's consumers.
+
+        One entry per pytree leaf of the value (``None`` for leaves that carry
+        no gradient), summed in edge order — the reading stages' order.
+        """
         sums: dict[str, list[torch.Tensor]] = {}
-        for _i, p in pend:
+        for _i, p in self.posted.pop(a):
             got = self.msg.wait_recv(p)
             if p.value in sums:
                 sums[p.value] = [x + y for x, y in zip(sums[p.value], got)]
             else:
                 sums[p.value] = got
-        return sums
+        full: dict[str, list[torch.Tensor | None]] = {}
+        for value, gs in sums.items():
+            it = iter(gs)
+            full[value] = [next(it) if f else None for f in self.routes.grad_leaf[value]]
+        return full
 
     def _assemble(self, value: str, tensors: list[torch.Tensor], grad: bool) -> Any:
         spec, leaves = self.routes.meta[value]

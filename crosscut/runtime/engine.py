@@ -1,0 +1,236 @@
+"""One stage's forward and backward of one micro-batch, written once for both transports.
+
+Why one engine: the local runtime (one thread per stage, values in memory)
+and the torchrun runtime (one rank per stage, values over torch.distributed
+P2P) run the same schedule actions. What an action *computes* — which
+inputs to gather, which to clone because the stage writes them in place, the
+output structure the last stage rebuilds, the ``1/M`` loss scaling, the
+roots and gradients of the backward, which input gradients go back — must
+not depend on how values travel, or the two runtimes drift apart (they did:
+two copies of this logic disagreed on clones, scaling and gradient sums).
+So it lives here once, in :class:`StageEngine`, and each runtime supplies a
+:class:`Transport` that only moves things:
+
+* ``receive_values(a, training)``: every value the stage reads from another
+  stage for micro-batch ``a.microbatch`` — and, on the last stage, every
+  model output produced elsewhere — rebuilt on the stage's device. When
+  ``training``, each is a fresh leaf whose tensors require grad where the
+  producer's did (the stage's backward stops there and hands the gradient
+  back); otherwise a plain value (the local runtime keeps it attached, so its
+  whole forward is one differentiable graph).
+* ``send_values(a, outs)``: hand the stage's exported values to their readers.
+* ``receive_grads(a)``: for each exported value, the gradient of each of its
+  pytree leaves summed over the value's readers (``None`` where no reader
+  sent one), in a fixed reader order so sums are deterministic.
+* ``send_grads(a, received)``: send ``leaf.grad`` of every received value back
+  to its producer.
+
+The engine also keeps, per micro-batch, what its backward needs (the received
+leaves, the outputs, the loss and an optional ordering token of a
+cross-shaped group), which is what pipelining's ``forward_one_chunk`` /
+``backward_one_chunk`` split does in torch.distributed.pipelining.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch.utils import _pytree as pytree
+
+from crosscut.codegen.split import StagedProgram, ValueRef, map_structure
+from crosscut.codegen.transfers import INPUT
+from crosscut.schedule import Action
+
+__all__ = ["Saved", "StageEngine", "Transport", "consumers", "sum_leaves"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+RunStage = Callable[[list[Any], int, bool], tuple[Sequence[Any], torch.Tensor | None]]
+
+
+class Transport(Protocol):
+    """How one stage's values and gradients travel (module docstring)."""
+
+    def receive_values(self, a: Action, training: bool) -> dict[str, Any]: ...
+
+    def send_values(self, a: Action, outs: dict[str, Any]) -> None: ...
+
+    def receive_grads(self, a: Action) -> dict[str, list[torch.Tensor | None]]: ...
+
+    def send_grads(self, a: Action, received: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Saved:
+    """What a micro-batch's backward needs from its forward."""
+
+    received: dict[str, Any]
+    outs: dict[str, Any]
+    loss: torch.Tensor | None
+    token: torch.Tensor | None = None
+
+
+def consumers(program: StagedProgram) -> dict[str, list[int]]:
+    """value -> the stages that read it from another stage, in stage order.
+
+    The last stage counts once for a model output produced elsewhere (it
+    rebuilds the output structure), whether or not it also reads the value
+    as an input: one leaf per (value, reading stage), on both transports.
+    """
+    readers: dict[str, list[int]] = {}
+    last = len(program.stages) - 1
+    for st in program.stages:
+        for value, src in st.inputs:
+            if src != INPUT and st.index not in readers.setdefault(value, []):
+                readers[value].append(st.index)
+    for value, src in program.output_sources.items():
+        if src not in (INPUT, last) and last not in readers.setdefault(value, []):
+            readers[value].append(last)
+    return {v: sorted(r) for v, r in readers.items() if r}
+
+
+@dataclass
+class StageEngine:
+    """Forward and backward of one stage, one micro-batch at a time.
+
+    ``run(inputs, microbatch, training)`` calls the stage and returns its
+    outputs (in ``outputs`` order) and an optional token whose backward must
+    run too (a cross-shaped group's message chain); the plain case is
+    :meth:`plain`.
+    """
+
+    index: int
+    inputs: list[tuple[str, int]]
+    outputs: list[str]
+    mutated: frozenset[str]
+    last: bool
+    template: Any
+    output_sources: dict[str, int]
+    placeholders: list[str]
+    microbatches: int
+    run: RunStage
+    saved: dict[int, Saved] = field(default_factory=dict)
+
+    @classmethod
+    def for_stage(
+        cls,
+        program: StagedProgram,
+        index: int,
+        microbatches: int,
+        run: RunStage | None = None,
+    ) -> StageEngine:
+        """The engine of ``program.stages[index]`` (``run`` defaults to its module)."""
+        st = program.stages[index]
+        return cls(
+            index=index,
+            inputs=list(st.inputs),
+            outputs=list(st.outputs),
+            mutated=frozenset(st.mutated_inputs),
+            last=index == len(program.stages) - 1,
+            template=program.output_template,
+            output_sources=dict(program.output_sources),
+            placeholders=list(program.placeholders),
+            microbatches=microbatches,
+            run=run or cls.plain(st.module),
+        )
+
+    @staticmethod
+    def plain(module: Callable[..., Any]) -> RunStage:
+        """Run a stage module as is (no token)."""
+        return lambda ins, m, training: (list(module(*ins)), None)
+
+    def forward(
+        self,
+        a: Action,
+        transport: Transport,
+        model_input: Callable[[str], Any],
+        *,
+        training: bool,
+        target: Any = None,
+        loss_fn: LossFn | None = None,
+    ) -> tuple[Any, torch.Tensor | None]:
+        """Run ``F(stage, m)``; returns the output structure and loss (last stage only).
+
+        ``model_input(name)`` is micro-batch ``m``'s model input ``name`` on
+        this stage's device. With ``training``, the loss is
+        ``loss_fn(output, target) / M`` (equal micro-batches, so the summed
+        gradients are the whole batch's mean-loss gradients) and the state
+        the backward needs is kept until :meth:`backward`.
+        """
+        m = a.microbatch
+        received = transport.receive_values(a, training)
+        ins = []
+        for v, src in self.inputs:
+            val = model_input(v) if src == INPUT else received[v]
+            if training and v in self.mutated:  # in-place on a leaf is illegal: mutate a copy
+                val = pytree.tree_map(
+                    lambda t: t.clone() if isinstance(t, torch.Tensor) else t, val
+                )
+            ins.append(val)
+        results, token = self.run(ins, m, training)
+        outs = dict(zip(self.outputs, results))
+        transport.send_values(a, outs)
+        out: Any = None
+        loss: torch.Tensor | None = None
+        if self.last:
+
+            def fetch(leaf: Any) -> Any:
+                if not isinstance(leaf, ValueRef):
+                    return leaf
+                if leaf.name in outs:
+                    return outs[leaf.name]
+                if self.output_sources.get(leaf.name) == INPUT:
+                    return model_input(leaf.name)
+                return received[leaf.name]
+
+            out = map_structure(fetch, self.template)
+            if training:
+                assert loss_fn is not None
+                loss = loss_fn(out, target)
+                if self.microbatches > 1:
+                    loss = loss * (1.0 / self.microbatches)
+        if training:
+            self.saved[m] = Saved(received, outs, loss, token)
+        return out, loss
+
+    def backward(self, a: Action, transport: Transport) -> None:
+        """Run ``B(stage, m)``: backpropagate the loss and the readers' gradients."""
+        saved = self.saved.pop(a.microbatch)
+        grads_in = transport.receive_grads(a)
+        roots: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if saved.loss is not None:
+            roots.append(saved.loss)
+            grads.append(None)
+        for name, val in saved.outs.items():
+            sums = grads_in.get(name)
+            if sums is None:
+                continue
+            for t, g in zip(pytree.tree_leaves(val), sums):
+                if isinstance(t, torch.Tensor) and t.requires_grad and g is not None:
+                    roots.append(t)
+                    grads.append(g.to(t.device))
+        if saved.token is not None and saved.token.requires_grad:  # the group's messages
+            roots.append(saved.token)
+            grads.append(torch.zeros_like(saved.token))
+        if roots:
+            torch.autograd.backward(roots, grads)
+        transport.send_grads(a, saved.received)
+
+
+def sum_leaves(
+    contributions: Sequence[Sequence[torch.Tensor | None]],
+) -> list[torch.Tensor | None]:
+    """Sum per-leaf gradients over readers, in the given (fixed) order; ``None`` if none."""
+    if not contributions:
+        return []
+    out: list[torch.Tensor | None] = []
+    for i in range(len(contributions[0])):
+        parts = [g for c in contributions if (g := c[i]) is not None]
+        total: torch.Tensor | None = None
+        for p in parts:
+            total = p if total is None else total + p.to(total.device)
+        out.append(total)
+    return out

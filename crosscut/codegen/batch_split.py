@@ -30,17 +30,16 @@ from torch import fx, nn
 from torch.func import functional_call
 
 from crosscut.codegen.share_threads import (
-    DeviceThread,
     draws_random,
     module_view,
     next_call,
     replicate,
     share_scope,
-    stop_threads,
     thread_state,
 )
 from crosscut.codegen.width import shard_bounds
 from crosscut.errors import CodegenError, RuntimeError_
+from crosscut.runtime.device_thread import DeviceThread, stop_threads
 
 __all__ = ["BatchSplitStage"]
 

@@ -2,9 +2,10 @@
 
 :class:`~crosscut.codegen.batch_split.BatchSplitStage` runs its leader's share on
 the calling thread (the stage's worker thread in the local executor, Mariana's
-one CPU thread per device) and every other share on a :class:`DeviceThread` of
-its own. Three things make that safe and keep the results those of running
-the shares one after another:
+one CPU thread per device) and every other share on a
+:class:`~crosscut.runtime.device_thread.DeviceThread` of its own. Three things
+make that safe and keep the results those of running the shares one after
+another:
 
 * :func:`module_view` — ``torch.func.functional_call`` swaps tensors into the
   module's ``_parameters``/``_buffers`` dicts for the duration of the call, so
@@ -28,7 +29,6 @@ the shares one after another:
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -39,14 +39,12 @@ from torch import fx, nn
 from torch.nn.modules.dropout import _DropoutNd
 
 __all__ = [
-    "DeviceThread",
     "draws_random",
     "module_view",
     "next_call",
     "replicate",
     "share_order",
     "share_scope",
-    "stop_threads",
     "thread_state",
 ]
 
@@ -192,59 +190,6 @@ def draws_random(module: nn.Module) -> bool:
             if "drop" in name or "stochasticdepth" in name:
                 return True
     return False
-
-
-class DeviceThread:
-    """A persistent daemon thread that runs one share at a time for one group device.
-
-    Holds no reference to the stage module, so a dropped stage can be
-    collected (its finaliser stops the thread). The job carries everything a
-    share needs; thread-local torch state (grad mode, current CUDA device and
-    streams) is set by the job itself.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.jobs: queue.Queue[tuple[Callable[[], Any], _Result] | None] = queue.Queue()
-        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            item = self.jobs.get()
-            if item is None:
-                return
-            fn, result = item
-            try:
-                result.value = fn()
-            except BaseException as exc:  # re-raised on the caller's thread
-                result.error = exc
-            finally:
-                result.done.set()
-
-    def submit(self, fn: Callable[[], Any]) -> _Result:
-        result = _Result()
-        self.jobs.put((fn, result))
-        return result
-
-    def stop(self) -> None:
-        self.jobs.put(None)
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout=5)
-
-
-class _Result:
-    """The outcome of one job: its value or its exception, and when it is done."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-
-def stop_threads(threads: list[DeviceThread]) -> None:
-    """Stop every thread (a stage's finaliser: holds the threads, never the stage)."""
-    for t in threads:
-        t.stop()
 
 
 def thread_state(devices: Sequence[torch.device]) -> Callable[[torch.device], Any]:

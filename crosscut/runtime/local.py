@@ -52,7 +52,6 @@ worker poisons the call, wakes all waiters and is re-raised to the caller as
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,9 +63,10 @@ from torch.utils import _pytree as pytree
 from crosscut.codegen.batch_split import BatchSplitStage
 from crosscut.codegen.split import StagedProgram
 from crosscut.errors import InputError, RuntimeError_
+from crosscut.runtime.device_thread import DeviceThread
 from crosscut.runtime.engine import StageEngine, consumers, sum_leaves
 from crosscut.runtime.microbatch import micro_rows, scatter
-from crosscut.runtime.output_merge import OutputMerge, gather
+from crosscut.runtime.output_merge import OutputMerge
 from crosscut.runtime.thread_state import ThreadState
 from crosscut.schedule import (
     Action,
@@ -77,7 +77,7 @@ from crosscut.schedule import (
     validate_schedule,
 )
 
-__all__ = ["LocalExecutor", "gather", "scatter"]
+__all__ = ["LocalExecutor"]
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -127,42 +127,6 @@ class _Run:
             self.cond.notify_all()
 
 
-class _Worker:
-    """A persistent thread that runs jobs from a queue; ``None`` stops it."""
-
-    def __init__(self, name: str, device: torch.device) -> None:
-        self.name = name
-        self.device = device
-        self.jobs: queue.Queue[tuple[Callable[[], None], threading.Event] | None] = queue.Queue()
-        self.compute: Any = None
-        self.copy: Any = None
-        if device.type == "cuda":
-            self.compute = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            self.copy = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        self.thread = threading.Thread(target=self._loop, name=f"crosscut-{name}", daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            item = self.jobs.get()
-            if item is None:
-                return
-            fn, done = item
-            try:
-                fn()
-            finally:
-                done.set()
-
-    def submit(self, fn: Callable[[], None]) -> threading.Event:
-        done = threading.Event()
-        self.jobs.put((fn, done))
-        return done
-
-    def stop(self) -> None:
-        self.jobs.put(None)
-        self.thread.join(timeout=5)
-
-
 class LocalExecutor:
     """Runs a :class:`StagedProgram` on this process's devices, one thread per stage."""
 
@@ -190,7 +154,7 @@ class LocalExecutor:
         self.forward_schedule: Schedule = inference(n, microbatches)
         self.output_device = program.stages[-1].device
         self.merge = OutputMerge(program.output_template, output_merge)
-        self._workers: list[_Worker] | None = None
+        self._workers: list[DeviceThread] | None = None
         self._lock = threading.Lock()
         # who reads each value from another stage (its gradient contributions), and what
         # each stage receives: one leaf per (value, reading stage), as under torchrun
@@ -204,9 +168,9 @@ class LocalExecutor:
         ]
 
     # ---- workers ------------------------------------------------------------------
-    def _ensure_workers(self) -> list[_Worker]:
+    def _ensure_workers(self) -> list[DeviceThread]:
         if self._workers is None:
-            self._workers = [_Worker(s.name, s.device) for s in self.program.stages]
+            self._workers = [DeviceThread(s.name, s.device) for s in self.program.stages]
         return self._workers
 
     def close(self) -> None:
@@ -245,7 +209,7 @@ class LocalExecutor:
         # the caller's grad/inference/autocast state, entered by every worker (thread_state.py)
         state = ThreadState.capture(s.device.type for s in self.program.stages)
 
-        def job(row: list[Action], worker: _Worker) -> Callable[[], None]:
+        def job(row: list[Action], worker: DeviceThread, stage: int) -> Callable[[], None]:
             def body() -> None:
                 action: Action | None = None
                 try:
@@ -261,13 +225,13 @@ class LocalExecutor:
                 except _Abort:
                     return
                 except BaseException as exc:
-                    run.fail(f"{worker.name} at action {action}", exc)
+                    run.fail(f"{self.program.stages[stage].name} at action {action}", exc)
 
             return body
 
-        dones = [w.submit(job(row, w)) for row, w in zip(rows, workers)]
+        dones = [w.submit(job(row, w, k)) for k, (row, w) in enumerate(zip(rows, workers))]
         for d in dones:
-            if not d.wait(self.timeout + 5):
+            if not d.done.wait(self.timeout + 5):
                 run.fail("caller", TimeoutError("a stage worker did not finish"))
                 break
         if run.error is not None:

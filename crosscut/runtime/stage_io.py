@@ -26,7 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from crosscut.errors import DistributedError, InputError
-from crosscut.runtime.local import scatter
+from crosscut.runtime.microbatch import scatter
 from crosscut.runtime.p2p import Edge, Messenger, PendingRecv, Routes
 from crosscut.schedule import Action
 

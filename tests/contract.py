@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from crosscut.errors import CrosscutError
+from crosscut.runtime.contract import Pipeline
+from crosscut.runtime.distributed import DistributedPipeline
 
 __all__ = ["Small", "batch", "check_contract", "eager_loss"]
 
@@ -59,6 +61,8 @@ def _raises(call: Any, kind: type[Exception] = CrosscutError) -> str:
 def check_contract(pipe: Any, model: nn.Module, m: int, tmp: Path) -> float | None:
     """Run the contract on ``pipe`` (compiled from ``model``); returns train_step's loss."""
     x, y = batch()
+    assert isinstance(pipe, Pipeline), type(pipe)
+    assert pipe.plan is not None
     base = lambda name: name.split("#shard")[0]  # noqa: E731
     order = [n for n, _ in model.named_parameters()]
     names = [base(n) for n, _ in pipe.named_parameters()]
@@ -77,6 +81,30 @@ def check_contract(pipe: Any, model: nn.Module, m: int, tmp: Path) -> float | No
     pipe.load_state_dict(model.state_dict())
     msg = _raises(lambda: pipe.load_state_dict({"nope": torch.zeros(1)}))
     assert "missing" in msg and "nope" in msg
+    # forward: eager's output where it is returned (under torchrun: the last stage's ranks)
+    with torch.no_grad():
+        want_out = model(x)
+    pipe.eval()
+    out = pipe(x)
+    if out is not None:
+        assert torch.allclose(out, want_out, rtol=1e-5, atol=1e-6)
+    pipe.train()
+    out = pipe(x)  # under grad mode: locally differentiable, under torchrun refused by name
+    if out is not None:
+        assert out.requires_grad
+        if isinstance(pipe, DistributedPipeline):
+            assert "train_step" in _raises(lambda: out.sum().backward())
+        else:
+            out.sum().backward()
+            model.zero_grad()
+            model(x).sum().backward()
+            got = dict(pipe.named_parameters())
+            for name, p in model.named_parameters():
+                if name in got:
+                    assert torch.allclose(got[name].grad, p.grad, rtol=1e-4, atol=1e-6), name
+            model.zero_grad()
+        for p in pipe.parameters():
+            p.grad = None
     # placement is the plan's; dtype is the user's
     for move in (lambda: pipe.to("cpu"), pipe.cpu, lambda: pipe.to(torch.device("cpu"))):
         assert "placement comes from the plan" in _raises(move)

@@ -1,11 +1,21 @@
-"""What both runtimes' modules promise alike: the rules of ``.to()`` and checkpoints.
+"""What both runtimes' modules promise alike: the :class:`Pipeline` contract and its rules.
 
 ``crosscut.compile`` returns a :class:`~crosscut.runtime.compiled.CompiledModule`
 in one process and a :class:`~crosscut.runtime.distributed.DistributedPipeline`
-under torchrun; the rules a user meets on both live here once, so the two
-cannot drift: placement comes from the plan (a device move is refused, as
-torchgpipe refuses it), a dtype change is allowed; a whole checkpoint of the
-model is cut to what the module holds.
+under torchrun. Both are a :class:`Pipeline` (checked by ``isinstance`` in
+``tests/contract.py``, which runs the same assertions on both), and the
+rules a user meets on both live here once, so the two cannot drift:
+placement comes from the plan (a device move is refused, as torchgpipe
+refuses it), a dtype change is allowed; a whole checkpoint of the model is
+cut to what the module holds.
+
+One difference is inherent and refused by name rather than left silent: a
+torchrun rank's ``forward`` output cannot be backpropagated, because the
+graph behind it spans processes (torch's distributed autograd lives in the
+RPC framework, not in the P2P messages the pipeline uses). Its floating
+outputs carry a backward that raises :class:`~crosscut.errors.RuntimeError_`
+naming ``train_step`` (:func:`inference_only`), instead of torch's
+"does not require grad".
 """
 
 from __future__ import annotations
@@ -13,13 +23,111 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch.utils import _pytree as pytree
 
 from crosscut.errors import InputError, RuntimeError_
 
-__all__ = ["dtype_of_to", "load_file", "refuse_placement", "save_file", "share_of"]
+__all__ = [
+    "Pipeline",
+    "dtype_of_to",
+    "inference_only",
+    "load_file",
+    "refuse_placement",
+    "save_file",
+    "share_of",
+]
+
+
+@runtime_checkable
+class Pipeline(Protocol):
+    """What ``crosscut.compile`` returns, in one process and on every torchrun rank.
+
+    * ``forward(*inputs)``: the model's outputs (micro-batches merged by the
+      ``output_merge`` rules). Locally differentiable end to end; under
+      torchrun, the last stage's ranks return their replica's output and the
+      others ``None``, and a backward through it is refused
+      (:func:`inference_only`).
+    * ``train_step(inputs, targets, loss_fn)``: a pipelined forward and
+      backward of the whole batch by the plan's schedule; gradients land in
+      ``.grad``; returns the full-batch mean loss (``None`` on ranks that do
+      not compute it).
+    * ``state_dict``/``load_state_dict``/``named_parameters``/``parameters``/
+      ``named_buffers``: under the model's own keys, in the model's order (a
+      rank: its share; a channel shard as ``KEY#shardI``); a whole checkpoint
+      of the model loads on every rank, each taking its share.
+    * ``train()``/``eval()``, ``.to(dtype)`` allowed, device moves refused.
+    * ``save_checkpoint``/``load_checkpoint`` (one file locally; a directory
+      of per-rank files under torchrun), ``close()``, ``plan``.
+    """
+
+    plan: Any
+    training: bool
+
+    def __call__(self, *inputs: Any) -> Any: ...
+
+    def forward(self, *inputs: Any) -> Any: ...
+
+    def train_step(self, inputs: Any, targets: Any, loss_fn: Any) -> torch.Tensor | None: ...
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]: ...
+
+    def load_state_dict(
+        self, state_dict: Any, strict: bool = True, assign: bool = False
+    ) -> Any: ...
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def parameters(self, recurse: bool = True) -> Any: ...
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+    def eval(self) -> Any: ...
+
+    def to(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def save_checkpoint(self, path: Any, optimizer: Any = None, extra: Any = None) -> None: ...
+
+    def load_checkpoint(self, path: Any, optimizer: Any = None) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class _RefuseBackward(torch.autograd.Function):
+    """Identity forward; a backward that names the rule (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError_(
+            "backward through a torchrun rank's forward output is refused: the graph "
+            "behind it spans ranks, and a rank cannot backpropagate into the others",
+            remedy="train with pipe.train_step(inputs, targets, loss_fn), which runs the "
+            "backward on every rank; use forward for inference (eval or torch.no_grad)",
+        )
+
+
+def inference_only(output: Any) -> Any:
+    """``output`` with each floating tensor wrapped so that a backward through it is refused.
+
+    Applied only under grad mode (outside it nothing can be backpropagated).
+    """
+    if not torch.is_grad_enabled():
+        return output
+
+    def wrap(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return _RefuseBackward.apply(t.detach().requires_grad_(True))
+        return t
+
+    return pytree.tree_map(wrap, output)
 
 
 def refuse_placement(what: str, devices: Sequence[str]) -> RuntimeError_:

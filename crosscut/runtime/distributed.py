@@ -64,6 +64,7 @@ from crosscut.errors import DistributedError, InputError
 from crosscut.runtime.batchnorm import install_step_batchnorm
 from crosscut.runtime.bn_commit import StepCommit
 from crosscut.runtime.checkpoint import RankState
+from crosscut.runtime.contract import inference_only
 from crosscut.runtime.engine import StageEngine
 from crosscut.runtime.group_comm import GroupLink
 from crosscut.runtime.groups import (
@@ -406,7 +407,11 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         return total
 
     def forward(self, *inputs: Any) -> Any:
-        """Inference through the pipeline (no gradients); the output on last-stage ranks, else None.
+        """Inference through the pipeline; the output on last-stage ranks, else None.
+
+        Under grad mode the output requires grad as eager's would, but its
+        backward is refused by name: train with :meth:`train_step`
+        (:func:`~crosscut.runtime.contract.inference_only`).
 
         Each replica computes its shard; the output is this replica's shard, its
         micro-batches merged by the ``output_merge`` rules (a ``"sum"`` is this
@@ -419,7 +424,8 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             self._group.sync_buffers(self.stage)
         if self.stage_index != self.num_stages - 1 or self.member > 0:
             return None
-        return self._merge.merge(results, self.device, [self.micro_batch] * len(results))
+        merged = self._merge.merge(results, self.device, [self.micro_batch] * len(results))
+        return inference_only(merged)  # a backward through it is refused by name (contract.py)
 
     # ---- description (state under the original keys: checkpoint.RankState) -----------
     def layout(self) -> dict[str, Any]:

@@ -28,7 +28,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.func import functional_call
+from torch.utils import _pytree as pytree
 
+from crosscut.codegen.batch_shares import batch_of, check_output, input_kind, share_bounds
 from crosscut.codegen.share_threads import (
     draws_random,
     module_view,
@@ -94,24 +96,31 @@ class BatchSplitStage(nn.Module):
         self.parallel = parallel
         self._threads: list[DeviceThread] | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._check_traced_outputs()
+
+    def _check_traced_outputs(self) -> None:
+        """Refuse at build time what the first call would refuse (batch_shares.check_output).
+
+        Uses the trace's values where the stage graph carries them (``meta["val"]``).
+        """
+        graph = self.inner.graph
+        ins = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+        if any(v is None for v in ins):
+            return
+        batch = batch_of(ins, "a batch-split stage")
+        out = next(n for n in graph.nodes if n.op == "output").args[0]
+        for j, arg in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+            val = arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+            if isinstance(arg, fx.Node) and val is None:
+                continue
+            check_output(val, batch, f"{j} ({getattr(arg, 'name', arg)!r})", "a batch-split stage")
 
     def forward(self, *args: Any) -> tuple[Any, ...]:
-        batch = next(
-            (int(a.shape[0]) for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None
-        )
-        if batch is None:
-            raise CodegenError(
-                "a batch-split stage needs a batch-major tensor input",
-                value=[type(a).__name__ for a in args],
-                remedy="split this stage by channel, or do not split it",
-            )
-        w = min(len(self.devices), batch)
-        parts = [
-            a.tensor_split(w, 0)
-            if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch
-            else None
-            for a in args
-        ]
+        batch = batch_of(args, "a batch-split stage")
+        bounds = share_bounds(batch, len(self.devices))
+        w = len(bounds)
+        kinds = [input_kind(a, batch) for a in args]
+        parts = [a.tensor_split(w, 0) if kind == "split" else None for a, kind in zip(args, kinds)]
         params = dict(self.inner.named_parameters())
         buffers = dict(self.inner.named_buffers())
         call = next_call()
@@ -126,7 +135,9 @@ class BatchSplitStage(nn.Module):
                 mine = [
                     p[i].to(dev, copy=j in self.mutated)
                     if p is not None
-                    else (a.to(dev) if isinstance(a, torch.Tensor) else a)
+                    else pytree.tree_map(
+                        lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, a
+                    )
                     for j, (p, a) in enumerate(zip(parts, args))
                 ]
                 return tuple(functional_call(module, state, tuple(mine)))
@@ -140,7 +151,7 @@ class BatchSplitStage(nn.Module):
                     outs.append(share(i, self.inner))
                 except Exception as exc:
                     raise self._share_error(i, w, batch, exc) from exc
-        return tuple(self._merge(j, [o[j] for o in outs]) for j in range(len(outs[0])))
+        return tuple(self._merge(j, [o[j] for o in outs], batch) for j in range(len(outs[0])))
 
     def _concurrent(
         self, share: Callable[[int, nn.Module], tuple[Any, ...]], w: int, batch: int
@@ -202,16 +213,9 @@ class BatchSplitStage(nn.Module):
         state["_threads"], state["_finalizer"] = None, None
         return state
 
-    def _merge(self, j: int, values: list[Any]) -> Any:
-        lead = self.devices[0]
-        first = values[0]
-        if isinstance(first, torch.Tensor) and first.dim() > 0:
-            return torch.cat([v.to(lead) for v in values], 0)
-        if all(v == first for v in values[1:]) if not isinstance(first, torch.Tensor) else False:
-            return first
-        raise CodegenError(
-            f"output {j} of a batch-split stage is not batch-major, so its shares cannot "
-            "be concatenated",
-            value=repr(first)[:80],
-            remedy="cut the stage elsewhere, split it by channel, or do not split it",
-        )
+    def _merge(self, j: int, values: list[Any], batch: int) -> Any:
+        """Join output ``j`` of the shares (the rule of :mod:`crosscut.codegen.batch_shares`)."""
+        bounds = share_bounds(batch, len(self.devices))
+        for (lo, hi), v in zip(bounds, values):
+            check_output(v, hi - lo, str(j), "a batch-split stage")
+        return torch.cat([v.to(self.devices[0]) for v in values], 0)

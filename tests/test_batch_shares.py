@@ -1,0 +1,106 @@
+"""One rule for batch-split stages (codegen/batch_shares.py), on the local runtime.
+
+The torchrun runtime's members follow the same functions; tests/test_cross_distributed.py
+runs them end to end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+from crosscut.codegen.batch_shares import batch_of, check_output, input_kind, share_bounds
+from crosscut.errors import CodegenError
+from crosscut.partitioner.trace import trace
+from crosscut.runtime import CompiledModule
+
+
+class SizeAcross(nn.Module):
+    """Exports ``y.size(0)`` from the first stage; the second reshapes by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 8 * 8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c(x)
+        n = y.size(0)
+        z = torch.relu(y)
+        return self.fc(z.reshape(n, -1))
+
+
+def _split_at(gm: fx.GraphModule, first_of_stage1: str) -> dict[str, int]:
+    stage, out = 0, {}
+    for n in gm.graph.nodes:
+        stage = 1 if n.name == first_of_stage1 else stage
+        out[n.name] = stage
+    return out
+
+
+def test_rule_functions() -> None:
+    x = torch.zeros(5, 2)
+    assert batch_of([3, x], "s") == 5
+    with pytest.raises(CodegenError, match="batch-major tensor input"):
+        batch_of([3, torch.zeros(())], "s")
+    assert share_bounds(5, 2) == [(0, 3), (3, 5)]
+    assert share_bounds(2, 4) == [(0, 1), (1, 2)]  # no empty shares
+    assert input_kind(x, 5) == "split"
+    assert input_kind(torch.zeros(4, 2), 5) == "whole"
+    assert input_kind((x[:1], 2), 5) == "whole"
+    assert input_kind((1, "a"), 5) == "const"
+    check_output(torch.zeros(3, 1), 3, "0", "s")
+    for bad in (torch.zeros(()), torch.zeros(2, 3), 3, (torch.zeros(3),)):
+        with pytest.raises(CodegenError, match="cannot be concatenated"):
+            check_output(bad, 3, "0", "s")
+
+
+def test_a_shape_exported_by_a_batch_split_stage_is_refused_at_compile_time() -> None:
+    torch.manual_seed(0)
+    model = SizeAcross()
+    x = torch.randn(8, 3, 8, 8)
+    gm = trace(model, x).gm
+    assert gm is not None
+    stage_of = _split_at(gm, "relu")
+    groups = [(["cpu", "cpu"], "batch"), (["cpu"], "none")]
+    # before: each share exported its own 4 rows as the batch size, and stage 1 crashed
+    # (or, with a reshape that fits, computed wrong numbers)
+    with pytest.raises(CodegenError, match=r"'size'.*non-tensor value"):
+        CompiledModule(model, gm, stage_of, ["cpu", "cpu"], groups=groups)
+    # the same cut as a plain pipeline is exact: both stages see the same micro-batch
+    c = CompiledModule(model, trace(model, x).gm, stage_of, ["cpu", "cpu"])
+    assert torch.allclose(c(x), model(x), atol=1e-6)
+
+
+class PytreeWhole(nn.Module):
+    """The batch-split stage reads a tuple holding a tensor (copied whole to each share)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = x.mean(0).chunk(2)  # a tuple-valued node, not batch-major, read by stage 1
+        y = self.lin(x)
+        return torch.cat([y[:, :2] * parts[0], y[:, 2:] + parts[1]], 1)
+
+
+def test_whole_pytree_inputs_reach_every_share() -> None:
+    torch.manual_seed(0)
+    model = PytreeWhole()
+    x = torch.randn(6, 4)
+    gm = trace(model, x).gm
+    assert gm is not None
+    names = [n.name for n in gm.graph.nodes]
+    assert names.index("chunk") < names.index("lin")
+    stage_of = _split_at(gm, "lin")
+    groups = [(["cpu"], "none"), (["cpu", "cpu", "cpu"], "batch")]
+    c = CompiledModule(model, gm, stage_of, ["cpu", "cpu"], groups=groups)
+    out = c(x)
+    assert torch.allclose(out, model(x), atol=1e-6)
+    out.sum().backward()
+    model(x).sum().backward()
+    got = dict(c.named_parameters())
+    for k, p in model.named_parameters():
+        assert torch.allclose(got[k].grad, p.grad, atol=1e-5), k

@@ -149,3 +149,23 @@ def test_batch_split_shares_draw_their_own_seeds_on_their_threads() -> None:
     shares = runs[0].split(2)  # 2 micro-batches x 2 shares: four different masks
     assert all(not torch.equal(shares[i], shares[j]) for i in range(4) for j in range(i))
     c.close()
+
+
+def test_a_wrapped_random_op_still_counts_as_random_for_share_threads() -> None:
+    """Batch-split shares run one after another when the stage draws (share_threads.py).
+
+    The stage graphs' random ops are wrapped by codegen/rng.py; the check used to
+    miss the wrappers, so shares drew concurrently from the caller's generator
+    with one micro-batch (masks by thread timing).
+    """
+    from crosscut.codegen.rng import seed_random_ops
+    from crosscut.codegen.share_threads import draws_random
+
+    class Drop(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.dropout(x, 0.5, True) + x.bernoulli()
+
+    gm = fx.symbolic_trace(Drop())
+    assert draws_random(gm)
+    assert seed_random_ops(gm) == 2
+    assert draws_random(gm)

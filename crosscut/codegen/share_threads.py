@@ -162,7 +162,15 @@ def module_view(module: nn.Module) -> nn.Module:
 
 def _random_name(name: str) -> bool:
     low = name.lower()
-    return low in _RANDOM_FN_NAMES or any(p in low for p in _RANDOM_FN_PARTS)
+    return (
+        low in _RANDOM_FN_NAMES
+        or any(p in low for p in _RANDOM_FN_PARTS)
+        or low in _SEEDED  # an op codegen/rng.py wrapped is still a random op
+    )
+
+
+# the wrappers codegen/rng.py puts around random ops (they draw inside)
+_SEEDED = frozenset({"seeded_call", "seeded_function", "seeded_method"})
 
 
 def draws_random(module: nn.Module) -> bool:

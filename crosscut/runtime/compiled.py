@@ -55,7 +55,6 @@ combines the shares' statistics into the step's single update.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -63,7 +62,6 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from crosscut.codegen.attrs import get_attr
 from crosscut.codegen.modes import other_program, share_state
 from crosscut.codegen.rng import RandomScope, in_program_order
 from crosscut.codegen.source import program_source
@@ -77,14 +75,16 @@ from crosscut.runtime.batchnorm import (
 )
 from crosscut.runtime.contract import dtype_of_to, load_file, refuse_placement, save_file
 from crosscut.runtime.local import LocalExecutor
+from crosscut.runtime.model_keys import ModelKeyedState
 from crosscut.runtime.output_merge import check_outputs
+from crosscut.runtime.recompute import recompute_flags, recomputing
 
 __all__ = ["BN_MODES", "CompiledModule"]
 
 BN_MODES = ("micro", "step", "exact")
 
 
-class CompiledModule(nn.Module):
+class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
     """A model split into stages on devices, run by a pipelined local executor."""
 
     def __init__(
@@ -104,6 +104,7 @@ class CompiledModule(nn.Module):
         output_merge: Any = None,
         other_gm: fx.GraphModule | CrosscutError | None = None,
         gm_training: bool = True,
+        recompute: bool | Sequence[bool] = False,
     ) -> None:
         super().__init__()
         if bn_mode not in BN_MODES:
@@ -123,6 +124,8 @@ class CompiledModule(nn.Module):
         self._schedule = schedule
         self._timeout = timeout
         self._microbatches = microbatches
+        # stages that keep only their inputs and recompute in backward (runtime/recompute.py)
+        self._recompute = recompute_flags(recompute, len(program.stages), bn_mode)
         self._executor = self._new_executor(program)
         # the other train/eval mode's program, when the traced graph differs (codegen/modes.py);
         # its stage modules are not children: they share every state tensor with ``stages``
@@ -289,95 +292,6 @@ class CompiledModule(nn.Module):
         commit_batchnorm(stages)
         return out
 
-    # ---- state --------------------------------------------------------------------
-    def _shards(self, key: str) -> tuple[list[torch.Tensor], int | None]:
-        s, names, dim = self._program.shard_sources[key]
-        mod = self.stages[s]
-        return [
-            mod.get_parameter(n) if self._is_param(s, n) else mod.get_buffer(n) for n in names
-        ], dim
-
-    def _source(self, key: str) -> torch.Tensor:
-        if key in self._orphans:
-            return self._orphans[key]
-        if (
-            self._other is not None
-            and key not in self._program.key_sources
-            and key not in self._program.shard_sources
-        ):  # read only in the other train/eval mode: that program holds it
-            if key in self._other.shard_sources:
-                raise CrosscutError(
-                    f"{key!r} is read only in the other train/eval mode, and channel-sharded",
-                    value=key,
-                    remedy="compile in the mode that reads it, or without cross_shaped=True",
-                )
-            s_other, local_other = self._other.key_sources[key]
-            t_other = get_attr(self._other.stages[s_other].module, local_other)
-            assert isinstance(t_other, torch.Tensor)
-            return t_other
-        if key in self._program.shard_sources:
-            parts, dim = self._shards(key)
-            if dim is None:  # a replicated scalar (batch norm's step count): shard 0 speaks
-                return parts[0]
-            return torch.cat([p.detach().to(parts[0].device) for p in parts], dim)
-        s, local = self._program.key_sources[key]
-        t = (
-            self.stages[s].get_parameter(local)
-            if self._is_param(s, local)
-            else (self.stages[s].get_buffer(local))
-        )
-        return t
-
-    def _is_param(self, s: int, local: str) -> bool:
-        mod_path, _, leaf = local.rpartition(".")
-        mod = self.stages[s].get_submodule(mod_path) if mod_path else self.stages[s]
-        return leaf in mod._parameters
-
-    def state_dict(  # type: ignore[override]
-        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
-    ) -> dict[str, Any]:
-        """Exactly the original model's keys, in its order, values copied to CPU."""
-        out: dict[str, Any] = OrderedDict() if destination is None else destination
-        for key in self._keys:
-            t = self._source(key)
-            out[prefix + key] = t if keep_vars else t.detach().to("cpu", copy=True)
-        return out
-
-    def load_state_dict(  # type: ignore[override]
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
-        """Scatter an original-model checkpoint onto the stages (strict by default)."""
-        missing = [k for k in self._keys if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in set(self._keys)]
-        if strict and (missing or unexpected):
-            raise InputError(
-                "load_state_dict needs exactly the original model's keys",
-                value={"missing": missing[:10], "unexpected": unexpected[:10]},
-                remedy="load a state_dict of the original model, or pass strict=False",
-            )
-        with torch.no_grad():
-            for key in self._keys:
-                if key not in state_dict:
-                    continue
-                dst, src = self._source(key), state_dict[key]
-                if key in self._program.shard_sources and dst.shape == src.shape:
-                    parts, dim = self._shards(key)
-                    pieces = [src] * len(parts) if dim is None else None
-                    if pieces is None:
-                        assert dim is not None
-                        pieces = list(src.split([p.shape[dim] for p in parts], dim))
-                    for part, piece in zip(parts, pieces):
-                        part.copy_(piece.to(part.device))
-                    continue
-                if dst.shape != src.shape:
-                    raise InputError(
-                        f"shape of {key!r} does not match the model",
-                        value={"expected": tuple(dst.shape), "got": tuple(src.shape)},
-                        remedy="load a checkpoint of the same architecture",
-                    )
-                dst.copy_(src.to(dst.device))
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
-
     # ---- placement is the plan's business; dtype is the user's ------------------------
     def _devices(self) -> list[str]:
         return [str(s.device) for s in self._program.stages]
@@ -425,42 +339,6 @@ class CompiledModule(nn.Module):
         self.load_state_dict(state)
         return extra
 
-    # ---- the model's names and order ---------------------------------------------------
-    def _named_state(self, names: list[str], prefix: str, recurse: bool) -> Iterator[Any]:
-        """(name, tensor) under the model's own names, in the model's order.
-
-        A channel-sharded tensor has no single stage tensor: its shards follow
-        under ``KEY#shardI`` (they are what the optimizer must update).
-        """
-        for key in names:
-            if not recurse and "." in key:
-                continue
-            if key in self._program.shard_sources:
-                parts, _ = self._shards(key)
-                for i, part in enumerate(parts):
-                    yield f"{prefix}{key}#shard{i}", part
-            else:
-                yield prefix + key, self._source(key)
-
-    def named_parameters(  # type: ignore[override]
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The original model's parameters, names and order, whatever the plan.
-
-        So an optimizer built from ``parameters()`` indexes its state like one
-        built on the model: its ``state_dict()`` moves between eager training
-        and any plan.
-        """
-        names = self._unique_params if remove_duplicate else self._param_names
-        yield from self._named_state(names, prefix, recurse)
-
-    def named_buffers(  # type: ignore[override]
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The original model's buffers, names and order."""
-        names = self._unique_buffers if remove_duplicate else self._buffer_names
-        yield from self._named_state(names, prefix, recurse)
-
     # ---- copies -------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the executors' threads and locks (rebuilt on unpickling)."""
@@ -482,6 +360,10 @@ class CompiledModule(nn.Module):
             self._microbatches,
             timeout=self._timeout,
             output_merge=self._output_merge,
+            runs=[
+                recomputing(st.module, lambda: getattr(self, "_rng", None)) if again else None
+                for st, again in zip(program.stages, self._recompute)
+            ],
         )
 
     def named_stage_parameters(self) -> Iterator[tuple[int, str, nn.Parameter]]:

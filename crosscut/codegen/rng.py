@@ -217,6 +217,7 @@ class RandomScope:
     def __init__(self, stages: Sequence[nn.Module]) -> None:
         self.seed: int | None = None
         self._count: dict[int, int] = {}
+        self._last: dict[int, tuple[int, int] | None] = {}  # module -> its last forward's key
         self._random = [m for m in stages if seed_random_ops(m) or has_random_ops(m)]
         for m in self._random:
             m.register_forward_pre_hook(self._enter)
@@ -228,12 +229,36 @@ class RandomScope:
         self._count = {}
 
     def _enter(self, module: nn.Module, args: Any) -> None:
+        replay = getattr(_scope, "replay", None)
+        if replay is not None:  # a recomputation re-runs a forward: same key, not counted
+            _scope.key = replay[0]
+            return
         k = self._count.get(id(module), 0)
         self._count[id(module)] = k + 1
         _scope.key = None if self.seed is None else (self.seed, k)
+        self._last[id(module)] = _scope.key
+
+    def last_key(self, module: nn.Module) -> tuple[int, int] | None:
+        """The draw key of ``module``'s latest forward (None: it draws eager's numbers)."""
+        return self._last.get(id(module))
+
+    @staticmethod
+    @contextmanager
+    def replaying(key: tuple[int, int] | None) -> Iterator[None]:
+        """Re-run a stage forward with the draw key it had (activation recomputation).
+
+        Inside, a stage's pre-hook reuses ``key`` instead of counting a new
+        forward, so a recomputed dropout draws the masks of the first pass.
+        """
+        saved = getattr(_scope, "replay", None)
+        _scope.replay = (key,)
+        try:
+            yield
+        finally:
+            _scope.replay = saved
 
     def _leave(self, module: nn.Module, args: Any, out: Any) -> None:
         _scope.key = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"seed": None, "_count": {}, "_random": self._random}
+        return {"seed": None, "_count": {}, "_last": {}, "_random": self._random}

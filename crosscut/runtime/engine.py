@@ -44,7 +44,7 @@ from crosscut.codegen.split import StagedProgram, ValueRef, map_structure
 from crosscut.codegen.transfers import INPUT
 from crosscut.schedule import Action
 
-__all__ = ["Saved", "StageEngine", "Transport", "consumers", "sum_leaves"]
+__all__ = ["RunStage", "Saved", "StageEngine", "Transport", "consumers", "sum_leaves"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 RunStage = Callable[[list[Any], int, bool], tuple[Sequence[Any], torch.Tensor | None]]

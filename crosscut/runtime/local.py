@@ -64,7 +64,7 @@ from crosscut.codegen.batch_split import BatchSplitStage
 from crosscut.codegen.split import StagedProgram
 from crosscut.errors import InputError, RuntimeError_
 from crosscut.runtime.device_thread import DeviceThread
-from crosscut.runtime.engine import StageEngine, consumers, sum_leaves
+from crosscut.runtime.engine import RunStage, StageEngine, consumers, sum_leaves
 from crosscut.runtime.microbatch import micro_rows, scatter
 from crosscut.runtime.output_merge import OutputMerge
 from crosscut.runtime.thread_state import ThreadState
@@ -138,8 +138,10 @@ class LocalExecutor:
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         output_merge: Any = None,
+        runs: Sequence[RunStage | None] | None = None,
     ) -> None:
-        """``output_merge``: rules merging micro-batch outputs (runtime/output_merge.py)."""
+        """``output_merge``: rules merging micro-batch outputs (runtime/output_merge.py);
+        ``runs[k]``: how stage ``k`` is called (default: its module; runtime/recompute.py)."""
         if microbatches < 1:
             raise InputError(
                 "microbatches must be >= 1", value=microbatches, remedy="pass 1 or more"
@@ -164,7 +166,8 @@ class LocalExecutor:
             for st in program.stages
         ]
         self._engines = [
-            StageEngine.for_stage(program, k, microbatches) for k in range(len(program.stages))
+            StageEngine.for_stage(program, k, microbatches, run=_pick(runs, k))
+            for k in range(len(program.stages))
         ]
 
     # ---- workers ------------------------------------------------------------------
@@ -371,6 +374,10 @@ class LocalExecutor:
             assert loss_m is not None
             total = total + loss_m.to(self.output_device)
         return total
+
+
+def _pick(runs: Sequence[RunStage | None] | None, k: int) -> RunStage | None:
+    return runs[k] if runs is not None and k < len(runs) else None
 
 
 class _LocalTransport:

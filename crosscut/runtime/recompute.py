@@ -1,0 +1,156 @@
+"""Activation recomputation of a stage: keep its inputs, recompute the rest in backward.
+
+A stage that recomputes runs its forward under ``torch.utils.checkpoint``
+(non-reentrant): autograd keeps only the stage's inputs per micro-batch and
+re-runs the forward when the backward reaches it, trading one more forward
+for the activations (GPipe's and torchgpipe's ``checkpoint=`` modes). The
+engine's ``run`` callable is wrapped (:func:`recomputing`), so both runtimes
+recompute the same way.
+
+Recomputation must not change a number, so the second forward replays the
+first one's state:
+
+* **random ops** draw the same masks: crosscut's seeded ops re-enter the
+  first pass's draw key (:meth:`~crosscut.codegen.rng.RandomScope.replaying`),
+  and ops drawing from the caller's generator get its state back
+  (``preserve_rng_state``);
+* **batch norm** normalises by the batch statistics again but does not update
+  the running statistics (or count the batch) a second time: during the
+  recomputation each batch norm runs with ``momentum=0`` (the running update
+  then leaves its buffers bit for bit as they are) and its batch counter is
+  put back.
+
+Only a forward that may be backpropagated recomputes (grad mode: a
+``train_step``, or a local differentiable ``forward``); inference under
+``no_grad`` runs the stage as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from crosscut.codegen.batch_split import BatchSplitStage
+from crosscut.codegen.rng import RandomScope
+from crosscut.errors import InputError
+
+__all__ = ["recompute_flags", "recomputing"]
+
+RunStage = Callable[[list[Any], int, bool], tuple[Sequence[Any], torch.Tensor | None]]
+
+
+@contextmanager
+def _no_stat_updates(module: nn.Module) -> Iterator[None]:
+    """Batch norms use batch statistics without moving their running buffers.
+
+    ``momentum=0`` makes the running update ``(1 - 0) * running + 0 * batch``,
+    which leaves the buffers bit for bit as they are, and the batch counter is
+    put back afterwards. (Turning ``track_running_stats`` off instead would
+    change what the op saves for backward, which checkpoint refuses.)
+    """
+    norms = [
+        m
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+    ]
+    saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
+             for m in norms]  # fmt: skip
+    for m in norms:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, (momentum, count) in zip(norms, saved):
+                m.momentum = momentum
+                if count is not None and m.num_batches_tracked is not None:
+                    m.num_batches_tracked.copy_(count)
+
+
+@contextmanager
+def _sequential(stages: list[BatchSplitStage]) -> Iterator[None]:
+    """Batch-split stages run their shares in share order on this thread."""
+    saved = [st.parallel for st in stages]
+    for st in stages:
+        st.parallel = False
+    try:
+        yield
+    finally:
+        for st, flag in zip(stages, saved):
+            st.parallel = flag
+
+
+def recomputing(module: nn.Module, scope: Callable[[], RandomScope | None]) -> RunStage:
+    """A stage ``run`` callable that recomputes ``module``'s activations in backward.
+
+    ``scope()``: the program's :class:`~crosscut.codegen.rng.RandomScope`, whose
+    pre-hook on ``module`` gave the first pass its draw key.
+    """
+
+    # checkpoint matches the tensors a recomputation saves to the first pass's by order, so
+    # a batch-split stage runs its shares one after another in both (bit-identical to the
+    # threads: codegen/batch_split.py), and to the end (an early stop raises in the forward)
+    shares = [sub for sub in module.modules() if isinstance(sub, BatchSplitStage)]
+
+    def run(ins: list[Any], m: int, training: bool) -> tuple[Sequence[Any], torch.Tensor | None]:
+        if not torch.is_grad_enabled():  # nothing will be backpropagated
+            return list(module(*ins)), None
+        key: list[tuple[int, int] | None] = [None]
+
+        @contextmanager
+        def first_pass() -> Iterator[None]:
+            with _sequential(shares):
+                yield
+            rng = scope()
+            key[0] = rng.last_key(module) if rng is not None else None
+
+        @contextmanager
+        def recompute() -> Iterator[None]:
+            with ExitStack() as stack:
+                stack.enter_context(RandomScope.replaying(key[0]))
+                stack.enter_context(_no_stat_updates(module))
+                stack.enter_context(_sequential(shares))
+                yield
+
+        def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+            return first_pass(), recompute()
+
+        outs = checkpoint(
+            lambda *xs: tuple(module(*xs)),
+            *ins,
+            use_reentrant=False,
+            context_fn=contexts,
+            preserve_rng_state=True,
+            early_stop=not shares,
+        )
+        return list(outs), None
+
+    return run
+
+
+def recompute_flags(recompute: bool | Sequence[bool], stages: int, bn_mode: str) -> list[bool]:
+    """One flag per stage from ``recompute`` (one bool for all, or one per stage), checked.
+
+    Refused with ``bn_mode`` ``"step"``/``"exact"``: those modes record each
+    forward's batch statistics, and a recomputed forward would record twice.
+    """
+    flags = [bool(recompute)] * stages if isinstance(recompute, bool) else list(recompute)
+    if len(flags) != stages or not all(isinstance(f, bool) for f in flags):
+        raise InputError(
+            "recompute must be one bool, or one bool per stage",
+            value={"recompute": list(flags), "stages": stages},
+            remedy=f"pass True/False or a list of {stages} bools",
+        )
+    if any(flags) and bn_mode != "micro":
+        raise InputError(
+            f"recompute cannot be combined with bn_mode={bn_mode!r}: a recomputed forward "
+            "would record its batch statistics twice",
+            value=bn_mode,
+            remedy='use bn_mode="micro" with recompute, or recompute=False',
+        )
+    return flags

@@ -120,6 +120,17 @@ def _check_options(
         )
 
 
+def _check_recompute(recompute: Any) -> None:
+    """``recompute`` is one bool or a sequence of bools (its length is checked on the plan)."""
+    flags = [recompute] if isinstance(recompute, bool) else recompute
+    if not isinstance(flags, (list, tuple)) or not all(isinstance(f, bool) for f in flags):
+        raise InputError(
+            "recompute must be True/False or one bool per stage",
+            value=repr(recompute)[:80],
+            remedy="pass recompute=True (every stage), False, or e.g. [True, False]",
+        )
+
+
 @_public_errors
 def trace(
     model: nn.Module,
@@ -314,8 +325,14 @@ def compile(
     splits: Sequence[str] = ("batch", "channel"),
     bn_mode: str = "micro",
     output_merge: Any = None,
+    recompute: bool | Sequence[bool] = False,
 ) -> Any:
     """Partition ``model`` over ``devices`` and return a CompiledModule that trains.
+
+    ``recompute``: stages keep only their inputs per micro-batch and recompute
+    their activations in backward (``True``: every stage; or one bool per
+    stage of the plan), with the same numbers (:mod:`crosscut.runtime.recompute`).
+    The planner does not price it yet: it trades compute for memory at run time.
 
     ``bn_mode`` (``"micro"``, ``"step"``, ``"exact"``): batch norm over
     micro-batches, see :mod:`crosscut.runtime.compiled`.
@@ -365,6 +382,7 @@ def compile(
         cost=cost,
     )
     _cross_options(cross_shaped, widths, splits, 2)
+    _check_recompute(recompute)
     if _distributed_run():
         # Under torchrun every rank runs its own stage; the devices come from the ranks
         # (or, given, say what rank 0 plans for).
@@ -378,6 +396,7 @@ def compile(
             microbatches=None if plan is not None else microbatches,
             bn_mode=bn_mode,
             output_merge=output_merge,
+            recompute=recompute,
             devices=devices,
             partition_options={
                 "mode": mode,
@@ -445,6 +464,7 @@ def compile(
         bn_mode=bn_mode,
         other_gm=other_gm,
         gm_training=the_plan.model.mode == "train",
+        recompute=recompute,
     )
 
 

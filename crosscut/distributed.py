@@ -12,7 +12,7 @@ arguments are not given.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -196,6 +196,7 @@ def compile_distributed(
     output_merge: Any = None,
     devices: Any = None,
     partition_options: Mapping[str, Any] | None = None,
+    recompute: bool | Sequence[bool] = False,
 ) -> DistributedPipeline:
     """This rank's :class:`DistributedPipeline` of ``model`` under ``plan``.
 
@@ -205,7 +206,7 @@ def compile_distributed(
     when that is unset too — made by rank 0 for ``world_size / replicas`` CPU
     or GPU stages and broadcast. Every rank must build ``model`` identically
     (same seed) or load a checkpoint; replicas are synchronised from replica 0.
-    ``bn_mode``: ``"micro"`` or ``"step"``, as for :func:`crosscut.compile`.
+    ``bn_mode``: ``"micro"`` or ``"step"``; ``recompute``: as for :func:`crosscut.compile`.
     ``output_merge``: as for :func:`crosscut.compile` (the last stage merges
     its replica's micro-batch outputs in ``forward``). Without a plan, rank 0
     partitions for ``devices`` (one per stage; ``None``: the ranks' own kind)
@@ -272,6 +273,7 @@ def compile_distributed(
         device=dev,
         bn_mode=bn_mode,
         output_merge=output_merge,
+        recompute=recompute,
     )
     if other is not None:  # one program per rank: the other mode is refused, never run wrong
         why = [str(other)] if isinstance(other, Exception) else mode_differences(graph.gm, other)

@@ -9,6 +9,10 @@ must not change a number), plus against eager where eager is the reference
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+import crosscut
 from crosscut.errors import InputError
 from crosscut.runtime import CompiledModule
 
@@ -155,3 +160,27 @@ def test_refusals_name_the_rule() -> None:
         CompiledModule(model, gm, _stage_of(gm, 2), ["cpu"] * 2, bn_mode="step", recompute=True)
     with pytest.raises(InputError, match="one bool per stage"):
         CompiledModule(model, gm, _stage_of(gm, 2), ["cpu"] * 2, recompute=[True])
+    with pytest.raises(InputError, match="recompute must be"):
+        crosscut.compile(model, ["cpu"] * 2, torch.randn(2, 3, 6, 6), recompute="yes")
+    # through the front door: every stage recomputes
+    c = crosscut.compile(model, ["cpu"] * 2, torch.randn(4, 3, 6, 6), recompute=True)
+    assert c._recompute == [True] * len(c.program.stages)
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("dist")
+def test_torchrun_recomputation_changes_no_number(tmp_path: Path) -> None:
+    """2 gloo ranks, 2 micro-batches, dropout and batch norm: recomputing vs not, bit for bit."""
+    script = Path(__file__).parent / "dist_scripts" / "recompute_check.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(
+        [*cmd, str(script), str(tmp_path)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in (0, 1):
+        count, verdict = (tmp_path / f"rank{rank}.txt").read_text().split()
+        assert verdict == "EQUAL" and int(count) > 4, (rank, count, verdict)

@@ -49,7 +49,7 @@ naming the lost rank and what this rank waited for (:mod:`crosscut.runtime.p2p`)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -86,6 +86,7 @@ from crosscut.runtime.plan_rules import (
     check_one_stage_per_device,
     group_widths,
 )
+from crosscut.runtime.recompute import recompute_flags, recomputing
 from crosscut.runtime.stage_io import StageIO
 from crosscut.runtime.thread_state import ThreadState
 from crosscut.runtime.wire_dtypes import WireDtypes
@@ -124,6 +125,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         device: torch.device | str | None = None,
         bn_mode: str = "micro",
         output_merge: Any = None,
+        recompute: bool | Sequence[bool] = False,
     ) -> None:
         super().__init__()
         check_bn_mode(bn_mode)
@@ -189,9 +191,19 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             position_groups=self._position_groups,
         )
         self._group: GroupRole | None = None
-        # forward/backward of one micro-batch, shared with the local runtime (runtime/engine.py)
+        # forward/backward of one micro-batch, shared with the local runtime (runtime/engine.py);
+        # a recomputing stage keeps only its inputs (runtime/recompute.py)
+        again = recompute_flags(recompute, self.num_stages, bn_mode)[self.stage_index]
+        if again and self.width > 1:
+            raise InputError(
+                f"stage {self.stage_index} is split over {self.width} ranks and cannot recompute "
+                "under torchrun: its recomputation would send its group's messages again",
+                value={"stage": self.stage_index, "width": self.width, "split": self.split},
+                remedy="recompute only the one-rank stages (a list of flags), or run locally",
+            )
+        run = recomputing(self.stage, lambda: self._rng) if again else None
         self._engine = StageEngine.for_stage(
-            program, self.stage_index, self.microbatches, run=self._call_stage
+            program, self.stage_index, self.microbatches, run=run or self._call_stage
         )
         if self.width > 1:
             link = GroupLink(

@@ -24,6 +24,8 @@ from torch import nn
 
 from crosscut.errors import DistributedError, InputError
 from crosscut.partitioner.plan import Plan
+from crosscut.partitioner.validate import validate_plan
+from crosscut.planning import as_tuple
 from crosscut.runtime.checkpoint import assemble_checkpoint
 from crosscut.runtime.distributed import DistributedPipeline, check_bn_mode, plan_hash
 from crosscut.runtime.grad_scaler import PipelineGradScaler
@@ -110,18 +112,6 @@ def init(
     return DistContext(rank, world, local, dist.get_backend(), dev)
 
 
-def _as_tuple(example_inputs: Any) -> tuple[torch.Tensor, ...]:
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
-    if isinstance(example_inputs, (tuple, list)) and all(
-        isinstance(t, torch.Tensor) for t in example_inputs
-    ):
-        return tuple(example_inputs)
-    raise InputError(
-        "example_inputs must be a Tensor or a tuple of Tensors", value=type(example_inputs).__name__
-    )
-
-
 def _plan_on_rank0(
     model: nn.Module,
     replica_batch: tuple[torch.Tensor, ...],
@@ -135,7 +125,7 @@ def _plan_on_rank0(
     ``options`` are :func:`crosscut.partition`'s (objective, time limit, costs,
     cross-shaped search): what the caller gave ``compile``, honoured here.
     """
-    from crosscut.api import partition
+    from crosscut.planning import partition
 
     box: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -212,8 +202,8 @@ def compile_distributed(
     partitions for ``devices`` (one per stage; ``None``: the ranks' own kind)
     with ``partition_options`` (:func:`crosscut.partition`'s keywords).
     """
-    from crosscut.api import other_mode_graph, trace
     from crosscut.codegen.modes import mode_differences
+    from crosscut.planning import other_mode_graph, trace
 
     check_bn_mode(bn_mode)
     if not dist.is_initialized():
@@ -234,7 +224,7 @@ def compile_distributed(
         dev = torch.device(device)
     if plan is None and os.environ.get("CROSSCUT_PLAN"):
         plan = os.environ["CROSSCUT_PLAN"]
-    inputs = _as_tuple(example_inputs)
+    inputs = as_tuple(example_inputs)
     world = dist.get_world_size()
     if plan is None:
         if world % reps:
@@ -260,7 +250,7 @@ def compile_distributed(
         )
     micro = tuple(t[: batch // (reps * m)] for t in inputs)
     graph = trace(model, micro, mode=the_plan.model.mode)
-    the_plan.validate(graph)
+    validate_plan(the_plan, graph)
     other = other_mode_graph(model, graph)
     pipe = DistributedPipeline(
         model,

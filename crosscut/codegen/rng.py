@@ -36,6 +36,7 @@ from torch import fx, nn
 from torch.fx.node import _get_qualified_name
 from torch.utils import _pytree as pytree
 
+from crosscut.codegen.draw_key import _scope, current_key, draw_scope
 from crosscut.codegen.share_threads import _random_name as random_name
 from crosscut.codegen.share_threads import draws_random, share_order
 
@@ -53,30 +54,12 @@ __all__ = [
 ]
 
 _LOCK = threading.Lock()
-_scope = threading.local()
 _MASK = (1 << 63) - 1
 
 
 def call_seed() -> int:
     """The seed of one call: a draw from the caller's generator (``manual_seed`` rules it)."""
     return int(torch.randint(0, 1 << 62, (1,)).item())
-
-
-def current_key() -> tuple[int, int] | None:
-    """This thread's (call seed, micro-batch), for threads that run part of its work."""
-    key: tuple[int, int] | None = getattr(_scope, "key", None)
-    return key
-
-
-@contextmanager
-def draw_scope(key: tuple[int, int] | None) -> Iterator[None]:
-    """Run random ops from (call seed, micro-batch, op) seeds; ``None``: no re-seeding."""
-    saved = getattr(_scope, "key", None)
-    _scope.key = key
-    try:
-        yield
-    finally:
-        _scope.key = saved
 
 
 def _op_seed(seed: int, microbatch: int, op: str) -> int:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from crosscut.codegen.rng import current_key, draw_scope
+from crosscut.codegen.draw_key import current_key, draw_scope
 
 __all__ = ["ThreadState"]
 

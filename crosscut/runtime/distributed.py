@@ -67,6 +67,7 @@ from crosscut.runtime.checkpoint import RankState
 from crosscut.runtime.contract import inference_only
 from crosscut.runtime.engine import StageEngine
 from crosscut.runtime.group_comm import GroupLink
+from crosscut.runtime.group_role import GroupRole
 from crosscut.runtime.groups import (
     RankLayout,
     allreduce_mean,
@@ -77,7 +78,7 @@ from crosscut.runtime.groups import (
     make_position_groups,
     plan_hash,
 )
-from crosscut.runtime.members import GroupRole, build_member
+from crosscut.runtime.members import build_member
 from crosscut.runtime.output_merge import OutputMerge, check_outputs
 from crosscut.runtime.p2p import Messenger, build_routes
 from crosscut.runtime.plan_rules import (

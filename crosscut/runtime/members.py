@@ -46,19 +46,17 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from crosscut.codegen.attrs import get_attr
-from crosscut.codegen.width import all_gather, broadcast, shard_bounds
+from crosscut.codegen.batch_shares import batch_of, check_output, input_kind, share_bounds
+from crosscut.codegen.width import all_gather, broadcast
 from crosscut.errors import CodegenError, DistributedError
-from crosscut.runtime.group_comm import GroupLink, RecvOp, SendOp, new_token, recv, send
-from crosscut.runtime.groups import allreduce_grads, broadcast_from_first
+from crosscut.runtime.group_comm import GroupLink, RecvOp, SendOp, recv, send
 from crosscut.runtime.p2p import grad_free
-from crosscut.schedule import Action
 
 if TYPE_CHECKING:
     from crosscut.codegen.split import Stage
 
 __all__ = [
     "BatchMember",
-    "GroupRole",
     "build_member",
     "channel_member",
     "member_of_nodes",
@@ -299,40 +297,24 @@ class BatchMember(nn.Module):
         super().__init__()
         self.inner = inner
         self.member, self.link, self.mutated = member, link, set(mutated)
-        batch = next(
-            (int(v.shape[0]) for _, v in inputs if isinstance(v, torch.Tensor) and v.dim() > 0),
-            None,
-        )
-        if batch is None:
-            raise CodegenError(
-                f"batch-split stage {link.stage} needs a batch-major tensor input",
-                value=[type(v).__name__ for _, v in inputs],
-                remedy="split this stage by channel, or do not split it",
-            )
-        self.width = min(width, batch)
-        self.bounds = shard_bounds(batch, self.width)
+        # the one rule both runtimes cut and join batch shares by (codegen/batch_shares.py)
+        where = f"batch-split stage {link.stage}"
+        batch = batch_of([v for _, v in inputs], where)
+        self.bounds = share_bounds(batch, width)
+        self.width = len(self.bounds)
         self.inputs: list[_Input] = []
         for name, v in inputs:
             floating = any(
                 isinstance(t, torch.Tensor) and t.is_floating_point() for t in pytree.tree_leaves(v)
             )
-            grad = floating and name not in grad_free
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and int(v.shape[0]) == batch:
-                self.inputs.append(_Input("split", v, grad))
-            elif any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(v)):
-                self.inputs.append(_Input("whole", v, grad))
-            else:
-                self.inputs.append(_Input("const", v, False))
+            kind = input_kind(v, batch)
+            self.inputs.append(
+                _Input(kind, v, kind != "const" and floating and name not in grad_free)
+            )
         self.names = [name for name, _ in inputs]
         self.outputs = []
         for name, v in outputs:
-            if not (isinstance(v, torch.Tensor) and v.dim() > 0 and int(v.shape[0]) == batch):
-                raise CodegenError(
-                    f"output {name!r} of batch-split stage {link.stage} is not batch-major, so "
-                    "its shares cannot be concatenated",
-                    value=repr(v)[:80],
-                    remedy="cut the stage elsewhere, split it by channel, or do not split it",
-                )
+            check_output(v, batch, repr(name), where)
             self.outputs.append((name, v))
         self._ops = self._number_ops()
         link.ops = self._ops[1]
@@ -434,70 +416,3 @@ class BatchMember(nn.Module):
             op = self._ops[0][("out", j, 0, k)]
             token = send(token, outs[j], self.link, op, 0, name, v.is_floating_point())
         return (token,)
-
-
-class GroupRole:
-    """This rank's part in its stage's device group: the member's runs and the group's collectives.
-
-    The executor keeps the pipeline (schedule rows, messages between stage
-    leaders, replicas); everything a device group adds on top lives here.
-    """
-
-    def __init__(self, link: GroupLink, split: str) -> None:
-        self.link = link
-        self.split = split
-
-    def what(self, action: str) -> str:
-        return f"the {action} of stage {self.link.stage}'s {self.split}-split group"
-
-    def start_identical(self, module: nn.Module) -> None:
-        """A batch group starts from its leader's parameters and buffers."""
-        if self.split == "batch":
-            tensors = [t.data for t in [*module.parameters(), *module.buffers()]]
-            broadcast_from_first(
-                tensors, self.link.group, self.link.ranks, self.link.msg, self.what("start-up")
-            )
-
-    def reduce_grads(self, module: nn.Module) -> None:
-        """A batch group sums its members' gradients: each saw a share of the same loss."""
-        if self.split == "batch":
-            params = list(module.parameters())
-            msg, what = self.link.msg, self.what("gradient all-reduce")
-            allreduce_grads(params, self.link.group, self.link.ranks, msg, mean=False, what=what)
-
-    def sync_buffers(self, module: nn.Module) -> None:
-        """A batch group's members take the leader's buffers (running statistics).
-
-        As in the local runtime only the leader's share updates them; the
-        members' own updates are overwritten after every training-mode run, so
-        eval-mode forwards on every member use the leader's values.
-        """
-        buffers = list(module.buffers())
-        if self.split == "batch" and module.training and buffers:
-            broadcast_from_first(
-                buffers, self.link.group, self.link.ranks, self.link.msg, self.what("buffer copy")
-            )
-
-    def lead(
-        self, module: nn.Module, ins: Sequence[Any], microbatch: int, training: bool
-    ) -> tuple[list[Any], torch.Tensor]:
-        """The leader's forward of one micro-batch: (stage outputs, final token)."""
-        self.link.microbatch = microbatch
-        *outs, token = module(*ins, new_token(self.link.device, training))
-        return outs, token
-
-    def follow(self, module: nn.Module, row: Sequence[Action], training: bool) -> None:
-        """A non-leader member's schedule row: only its group's messages, same F/B order."""
-        tokens: dict[int, torch.Tensor] = {}
-        for a in row:
-            if a.kind == "F":
-                self.link.microbatch = a.microbatch
-                (token,) = module(new_token(self.link.device, training))
-                if training:
-                    tokens[a.microbatch] = token
-            else:
-                token = tokens.pop(a.microbatch)
-                if token.requires_grad:
-                    torch.autograd.backward([token], [torch.zeros_like(token)])
-            self.link.msg.drain()
-        self.link.msg.flush()

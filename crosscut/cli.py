@@ -12,46 +12,16 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from crosscut import __version__
+from crosscut.cli_args import _positive_float, _positive_int, _shape
 from crosscut.errors import CrosscutError
+from crosscut.fileio import check_writable, write_atomic
 
 __all__ = ["build_parser", "main"]
 
 EXIT_USAGE = 2
-
-
-def _shape(text: str) -> tuple[int, ...]:
-    try:
-        dims = tuple(int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--input-shape wants CxHxW like 3x224x224, got {text!r}"
-        ) from None
-    if not dims or any(d < 1 for d in dims):
-        raise argparse.ArgumentTypeError(f"--input-shape dimensions must be positive, got {text!r}")
-    return dims
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -72,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Split a CNN across devices: partition, draw, verify and replay plans.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on error")
+    parser.add_argument("--version", action="version", version=f"crosscut {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("partition", help="find a plan for a model on a cluster")
@@ -155,6 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler = _COMMANDS[args.command]
     try:
+        out = getattr(args, "output", None)
+        if out:  # a path that can never be written fails now, not after the work
+            check_writable(out, f"the {args.command} output")
         return handler(args)
     except CrosscutError as exc:
         if args.debug:
@@ -226,10 +200,11 @@ def _cmd_partition(args: argparse.Namespace) -> int:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     from crosscut.partitioner.plan import Plan
+    from crosscut.partitioner.validate import validate_plan
     from crosscut.viz import print_summary, render
 
     plan = Plan.load(args.plan)
-    plan.validate()
+    validate_plan(plan)
     if args.output:
         out = render(plan, args.output)
         _console().print(f"wrote {out}")
@@ -256,7 +231,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     graph = crosscut.trace(model, x, mode=args.mode)
     device = cluster.devices[0]
     table = profile_costs(graph, device.device, kind=device.kind)
-    Path(args.output).write_text(table.to_json())
+    write_atomic(args.output, table.to_json(), "the profile")
     _console().print(f"profiled {len(graph)} nodes on {device.device}; wrote {args.output}")
     return 0
 

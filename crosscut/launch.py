@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from crosscut.cli_args import _nonnegative_int, _port, _positive_float, _positive_int
 from crosscut.errors import CrosscutError, DistributedError, InputError
 
 __all__ = ["build_command", "check_port_free", "free_port", "parse_args", "run_main"]
@@ -60,12 +61,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         description="Run a training script with one process per plan device and replica.",
     )
     ap.add_argument("--plan", required=True, help="plan JSON (from `crosscut partition`)")
-    ap.add_argument("--replicas", type=int, default=1, help="data-parallel pipeline copies")
-    ap.add_argument("--nnodes", type=int, default=1, help="number of nodes (launch once each)")
-    ap.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
+    ap.add_argument(
+        "--replicas", type=_positive_int, default=1, help="data-parallel pipeline copies"
+    )
+    ap.add_argument(
+        "--nnodes", type=_positive_int, default=1, help="number of nodes (launch once each)"
+    )
+    ap.add_argument(
+        "--node-rank", type=_nonnegative_int, default=0, help="this node's index, 0..nnodes-1"
+    )
     ap.add_argument("--host", default="127.0.0.1", help="rendezvous host (node 0)")
-    ap.add_argument("--port", type=int, default=DEFAULT_PORT, help="rendezvous port; 0 = pick")
-    ap.add_argument("--timeout", type=float, default=300.0, help="per-wait timeout (seconds)")
+    ap.add_argument("--port", type=_port, default=DEFAULT_PORT, help="rendezvous port; 0 = pick")
+    ap.add_argument(
+        "--timeout", type=_positive_float, default=300.0, help="per-wait timeout (seconds)"
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the torchrun command only")
     ap.add_argument("script", help="the training script")
     ap.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")

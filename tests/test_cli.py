@@ -14,6 +14,7 @@ import torch
 import crosscut
 from crosscut.cli import main
 from crosscut.partitioner.plan import Plan
+from crosscut.partitioner.validate import validate_plan
 
 LENET = str(Path(__file__).resolve().parents[1] / "examples" / "digits_lenet.py") + ":LeNet"
 SMALL = ["--batch", "4", "--input-shape", "1x16x16"]
@@ -52,7 +53,7 @@ def test_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_partition_writes_a_valid_plan(plan_path: Path) -> None:
     plan = Plan.load(plan_path)
-    plan.validate()
+    validate_plan(plan)
     assert plan.model.name == LENET
     assert plan.options.microbatches == 2
     assert plan.solver.status in ("OPTIMAL", "FEASIBLE", "FALLBACK")

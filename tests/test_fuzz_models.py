@@ -23,6 +23,7 @@ from torch import nn
 
 import crosscut
 from crosscut.errors import CrosscutError
+from crosscut.partitioner.validate import validate_plan
 from crosscut.verify import verify_plan
 
 
@@ -104,7 +105,7 @@ def test_random_cnns_compile_like_eager(
         require_all_devices=True,
         time_limit=5,
     )
-    plan.validate()
+    validate_plan(plan)
     assert plan.num_stages == devices
     report = verify_plan(model, x, plan)
     assert report.ok, report.text()

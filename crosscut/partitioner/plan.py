@@ -12,6 +12,7 @@ file and names the offending field.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from crosscut.errors import PlanError
+from crosscut.fileio import write_atomic
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -232,17 +234,13 @@ class Plan:
         """Write the plan as JSON; ``created_at`` is stamped here, not at solve time."""
         if not self.created_at:
             self.created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(self.to_json() + "\n")
-        tmp.replace(out)  # atomic: a crash never leaves half a plan behind
-        return out
+        return write_atomic(path, self.to_json() + "\n", "the plan")
 
     @classmethod
     def from_dict(cls, data: Any) -> Plan:
         """Build a plan from parsed JSON, checking the schema first."""
         _check_schema(data)
+        _check_numbers(data, "plan")
         try:
             return cls(
                 model=ModelInfo(**data["model"]),
@@ -299,15 +297,31 @@ class Plan:
             raise PlanError("a plan file must be readable UTF-8 text", value=str(exc)) from exc
         return cls.from_json(text)
 
-    def validate(self, graph: Any = None) -> None:
-        """Check the plan is self-consistent and, if given, matches ``graph``.
 
-        Delegates to :func:`crosscut.partitioner.validate.validate_plan`, which
-        recomputes assignment rules and memory from the plan's own numbers.
-        """
-        from crosscut.partitioner.validate import validate_plan
+def _check_numbers(data: Any, path: str) -> None:
+    """Every number of a plan is finite and not negative (times, bytes, counts, ids).
 
-        validate_plan(self, graph)
+    JSON from Python may hold NaN or Infinity, which the schema's "number"
+    accepts; a plan with them would only fail later, deep in a drawing or a
+    simulation.
+    """
+    if isinstance(data, dict):
+        for k, v in data.items():
+            _check_numbers(v, f"{path}.{k}")
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            _check_numbers(v, f"{path}[{i}]")
+    elif (
+        isinstance(data, (int, float))
+        and not isinstance(data, bool)
+        and (not math.isfinite(data) or data < 0)
+    ):
+        raise PlanError(
+            f"every number in a plan must be finite and not negative, but {path} is {data}",
+            value=data,
+            remedy="re-create the plan with `crosscut partition` (the file was edited or "
+            "written by another tool)",
+        )
 
 
 def plan_schema() -> dict[str, Any]:

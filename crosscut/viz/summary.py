@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -34,43 +35,69 @@ def baseline_ratios(plan: Plan) -> list[tuple[str, float, float]]:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f}"
+    return f"{seconds * 1e3:.3g} ms" if seconds < 10 else f"{seconds:.3g} s"
 
 
 def _stages_table(plan: Plan) -> Table:
+    """One line per stage, 80 columns wide; units in the cells, the meaning in the caption."""
     bottleneck = max((s.time_s for s in plan.stages), default=0.0)
-    table = Table(title=f"stages ({plan.num_stages})", title_justify="left")
+    caps = {stage_cap(plan, s) for s in plan.stages}
+    cap_note = f"of {human_bytes(caps.pop())}" if len(caps) == 1 else "of its cap"
+    table = Table(
+        title=f"stages ({plan.num_stages})",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        caption=(
+            "time = compute + comm for one micro-batch; ◀ the bottleneck, the slowest "
+            f"stage, sets the pipeline's pace; memory = predicted peak ({cap_note})"
+        ),
+        caption_justify="left",
+    )
     for col, justify in [
-        ("stage", "right"),
-        ("devices", "left"),
+        ("stage", "left"),
         ("nodes", "right"),
-        ("compute ms", "right"),
-        ("comm ms", "right"),
-        ("time ms", "right"),
-        ("memory / cap", "right"),
+        ("compute", "right"),
+        ("comm", "right"),
+        ("time", "right"),
+        ("memory", "right"),
     ]:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for s in plan.stages:
-        devs = escape("+".join(s.devices)) + (f" ({s.split})" if len(s.devices) > 1 else "")
+        devs = (
+            "+".join(s.devices) if len(s.devices) <= 2 else f"{s.devices[0]}+{len(s.devices) - 1}"
+        )
+        devs += f" ({s.split})" if len(s.devices) > 1 else ""
         cap = stage_cap(plan, s)
         frac = s.memory_bytes / cap if cap else 0.0
-        mem = f"{human_bytes(s.memory_bytes)} / {human_bytes(cap)} ({frac:.0%})"
-        time = _ms(s.time_s) + (" ◀ bottleneck" if s.time_s == bottleneck else "")
+        mem = f"{human_bytes(s.memory_bytes)} ({frac:.0%})"
         table.add_row(
-            str(s.index),
-            devs,
+            escape(f"{s.index} {devs}"),
             str(len(plan.stage_nodes(s.index))),
             _ms(s.compute_s),
             _ms(s.comm_s),
-            time,
-            f"[red]{mem}[/red]" if frac > 1 else mem,
+            _ms(s.time_s) + (" ◀" if s.time_s == bottleneck else "  "),
+            f"[red]{mem} over cap[/red]" if frac > 1 else mem,
         )
     return table
 
 
 def _numbers_table(plan: Plan) -> Table:
     p, r = plan.predicted, plan.solver
-    table = Table(title="prediction and solver", title_justify="left", show_header=False)
+    per = "per micro-batch, the bottleneck" if plan.options.objective == "throughput" else ""
+    table = Table(
+        title="prediction and solver",
+        title_justify="left",
+        show_header=False,
+        box=box.SIMPLE,
+        pad_edge=False,
+        caption=(
+            "objective: what the solver minimises; bound: a proven lower limit on it, so the "
+            "gap says how far from the best possible plan this one can be at most; baselines: "
+            "other ways to split, ×N = their objective / ours"
+        ),
+        caption_justify="left",
+    )
     table.add_column("what")
     table.add_column("value")
     tx_bytes = sum(t.bytes for t in plan.transfers)
@@ -78,20 +105,23 @@ def _numbers_table(plan: Plan) -> Table:
     rows = [
         (
             "transfers",
-            f"{len(plan.transfers)} · {human_bytes(tx_bytes)} per micro-batch · "
-            f"{human_time(tx_time)}",
+            f"{len(plan.transfers)}, {human_bytes(tx_bytes)} and {human_time(tx_time)} "
+            "per micro-batch",
         ),
-        ("step time", human_time(p.step_time_s)),
+        ("step time", f"{human_time(p.step_time_s)} per training step (predicted)"),
         ("throughput", f"{p.throughput:.4g} samples/s"),
-        ("bottleneck / makespan", f"{human_time(p.bottleneck_s)} / {human_time(p.makespan_s)}"),
-        ("bubble", f"{p.bubble_fraction:.1%}"),
-        ("solver", f"{r.solver or '-'} status {r.status or '-'}"),
-        ("objective / bound", f"{r.objective:.6g} / {r.best_bound:.6g} (gap {r.gap:.2%})"),
-        ("wall time", f"{r.wall_time_s:.2f} s, {r.workers} workers, seed {r.seed}"),
+        ("bottleneck", f"{human_time(p.bottleneck_s)} per micro-batch (slowest stage)"),
+        ("makespan", f"{human_time(p.makespan_s)} (one micro-batch through every stage)"),
+        ("bubble", f"{p.bubble_fraction:.1%} of the step idle"),
+        ("solver", f"{r.solver or '-'}, status {r.status or '-'}, {r.wall_time_s:.2f} s"),
+        (
+            "objective / bound",
+            f"{human_time(r.objective)} / {human_time(r.best_bound)} {per} (gap {r.gap:.2%})",
+        ),
     ]
     for name, value, ratio in baseline_ratios(plan):
-        verdict = "beaten" if ratio > 1 else ("tied" if ratio == 1 else "NOT beaten")
-        rows.append((f"baseline {name}", f"{value:.6g} (×{ratio:.2f}, {verdict})"))
+        verdict = "beaten" if ratio > 1.0005 else ("tied" if ratio >= 0.9995 else "NOT beaten")
+        rows.append((f"baseline {name}", f"{human_time(value)} (×{ratio:.2f}, {verdict})"))
     for note in r.notes:
         rows.append(("note", note))
     for what, text in rows:
@@ -105,7 +135,7 @@ def print_summary(plan: Plan, console: Console | None = None) -> None:
     m, c, o = plan.model, plan.cluster, plan.options
     con.print(
         f"[bold]{escape(m.name)}[/bold] · batch {m.batch_size} · {m.mode} · {m.dtype} · "
-        f"{len(plan.nodes)} nodes on {escape(c.name or 'cluster')} ({len(c.devices)} devices) · "
+        f"{len(plan.nodes)} nodes\non {escape(c.name or 'cluster')} ({len(c.devices)} devices) · "
         f"{o.objective}, {o.schedule}, {o.microbatches} micro-batches",
         markup=True,
         highlight=False,
@@ -114,7 +144,7 @@ def print_summary(plan: Plan, console: Console | None = None) -> None:
     con.print(_numbers_table(plan))
 
 
-def summary_text(plan: Plan, *, width: int = 120) -> str:
+def summary_text(plan: Plan, *, width: int = 80) -> str:
     """The summary as plain text (no colour codes), for tests and logs."""
     buf = io.StringIO()
     con = Console(file=buf, width=width, color_system=None, force_terminal=False)

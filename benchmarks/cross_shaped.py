@@ -15,7 +15,7 @@ two consecutive stages share one device group, marked ``=`` in the layout) of:
 
 each divided by the lower bound (total compute / devices, or the largest
 node's smallest share), and the chosen layout. All three are priced by the
-same cost model (``partitioner/evaluate.py`` + ``partitioner/groups.py``).
+same cost model (``partitioner/evaluate.py`` + ``partitioner/group_costs.py``).
 Then Mariana's case on 4xK20c (4.8 GB cards): AlexNet at a batch whose
 training state does not fit one card, and a widened AlexNet (twice the filters,
 conv1 stride 2), with the predicted per-device peak memory.

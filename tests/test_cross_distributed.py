@@ -29,7 +29,7 @@ from crosscut.distributed import assemble_checkpoint
 from crosscut.errors import DistributedError
 from crosscut.launch import free_port
 from crosscut.runtime.checkpoint import assemble_parts
-from crosscut.runtime.groups import RankLayout, check_world
+from crosscut.runtime.world import RankLayout, check_world
 
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("dist")]
 

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from crosscut.partitioner.evaluate import check, evaluate, lower_bound, single_groups
-from crosscut.partitioner.groups import share
+from crosscut.partitioner.group_costs import share
 from crosscut.partitioner.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.solvers import solve
 from crosscut.partitioner.solvers.bruteforce import brute_force_groups

@@ -36,7 +36,7 @@ from torch.fx.passes.split_module import split_module
 
 from crosscut.codegen.attrs import get_attr, set_attr
 from crosscut.codegen.fanout import separate_fanout
-from crosscut.codegen.groups import apply_groups, check_groups
+from crosscut.codegen.grouped_stages import apply_groups, check_groups
 from crosscut.codegen.order import order_by_stage
 from crosscut.codegen.transfers import INPUT, Transfer, plan_transfers
 from crosscut.codegen.width import Collective

@@ -32,7 +32,7 @@ The model (``PartitionProblem``'s docstring, DESIGN.md "The partition problem"):
   when training) and transfers are doubled when training, exactly as in the
   throughput model; it approximates a training step's latency with one DAG pass.
 * cross-shaped stages (``groups``: a stage on several devices, split by batch or
-  by channel) follow the formulas in ``partitioner/groups.py``; when every
+  by channel) follow the formulas in ``partitioner/group_costs.py``; when every
   stage is one device they reduce to the ones above, and the plain path is used.
   Consecutive stages may share one group of two or more devices (co-located
   stages, e.g. batch-split convolutions followed by a channel-split classifier
@@ -47,7 +47,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from crosscut.partitioner.groups import (
+from crosscut.partitioner.group_costs import (
     collective_time,
     group_problems,
     node_share,
@@ -222,7 +222,7 @@ def _assemble(
 def _evaluate_groups(
     problem: PartitionProblem, stage_of: list[int], groups: list[StageGroup]
 ) -> Evaluation:
-    """The cross-shaped cost model (``partitioner/groups.py``'s docstring)."""
+    """The cross-shaped cost model (``partitioner/group_costs.py``'s docstring)."""
     num_stages = len(groups)
     mult = comm_multiplier(problem)
     lead = [g.leader for g in groups]

@@ -19,7 +19,7 @@ The model (``docs/ARCHITECTURE.md``, "The partition problem"):
   ``latency[a][b] + out_bytes[u] / bandwidth[a][b]`` between their devices;
   in training its gradient flows back along the same pair.
 
-Cross-shaped (2-D) splits, opt-in (``partitioner/groups.py`` prices them): a
+Cross-shaped (2-D) splits, opt-in (``partitioner/group_costs.py`` prices them): a
 stage may run on a :class:`StageGroup` of ``w`` devices, split by ``batch``
 (each device takes its share of the micro-batch, gradients are reduced over
 the group) or by ``channel`` (conv/linear split by output channels). The solver

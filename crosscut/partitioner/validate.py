@@ -66,7 +66,7 @@ def _structure_problems(plan: Plan) -> list[str]:
     for i, stage in enumerate(plan.stages):
         if stage.index != i:
             out.append(f"stage {i} is numbered {stage.index}; stages are numbered 0..S-1 in order")
-        # co-located stages (partitioner/groups.py): the same group of 2+ devices as the last
+        # co-located stages (partitioner/group_costs.py): the same group of 2+ devices as the last
         shared = i > 0 and len(stage.devices) > 1 and stage.devices == plan.stages[i - 1].devices
         for d in stage.devices:
             if d not in dev_names:

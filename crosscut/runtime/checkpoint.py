@@ -31,7 +31,7 @@ from torch import nn
 
 from crosscut.errors import DistributedError, InputError
 from crosscut.runtime.contract import dtype_of_to, refuse_placement, share_of
-from crosscut.runtime.groups import RankLayout
+from crosscut.runtime.world import RankLayout
 
 __all__ = [
     "MANIFEST",
@@ -55,7 +55,7 @@ class RankState:
 
     Whole tensors (a stage's own, a batch group member's replicated copy) are
     listed under their original keys; a channel-split member's pieces are
-    :data:`Shard` s (``shard_sources`` of ``codegen/groups.py``, cut to this
+    :data:`Shard` s (``shard_sources`` of ``codegen/grouped_stages.py``, cut to this
     member).
     """
 

@@ -3,7 +3,7 @@
 Layout (Mariana's worker groups × workers): ``R`` replicas of an ``S``-stage
 pipeline, ``rank = replica × S + stage`` — or, for a cross-shaped plan,
 ``rank = replica × W + offset[stage] + member`` with ``W`` the plan's devices
-(:class:`~crosscut.runtime.groups.RankLayout`). Each rank builds the same
+(:class:`~crosscut.runtime.world.RankLayout`). Each rank builds the same
 :class:`~crosscut.codegen.split.StagedProgram` from the same plan, keeps only
 its own stage module and runs its row of the GPipe or 1F1B schedule:
 
@@ -68,16 +68,6 @@ from crosscut.runtime.contract import inference_only
 from crosscut.runtime.engine import StageEngine
 from crosscut.runtime.group_comm import GroupLink
 from crosscut.runtime.group_role import GroupRole
-from crosscut.runtime.groups import (
-    RankLayout,
-    allreduce_mean,
-    broadcast_from_first,
-    check_same_plan,
-    check_world,
-    make_device_groups,
-    make_position_groups,
-    plan_hash,
-)
 from crosscut.runtime.members import build_member
 from crosscut.runtime.output_merge import OutputMerge, check_outputs
 from crosscut.runtime.p2p import Messenger, build_routes
@@ -91,6 +81,16 @@ from crosscut.runtime.recompute import recompute_flags, recomputing
 from crosscut.runtime.stage_io import StageIO
 from crosscut.runtime.thread_state import ThreadState
 from crosscut.runtime.wire_dtypes import WireDtypes
+from crosscut.runtime.world import (
+    RankLayout,
+    allreduce_mean,
+    broadcast_from_first,
+    check_same_plan,
+    check_world,
+    make_device_groups,
+    make_position_groups,
+    plan_hash,
+)
 from crosscut.schedule import make_schedule, validate_schedule
 
 __all__ = [

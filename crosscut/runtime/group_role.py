@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from crosscut.runtime.group_comm import GroupLink, new_token
-from crosscut.runtime.groups import allreduce_grads, broadcast_from_first
+from crosscut.runtime.world import allreduce_grads, broadcast_from_first
 from crosscut.schedule import Action
 
 __all__ = ["GroupRole"]

@@ -1,6 +1,6 @@
 """Cross-shaped search: stage boundaries, group widths and split kinds chosen together.
 
-A stage may run on a group of devices (``partitioner/groups.py`` prices it).
+A stage may run on a group of devices (``partitioner/group_costs.py`` prices it).
 The search space here is every split of the node order into contiguous
 chunks, each chunk on a group of ``w`` consecutive devices of the device order
 (``w`` from ``problem.widths``) split by a kind from ``problem.splits`` (or a

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from crosscut.partitioner.evaluate import comm_multiplier, consumers
-from crosscut.partitioner.groups import group_link, node_share
+from crosscut.partitioner.group_costs import group_link, node_share
 from crosscut.partitioner.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.solvers.baselines import _comm_matrices
 

@@ -10,6 +10,7 @@ and a torchrun rank's :class:`~crosscut.runtime.distributed.DistributedPipeline`
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -130,12 +131,15 @@ def compile(
         # (or, given, say what rank 0 plans for).
         from crosscut.distributed import compile_distributed
 
+        # a plan (given, or from `crosscut run`'s CROSSCUT_PLAN) brings its own schedule
+        # and micro-batches: the model is traced at the plan's micro-batch
+        planned = plan is not None or bool(os.environ.get("CROSSCUT_PLAN"))
         return compile_distributed(
             model,
             example_inputs,
             plan,
-            schedule=None if plan is not None else schedule,
-            microbatches=None if plan is not None else microbatches,
+            schedule=None if planned else schedule,
+            microbatches=None if planned else microbatches,
             bn_mode=bn_mode,
             output_merge=output_merge,
             recompute=recompute,

@@ -22,7 +22,10 @@ def _pct(a: float, b: float) -> str:
 def diff_plans(a: Plan, b: Plan, *, limit: int = 20) -> str:
     """A readable report of the differences from plan ``a`` to plan ``b``."""
     lines: list[str] = []
-    if a.model.fingerprint != b.model.fingerprint:
+    same_model = a.model.name == b.model.name and a.model.batch_size == b.model.batch_size
+    if a.model.fingerprint != b.model.fingerprint and not (
+        same_model and a.options.microbatches != b.options.microbatches
+    ):  # the fingerprint covers the micro-batch size: new micro-batches alone change it
         lines.append(
             f"model differs: {a.model.name} ({a.model.fingerprint}) -> "
             f"{b.model.name} ({b.model.fingerprint})"
@@ -50,7 +53,10 @@ def diff_plans(a: Plan, b: Plan, *, limit: int = 20) -> str:
     only_a = sorted(set(a.assignment) - set(b.assignment))
     only_b = sorted(set(b.assignment) - set(a.assignment))
     if moved:
-        lines.append(f"{len(moved)} of {len(a.assignment)} nodes moved:")
+        lines.append(
+            f"{len(moved)} of {len(a.nodes)} nodes moved "
+            f"({len(a.assignment)} placed by the solver; inputs and outputs follow them):"
+        )
         lines += moved[:limit]
         if len(moved) > limit:
             lines.append(f"  ... and {len(moved) - limit} more")

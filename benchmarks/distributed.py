@@ -32,6 +32,9 @@ import torch
 import torchvision
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pipelining_peer as peer
+
 __all__ = ["eager_step_time", "main", "pipeline_step_time"]
 
 
@@ -155,9 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager-only", default="")
     ap.add_argument("--plan", default="")
     ap.add_argument("--report", default="")
+    ap.add_argument("--peer", action="store_true", help="also time torch.distributed.pipelining")
+    ap.add_argument("--peer-tries", type=int, default=5, help="split points tried for its best")
+    ap.add_argument("--peer-worker", default="")
+    ap.add_argument("--split", default="")
     ns = ap.parse_args(argv)
     if ns.worker:
         return _worker(ns)
+    if ns.peer_worker:
+        return peer.worker(ns, build, data)
     if ns.eager_only:
         m = ns.microbatches
         print(eager_step_time(ns.eager_only, ns.batch, ns.size, ns.steps, ns.warmup, m))
@@ -167,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     rows = []
+    peer_rows: list[tuple[str, str, str, float, float, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in ns.models.split(","):
             x, _ = data(ns.batch, ns.size)
@@ -186,12 +196,20 @@ def main(argv: list[str] | None = None) -> int:
             # the three measurements interleaved round by round, so that the VM's
             # drifts hit all of them alike; medians reported, each round's speed-up too
             eagers, micros, pipes = [], [], []
+            splits = _peer_splits(name, ns, Path(tmp)) if ns.peer else {}
+            peer_times: dict[str, list[float]] = {k: [] for k in splits}
             for r in range(ns.rounds):
                 eagers.append(eager_step_time(name, ns.batch, ns.size, ns.steps, ns.warmup))
                 micros.append(
                     eager_step_time(name, ns.batch, ns.size, ns.steps, ns.warmup, ns.microbatches)
                 )
                 pipes.append(pipeline_step_time(name, path, ns))
+                for label, split in splits.items():
+                    got = peer.peer_step_time(__file__, name, split, ns, Path(tmp))
+                    peer_times[label].append(got.get("step_s", float("nan")))
+                    print(f"  {name} round {r + 1}: pipelining {label} split at {split}: "
+                          f"{got.get('step_s', float('nan')):.2f} s {got.get('error', '')}",
+                          flush=True)  # fmt: skip
                 print(
                     f"  {name} round {r + 1}/{ns.rounds}: eager {eagers[-1]:.2f} s, "
                     f"eager/M {micros[-1]:.2f} s, pipeline {pipes[-1]:.2f} s "
@@ -201,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
             eager, micro, piped = (statistics.median(v) for v in (eagers, micros, pipes))
             cap = capacity(name, ns, micro)
             rows.append((name, eager, micro, piped, cap, one_device, sim.step_time_s))
+            for label, split in splits.items():
+                t = statistics.median(peer_times[label])
+                peer_rows.append((name, label, split, t, piped, eager))
     print(
         f"\n{ns.batch}x3x{ns.size}x{ns.size}, {ns.microbatches} micro-batches, "
         f"{ns.schedule}, costs {ns.cost}; 2 ranks x 1 thread vs 1 process x 1 thread"
@@ -220,7 +241,33 @@ def main(argv: list[str] | None = None) -> int:
             f"{micro / piped:5.2f}x {cap:7.2f}x | {one:8.2f} {sim_step:8.2f} "
             f"{one / sim_step:7.2f}x | {piped / sim_step:8.2f}"
         )
+    if peer_rows:
+        print("\ntorch.distributed.pipelining (pipeline() + Schedule1F1B), same job, medians:")
+        print(f"{'model':<10} {'split':<22} {'at':<14} {'peer s':>8} {'crosscut s':>10} "
+              f"{'peer/crosscut':>13} {'eager/peer':>10}")  # fmt: skip
+        for name, label, split, t, piped, eager in peer_rows:
+            print(f"{name:<10} {label:<22} {split:<14} {t:8.2f} {piped:10.2f} "
+                  f"{t / piped:12.2f}x {eager / t:9.2f}x")  # fmt: skip
     return 0
+
+
+def _peer_splits(name: str, ns: argparse.Namespace, tmp: Path) -> dict[str, str]:
+    """The peer's parameter-balanced split and its best of ``--peer-tries`` tried ones."""
+    x, _ = data(ns.batch, ns.size)
+    cands = peer.candidates(build(name), x[: ns.batch // ns.microbatches])
+    balanced = peer.balanced_split(cands)
+    near = sorted(cands, key=lambda c: abs(c[2] - 0.5))[: ns.peer_tries]
+    trial = argparse.Namespace(**{**vars(ns), "steps": 1, "warmup": 1})
+    tried = {}
+    for split, _, share in near:
+        got = peer.peer_step_time(__file__, name, split, trial, tmp)
+        tried[split] = got.get("step_s", float("inf"))
+        took = got.get("step_s", float("nan"))
+        print(f"  {name}: pipelining trial split at {split} ({share:.0%} of the forward "
+              f"before it): {took:.2f} s {got.get('error', '')}", flush=True)  # fmt: skip
+    best = min(tried, key=lambda k: tried[k])
+    print(f"  {name}: parameter-balanced split at {balanced}; best of {len(tried)} tried: {best}")
+    return {"parameter-balanced": balanced, f"best of {len(tried)} tried": best}
 
 
 if __name__ == "__main__":

@@ -53,3 +53,28 @@ def ratio_fits(shown: float, num: float, den: float, half: float = 0.005) -> boo
 def test_ratio_fits_allows_rounding_only() -> None:
     assert ratio_fits(0.37, 0.11, 0.30)  # 0.1149 / 0.2951 = 0.389 at most
     assert not ratio_fits(0.50, 0.11, 0.30)
+
+
+def test_the_pipelining_peer_runs_in_the_same_rounds() -> None:
+    """torch.distributed.pipelining's two splits are timed beside crosscut (toy size)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "distributed.py"),
+           "--models", "resnet18", "--batch", "8", "--size", "32", "--microbatches", "2",
+           "--steps", "1", "--warmup", "0", "--rounds", "1", "--timeout", "300",
+           "--peer", "--peer-tries", "2"]  # fmt: skip
+    run = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    out = run.stdout
+    assert out.count("pipelining trial split at") == 2, out
+    rows = [line.split() for line in out.splitlines() if line.startswith("resnet18 ")]
+    peer_rows = [r for r in rows if r[1] in ("parameter-balanced", "best")]
+    assert len(peer_rows) == 2, out
+    for row in peer_rows:
+        seconds = float(row[-4])
+        assert 0 < seconds < 300, row  # a finite time: the peer really ran

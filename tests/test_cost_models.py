@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -229,3 +230,20 @@ def test_backward_intervals_tile_the_pass() -> None:
     times = _backward_times(stamps, end=4.0)
     assert times == {"c": 1.0, "b": 0.5, "c2": 1.0, "a": 0.5}
     assert sum(times.values()) == pytest.approx(4.0 - 1.0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1e-3, 1e300])
+def test_a_cached_profile_with_impossible_times_is_refused_naming_the_file(
+    bad: float, tmp_path: Path
+) -> None:
+    """NaN, negative or absurd cached times: warned about by file and node, then re-profiled."""
+    g = _traced()
+    profile_costs(g, "cpu", repeats=1, warmup=0, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    data["nodes"]["conv"]["fwd"]["cpu"] = bad
+    path.write_text(json.dumps(data))
+    with pytest.warns(RuntimeWarning, match=rf"{path.name}.*'conv' has fwd time"):
+        again = profile_costs(g, "cpu", repeats=1, warmup=0, cache_dir=tmp_path)
+    assert again.meta["cache_hit"] is False
+    assert 0 < again.fwd_s("conv", "cpu") < 1  # measured again, not the cached value

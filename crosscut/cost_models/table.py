@@ -10,6 +10,7 @@ activation_bytes`` (``partitioner.build.CostLookup``).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,7 @@ class CostTable:
                 )
                 for k, v in data["nodes"].items()
             }
+            _check_times(nodes)
             return cls(
                 nodes=nodes,
                 source=str(data["source"]),
@@ -134,6 +136,8 @@ class CostTable:
                 optimizer=str(data.get("optimizer", "sgd")),
                 meta=dict(data.get("meta", {})),
             )
+        except CostModelError:
+            raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CostModelError(
                 "a cost table JSON needs 'source' and 'nodes' with fwd, bwd, resident, activation",
@@ -160,3 +164,26 @@ class CostTable:
     @classmethod
     def load(cls, path: str | Path) -> CostTable:
         return cls.from_json(Path(path).read_text())
+
+
+MAX_OP_SECONDS = 3600.0
+"""No single operator of one micro-batch takes an hour: a larger time is corruption."""
+
+
+def _check_times(nodes: dict[str, NodeCost]) -> None:
+    """Every time is finite, not negative and under an hour; every byte count not negative."""
+    for name, c in nodes.items():
+        for what, times in (("fwd", c.fwd), ("bwd", c.bwd)):
+            for kind, t in times.items():
+                if not (math.isfinite(t) and 0.0 <= t <= MAX_OP_SECONDS):
+                    raise CostModelError(
+                        f"node {name!r} has {what} time {t} s on {kind}: times must be finite, "
+                        f"not negative and under {MAX_OP_SECONDS:.0f} s",
+                        value=t,
+                        remedy="delete the file and profile again (the cache was corrupted or "
+                        "edited)",
+                    )
+        if c.resident < 0 or c.activation < 0:
+            raise CostModelError(
+                f"node {name!r} has negative bytes", value=(c.resident, c.activation)
+            )

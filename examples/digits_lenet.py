@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -56,12 +58,21 @@ def load_digits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return x[:split], y[:split], x[split:], y[split:]
 
 
-def train(model: nn.Module, data: tuple[torch.Tensor, ...], epochs: int, batch: int) -> float:
-    """Plain SGD with momentum; returns test accuracy in percent."""
+def train(
+    model: nn.Module,
+    data: tuple[torch.Tensor, ...],
+    epochs: int,
+    batch: int,
+    label: str = "",
+    log: Callable[[str], None] = print,
+) -> float:
+    """Plain SGD with momentum; returns test accuracy in percent (one line per epoch)."""
     x_tr, y_tr, x_te, y_te = data
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     order = torch.Generator().manual_seed(1)
-    for _ in range(epochs):
+    for epoch in range(epochs):
+        t0 = time.perf_counter()
+        log(f"{label}: epoch {epoch + 1}/{epochs} ...")
         model.train()
         perm = torch.randperm(len(x_tr), generator=order)
         for i in range(0, len(x_tr) - batch + 1, batch):  # full batches only
@@ -70,6 +81,8 @@ def train(model: nn.Module, data: tuple[torch.Tensor, ...], epochs: int, batch: 
             opt.zero_grad()
             loss.backward()
             opt.step()
+        log(f"{label}: epoch {epoch + 1}/{epochs} done, last loss {float(loss):.3f} "
+            f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
     model.eval()
     correct = 0
     with torch.no_grad():
@@ -94,8 +107,8 @@ def run(epochs: int = 5, batch: int = 32, devices: int = 2) -> tuple[float, floa
         time_limit=5,
         require_all_devices=True,  # LeNet is tiny: without this one stage is fastest
     )
-    acc_single = train(single, data, epochs, batch)
-    acc_split = train(compiled, data, epochs, batch)
+    acc_single = train(single, data, epochs, batch, "single device")
+    acc_split = train(compiled, data, epochs, batch, f"crosscut, {compiled.plan.num_stages} stages")
     return acc_single, acc_split, compiled.plan.num_stages
 
 

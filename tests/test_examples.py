@@ -41,7 +41,7 @@ def test_resnet_pipeline_trains() -> None:
 
 
 def test_mariana_alexnet_plan_checks_out() -> None:
-    assert mariana_alexnet.main(["--batch", "16", "--check-batch", "4"])
+    assert mariana_alexnet.main(["--batch", "16"])
 
 
 def test_inception_latency_never_worse_than_one_device() -> None:

@@ -22,16 +22,16 @@ from crosscut.errors import InputError
 from crosscut.partitioner.plan import Plan
 from crosscut.partitioner.validate import validate_plan
 from crosscut.planning import (
+    PlanRequest,
     as_tuple,
-    check_options,
     check_plan_devices,
     check_recompute,
-    cross_options,
     get_costs,
     load_plan,
     micro_inputs,
     other_mode_graph,
     partition,
+    plan_request,
     public_errors,
     trace,
 )
@@ -113,9 +113,9 @@ def compile(
     from crosscut.runtime.output_merge import normalize_merge
 
     normalize_merge(output_merge)  # a bad rule fails here, before tracing
-    # every option is checked here, on every rank alike under torchrun: the same error
-    # everywhere, before any rank waits on another
-    check_options(
+    # every option is checked here, once, on every rank alike under torchrun: the same
+    # error everywhere, before any rank waits on another (planning.PlanRequest)
+    request = PlanRequest(
         mode=mode,
         objective=objective,
         schedule=schedule,
@@ -123,8 +123,12 @@ def compile(
         time_limit=time_limit,
         optimizer=optimizer,
         cost=cost,
+        seed=seed,
+        require_all_devices=require_all_devices,
+        cross_shaped=cross_shaped,
+        widths=None if widths is None else tuple(widths),
+        splits=tuple(splits),
     )
-    cross_options(cross_shaped, widths, splits, 2)
     check_recompute(recompute)
     if _distributed_run():
         # Under torchrun every rank runs its own stage; the devices come from the ranks
@@ -145,38 +149,16 @@ def compile(
             recompute=recompute,
             devices=devices,
             partition_options={
-                "mode": mode,
-                "objective": objective,
-                "time_limit": time_limit,
-                "optimizer": optimizer,
-                "cost": cost,
-                "seed": seed,
-                "cross_shaped": cross_shaped,
-                "widths": widths,
-                "splits": splits,
+                k: v
+                for k, v in request.partition_options().items()
+                if k not in ("schedule", "microbatches", "require_all_devices")
             },
         )
     cl = Cluster.from_any(devices)
     if plan is None:
         graph = trace(model, micro_inputs(example_inputs, microbatches), mode=mode)
         graph.model_name = type(model).__name__
-        the_plan = partition(
-            graph,
-            cl,
-            mode=mode,
-            objective=objective,
-            schedule=schedule,
-            microbatches=microbatches,
-            time_limit=time_limit,
-            optimizer=optimizer,
-            cost=cost,
-            seed=seed,
-            require_all_devices=require_all_devices,
-            progress=progress,
-            cross_shaped=cross_shaped,
-            widths=widths,
-            splits=splits,
-        )
+        the_plan = plan_request(graph, cl, None, request, progress=progress)
         the_plan.model.input_shapes = [list(t.shape) for t in as_tuple(example_inputs)]
     else:
         the_plan = load_plan(plan)

@@ -129,18 +129,11 @@ def _plan_on_rank0(
 
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        extra = dict(options)
+        extra = {**dict(options), "microbatches": microbatches, "schedule": schedule}
+        extra["require_all_devices"] = True  # one stage per rank
         if extra.get("cross_shaped"):
             extra["colocate"] = False  # ranks are devices: no two stages on one group
-        plan = partition(
-            model,
-            cluster,
-            replica_batch,
-            microbatches=microbatches,
-            schedule=schedule,
-            require_all_devices=True,
-            **extra,
-        )
+        plan = partition(model, cluster, replica_batch, **extra)
         box[0] = plan.to_json()
     dist.broadcast_object_list(box, src=0)
     return Plan.from_json(str(box[0]))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,6 +28,7 @@ from crosscut.partitioner.plan import Plan, PlanOptions
 from crosscut.partitioner.problem import OBJECTIVES, SCHEDULES
 
 __all__ = [
+    "PlanRequest",
     "as_tuple",
     "check_options",
     "check_plan_devices",
@@ -37,6 +39,7 @@ __all__ = [
     "micro_inputs",
     "other_mode_graph",
     "partition",
+    "plan_request",
     "public_errors",
     "trace",
 ]
@@ -175,6 +178,53 @@ def get_costs(
     return table
 
 
+@dataclass(frozen=True)
+class PlanRequest:
+    """Every partitioning option, normalised and checked once, at construction.
+
+    The front door's request: :func:`partition` builds one from its keywords,
+    ``crosscut.compile`` builds one before it decides between the local and
+    the torchrun path (so every rank checks the same options the same way),
+    and :func:`plan_request` consumes it without checking again.
+    """
+
+    mode: str = "train"
+    objective: str = "throughput"
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    time_limit: float = 10.0
+    optimizer: str = "sgd"
+    cost: str = "analytic"
+    overlap_comm: bool = False
+    seed: int = 0
+    solver: str = "cpsat"
+    require_all_devices: bool = False
+    cross_shaped: bool = False
+    widths: tuple[int, ...] | None = None
+    splits: tuple[str, ...] = ("batch", "channel")
+    colocate: bool = True
+
+    def __post_init__(self) -> None:
+        check_options(
+            mode=self.mode,
+            objective=self.objective,
+            schedule=self.schedule,
+            microbatches=self.microbatches,
+            time_limit=self.time_limit,
+            optimizer=self.optimizer,
+            cost=self.cost,
+        )
+        # widths and splits normalised to tuples, their rules checked (device count: later)
+        if self.widths is not None:
+            object.__setattr__(self, "widths", tuple(self.widths))
+        object.__setattr__(self, "splits", tuple(self.splits))
+        cross_options(self.cross_shaped, self.widths, self.splits, 2)
+
+    def partition_options(self) -> dict[str, Any]:
+        """The keywords of :func:`partition` this request stands for."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 @public_errors
 def partition(
     model_or_graph: nn.Module | OpGraph,
@@ -212,10 +262,7 @@ def partition(
     ``colocate=False`` forbids the last stage from sharing the previous stage's
     device group (needed for plans run under torchrun: one stage per rank).
     """
-    from crosscut.cost_models import Cluster
-    from crosscut.partitioner.partition import partition_graph
-
-    check_options(
+    request = PlanRequest(
         mode=mode,
         objective=objective,
         schedule=schedule,
@@ -223,9 +270,36 @@ def partition(
         time_limit=time_limit,
         optimizer=optimizer,
         cost=cost,
+        overlap_comm=overlap_comm,
+        seed=seed,
+        solver=solver,
+        require_all_devices=require_all_devices,
+        cross_shaped=cross_shaped,
+        widths=None if widths is None else tuple(widths),
+        splits=tuple(splits),
+        colocate=colocate,
     )
+    return plan_request(
+        model_or_graph, cluster, example_inputs, request, model_name=model_name, progress=progress
+    )
+
+
+def plan_request(
+    model_or_graph: nn.Module | OpGraph,
+    cluster: Any,
+    example_inputs: Any,
+    request: PlanRequest,
+    *,
+    model_name: str = "",
+    progress: Callable[[float, float, float], None] | None = None,
+) -> Plan:
+    """:func:`partition` for a request whose options were already checked."""
+    from crosscut.cost_models import Cluster
+    from crosscut.partitioner.partition import partition_graph
+
+    r = request
     cl = Cluster.from_any(cluster)
-    group_widths, group_splits = cross_options(cross_shaped, widths, splits, len(cl.devices))
+    group_widths, group_splits = cross_options(r.cross_shaped, r.widths, r.splits, len(cl.devices))
     shapes: list[list[int]] = []
     if isinstance(model_or_graph, OpGraph):
         graph = model_or_graph
@@ -236,31 +310,31 @@ def partition(
                 remedy="pass e.g. torch.randn(32, 3, 224, 224)",
             )
         shapes = [list(t.shape) for t in as_tuple(example_inputs)]
-        graph = trace(model_or_graph, micro_inputs(example_inputs, microbatches), mode=mode)
+        graph = trace(model_or_graph, micro_inputs(example_inputs, r.microbatches), mode=r.mode)
         graph.model_name = model_name or type(model_or_graph).__name__
     options = PlanOptions(
-        objective=objective,
-        schedule=schedule,
-        microbatches=microbatches,
-        overlap_comm=overlap_comm,
-        optimizer=optimizer,
-        time_limit_s=float(time_limit),
-        seed=seed,
-        cost_source=cost,
+        objective=r.objective,
+        schedule=r.schedule,
+        microbatches=r.microbatches,
+        overlap_comm=r.overlap_comm,
+        optimizer=r.optimizer,
+        time_limit_s=float(r.time_limit),
+        seed=r.seed,
+        cost_source=r.cost,
         widths=group_widths,
         splits=group_splits,
     )
-    costs = get_costs(graph, cl, cost=cost, optimizer=optimizer)
+    costs = get_costs(graph, cl, cost=r.cost, optimizer=r.optimizer)
     return partition_graph(
         graph,
         costs,
         cl,
         options,
         input_shapes=shapes,
-        solver=solver,
-        require_all_devices=require_all_devices,
+        solver=r.solver,
+        require_all_devices=r.require_all_devices,
         progress=progress,
-        colocate=colocate,
+        colocate=r.colocate,
     )
 
 

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
+from typing import TypeVar
+
+_N = TypeVar("_N", int, float)
 
 __all__ = ["_nonnegative_int", "_port", "_positive_float", "_positive_int", "_shape"]
 
@@ -24,34 +28,27 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
-def _positive_int(text: str) -> int:
+def _number(text: str, convert: Callable[[str], _N], ok: Callable[[_N], bool], rule: str) -> _N:
+    """``text`` converted and checked; argparse prints the one-line error naming ``rule``."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {rule}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {value}")
-    return value
+    return _number(text, float, lambda v: v > 0 and math.isfinite(v), "a positive finite number")
 
 
 def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
 
 
 def _port(text: str) -> int:

@@ -25,15 +25,7 @@ def test_distributed_benchmark_prints_interleaved_rounds_and_its_table() -> None
     cmd = [sys.executable, str(ROOT / "benchmarks" / "distributed.py"),
            "--models", "resnet18", "--batch", "8", "--size", "32", "--microbatches", "2",
            "--steps", "1", "--warmup", "0", "--rounds", "2", "--timeout", "300"]  # fmt: skip
-    run = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    run = _run(cmd)
     lines = run.stdout.splitlines()
     assert sum("resnet18 round" in line for line in lines) == 2
     (row,) = [line.split() for line in lines if line.startswith("resnet18 ")]
@@ -41,6 +33,20 @@ def test_distributed_benchmark_prints_interleaved_rounds_and_its_table() -> None
     assert min(eager, micro, pipe) > 0
     assert ratio_fits(float(row[4].rstrip("x")), eager, pipe)
     assert ratio_fits(float(row[5].rstrip("x")), micro, pipe)
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run a benchmark command from the repository root, one thread per process; must pass."""
+    run = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return run
 
 
 def ratio_fits(shown: float, num: float, den: float, half: float = 0.005) -> bool:
@@ -61,16 +67,7 @@ def test_the_pipelining_peer_runs_in_the_same_rounds() -> None:
            "--models", "resnet18", "--batch", "8", "--size", "32", "--microbatches", "2",
            "--steps", "1", "--warmup", "0", "--rounds", "1", "--timeout", "300",
            "--peer", "--peer-tries", "2"]  # fmt: skip
-    run = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    out = run.stdout
+    out = _run(cmd).stdout
     assert out.count("pipelining trial split at") == 2, out
     rows = [line.split() for line in out.splitlines() if line.startswith("resnet18 ")]
     peer_rows = [r for r in rows if r[1] in ("parameter-balanced", "best")]

@@ -43,8 +43,12 @@ def shell_lines() -> list[str]:
     return out
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1")
+def _run(argv: list[str], cwd: Path, what: str) -> subprocess.CompletedProcess[str]:
+    """Run one README line in ``cwd`` with the venv first on PATH; it must succeed."""
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1")
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{what}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done
 
 
 def test_the_readme_has_what_this_test_runs() -> None:
@@ -65,15 +69,7 @@ def test_every_readme_command_runs_as_written(tmp_path: Path) -> None:
             assert cmd == "source .venv/bin/activate", cmd
             assert "VENV   ?= .venv" in (ROOT / "Makefile").read_text()
             continue
-        done = subprocess.run(
-            shlex.split(cmd),
-            cwd=tmp_path,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, f"{cmd}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        done = _run(shlex.split(cmd), tmp_path, cmd)
         if cmd.startswith("crosscut run "):
             assert "went down" in done.stdout, done.stdout[-2000:]
         if cmd.startswith("crosscut verify "):
@@ -84,13 +80,5 @@ def test_every_readme_command_runs_as_written(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_every_readme_python_snippet_runs_as_written(tmp_path: Path) -> None:
     for i, code in enumerate(_blocks("python")):
-        done = subprocess.run(
-            [sys.executable, "-c", code],
-            cwd=tmp_path,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, f"block {i}\n{code}\n{done.stderr[-3000:]}"
+        done = _run([sys.executable, "-c", code], tmp_path, f"python block {i}:\n{code}")
         assert "0.0478" not in done.stdout  # numbers are printed with units, rounded

@@ -166,7 +166,7 @@ class LocalExecutor:
             for st in program.stages
         ]
         self._engines = [
-            StageEngine.for_stage(program, k, microbatches, run=_pick(runs, k))
+            StageEngine.for_stage(program, k, microbatches, run=runs[k] if runs else None)
             for k in range(len(program.stages))
         ]
 
@@ -374,10 +374,6 @@ class LocalExecutor:
             assert loss_m is not None
             total = total + loss_m.to(self.output_device)
         return total
-
-
-def _pick(runs: Sequence[RunStage | None] | None, k: int) -> RunStage | None:
-    return runs[k] if runs is not None and k < len(runs) else None
 
 
 class _LocalTransport:

@@ -11,6 +11,7 @@ arguments are not given.
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -70,6 +71,20 @@ def _env_int(name: str) -> int:
         raise DistributedError(f"{name} must be an integer", value=raw) from None
 
 
+def _leave_job() -> None:
+    """At exit, release the process group this module created (if the script did not).
+
+    A script that ends without ``destroy_process_group`` leaves its gloo pairs to
+    the interpreter's teardown, where a peer that already exited can make the
+    process abort (exit -6) after its work is done. Errors here change nothing.
+    """
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # the job is over either way
+        pass
+
+
 def init(
     *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None
 ) -> DistContext:
@@ -98,6 +113,7 @@ def init(
             dist.init_process_group(
                 chosen, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
             )
+            atexit.register(_leave_job)
         except (RuntimeError, ValueError) as exc:
             raise DistributedError(
                 f"rank {rank} could not join the process group ({chosen}): "

@@ -9,7 +9,9 @@ a missing browser fails loudly instead of silently passing.
 
 from __future__ import annotations
 
+import html
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -194,3 +196,79 @@ def test_coarse_report_opens_the_group_named_in_the_url(chromium: str, tmp_path:
     parser = _Clusters()
     parser.feed(dom)
     assert parser.open_details == [f"grp-{target}"]
+
+
+_PROBE = """<script>
+(function () {
+  var box = document.getElementById('dag'), svg = box.querySelector('svg');
+  var rect = function (el) { var r = el.getBoundingClientRect();
+    return [r.left, r.top, r.width, r.height]; };
+  var before = rect(svg);
+  document.getElementById('zoom-fit').click();
+  var sections = document.querySelectorAll('header, section');
+  for (var i = 0; i < sections.length; i++) {
+    if (sections[i].id !== 'graph') { sections[i].style.display = 'none'; }
+  }
+  box.scrollTop = 0; box.scrollLeft = 0; box.scrollIntoView({block: 'start'});
+  var pre = document.createElement('pre');
+  pre.id = 'probe';
+  pre.textContent = JSON.stringify({before: before, box: rect(box), svg: rect(svg),
+    inner: [box.clientWidth, box.clientHeight], view: [innerWidth, innerHeight],
+    label: document.getElementById('zoom-level').textContent});
+  document.body.appendChild(pre);
+})();
+</script></body>"""
+
+
+def _near(pixel: bytes, colour: str, tol: int = 40) -> bool:
+    want = [int(colour[i : i + 2], 16) for i in (1, 3, 5)]
+    return sum(abs(a - b) for a, b in zip(pixel, want, strict=True)) <= tol
+
+
+@pytest.mark.parametrize(("n", "d"), [(120, 4), (400, 6), (1650, 8)])
+def test_fit_shows_the_whole_graph_in_the_viewport(
+    chromium: str, tmp_path: Path, n: int, d: int
+) -> None:
+    """After "fit", the graph's bounding box lies inside its box and the window, and the
+    screenshot shows the first and the last stage's outline."""
+    import json
+
+    from crosscut.viz.dot import device_colors, lighten
+
+    plan = make_plan(n, d)
+    page = render(plan, tmp_path / "plan.html", simulation=make_simulation(plan))
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.read_text().replace("</body>", _PROBE, 1))
+    dom = _run(
+        chromium,
+        "--virtual-time-budget=3000",
+        "--window-size=1400,1000",
+        "--dump-dom",
+        probe.as_uri(),
+    ).stdout
+    found = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S)
+    assert found, dom[-2000:]
+    got = json.loads(html.unescape(found.group(1)))
+    bx, by, bw, bh = got["box"]
+    sx, sy, sw, sh = got["svg"]
+    assert got["label"].startswith("zoom ") and got["label"].endswith("%"), got["label"]
+    assert sw <= got["inner"][0] + 1 and sh <= got["inner"][1] + 1, got
+    assert bx - 1 <= sx and sx + sw <= bx + bw + 1 and by - 1 <= sy and sy + sh <= by + bh + 1
+    assert by + bh <= got["view"][1] and bx + bw <= got["view"][0], got  # box in the window
+    # fit fills the box along the tighter side (not merely "small enough")
+    assert sw >= 0.97 * (got["inner"][0] - 4) or sh >= 0.97 * (got["inner"][1] - 4), got
+    assert min(sw / got["inner"][0], sh / got["inner"][1]) > 0.3, got  # and keeps its shape
+    shot = tmp_path / "fit.png"
+    _run(
+        chromium,
+        f"--screenshot={shot}",
+        "--window-size=1400,1000",
+        "--virtual-time-budget=3000",
+        probe.as_uri(),
+    )
+    _, _, rows = _png_pixels(shot.read_bytes())
+    pixels = [row[i : i + 3] for row in rows for i in range(0, len(row), 3)]
+    colours = device_colors(plan)
+    for stage in (plan.stages[0], plan.stages[-1]):  # their boxes' fill is on screen
+        fill = lighten(colours[stage.devices[0]])
+        assert any(_near(p, fill, 12) for p in pixels), (stage.index, fill)

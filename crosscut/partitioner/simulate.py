@@ -13,6 +13,11 @@ forward-only) action by action on one timeline per device:
 * an action also waits until every device of its stage is free: co-located
   stages (one device group, two stages) take turns on their devices.
 
+The transfer time inside an action is also reported as its own ``"T"`` event
+(after the compute, or from the action's start when ``overlap_comm`` lets it
+run alongside), so a timeline can show when the wire is busy. ``T`` events
+never add time: they lie inside their ``F``/``B`` action.
+
 Stage prices come from :func:`crosscut.partitioner.evaluate.evaluate` on the
 problem rebuilt from the plan, so the simulation, the solver and validation all
 use one cost model; in steady state ``F + B`` of a stage equals its
@@ -36,7 +41,7 @@ __all__ = ["Event", "Simulation", "simulate", "stage_durations"]
 class Event:
     device: str
     stage: int
-    kind: str  # "F" | "B"
+    kind: str  # "F" | "B", or "T": the transfer part of the F/B action just before it
     microbatch: int
     start: float
     end: float
@@ -101,6 +106,8 @@ def simulate(plan: Plan) -> Simulation:
     problem, stage_of, stage_device = plan_to_problem(plan)
     ev = evaluate(problem, stage_of, stage_device, plan_groups(plan))
     fwd, bwd = stage_durations(plan, ev)
+    mult = 2 if plan.model.mode == "train" else 1
+    comm = [c / mult for c in ev.stage_comm]  # one direction's transfers, per action
     senders: list[set[int]] = [set() for _ in range(plan.num_stages)]
     receivers: list[set[int]] = [set() for _ in range(plan.num_stages)]
     for _, j, k, _t in ev.transfers:
@@ -124,9 +131,13 @@ def simulate(plan: Plan) -> Simulation:
                 start = max([*(free[x] for x in devs), *(done[d] for d in deps)])
                 end = start + (fwd[k] if a.kind == "F" else bwd[k])
                 done[(k, a.kind, a.microbatch)] = end
+                wire = comm[k] if a.kind == "F" or plan.model.mode == "train" else 0.0
                 for dev in devs:  # every device of a group is busy
                     free[dev] = end
                     events.append(Event(dev, k, a.kind, a.microbatch, start, end))
+                    if wire > 0:
+                        t0 = start if plan.options.overlap_comm else max(start, end - wire)
+                        events.append(Event(dev, k, "T", a.microbatch, t0, min(end, t0 + wire)))
                 head[k] += 1
                 remaining -= 1
                 progressed = True
@@ -140,6 +151,8 @@ def simulate(plan: Plan) -> Simulation:
     step = max((e.end for e in events), default=0.0)
     busy: dict[str, float] = {}
     for e in events:
+        if e.kind == "T":
+            continue  # inside an F/B action, already counted
         busy[e.device] = busy.get(e.device, 0.0) + (e.end - e.start)
     capacity = step * len({d for s in plan.stages for d in s.devices})
     bubble = 1.0 - sum(busy.values()) / capacity if capacity > 0 else 0.0

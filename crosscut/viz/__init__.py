@@ -9,13 +9,15 @@ the output suffix and writes atomically, so a viewer never sees half a file.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 from crosscut.errors import CrosscutError
 from crosscut.partitioner.plan import Plan
-from crosscut.viz.dot import INSTALL_HINT, VizError, plan_to_dot, render_dot
+from crosscut.viz.dot import INSTALL_HINT, VizError, plan_to_dot, render_dot, view_groups
 from crosscut.viz.html import plan_to_html
+from crosscut.viz.layout import layout_svg
 from crosscut.viz.summary import print_summary, summary_text
 from crosscut.viz.timeline import EventLike, SimulationLike, timeline_svg
 
@@ -26,6 +28,7 @@ __all__ = [
     "SimulationLike",
     "VizError",
     "default_simulation",
+    "layout_svg",
     "plan_to_dot",
     "plan_to_html",
     "print_summary",
@@ -64,9 +67,10 @@ def render(
 ) -> Path:
     """Write ``plan`` to ``out_path`` as .html, .svg, .dot or .png (chosen by suffix).
 
-    HTML simulates the plan when no ``simulation`` is given. SVG and PNG need
-    Graphviz ``dot``; DOT and HTML work without it (the HTML then shows the
-    install hint where the graph would be).
+    HTML simulates the plan when no ``simulation`` is given and draws the graph
+    with crosscut's own layout (:mod:`crosscut.viz.layout`). SVG is Graphviz's
+    drawing when ``dot`` is on PATH and that same layout when it is not; PNG
+    needs Graphviz. DOT and HTML need nothing but the plan.
     """
     out = Path(out_path)
     suffix = out.suffix.lower()
@@ -82,7 +86,11 @@ def render(
         data = plan_to_html(plan, simulation=sim, coarse=coarse, max_nodes=max_nodes).encode()
     else:
         dot_src = plan_to_dot(plan, coarse=coarse, max_nodes=max_nodes)
-        data = dot_src.encode() if suffix == ".dot" else render_dot(dot_src, suffix[1:])
+        if suffix == ".svg" and shutil.which("dot") is None:  # Graphviz only makes it prettier
+            groups = view_groups(plan, coarse=coarse, max_nodes=max_nodes)
+            data = ('<?xml version="1.0" encoding="UTF-8"?>\n' + layout_svg(plan, groups)).encode()
+        else:
+            data = dot_src.encode() if suffix == ".dot" else render_dot(dot_src, suffix[1:])
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:

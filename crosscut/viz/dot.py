@@ -23,35 +23,41 @@ from crosscut.errors import CrosscutError
 from crosscut.partitioner.plan import Plan, PlanStage
 
 __all__ = [
+    "ATTENTION_COLOR",
     "INSTALL_HINT",
     "PALETTE",
+    "TRANSFER_COLOR",
     "NodeGroup",
     "VizError",
     "coarsen",
     "device_colors",
     "human_bytes",
     "human_time",
+    "lighten",
     "plan_to_dot",
     "render_dot",
     "stage_label",
     "view_groups",
 ]
 
-# Tableau 10: distinguishable, colour-blind tolerable, fixed so a device keeps
-# its colour across every picture of the same cluster.
+# One meaning per colour across every picture: these ten mean "a device" (a
+# device keeps its colour across every picture of the same cluster); red means
+# "a transfer" and orange "needs attention", so neither appears here. Tableau
+# 10 with its red, orange and pink swapped for cyan, olive and navy.
 PALETTE = (
     "#4e79a7",
-    "#f28e2b",
-    "#e15759",
-    "#76b7b2",
     "#59a14f",
+    "#76b7b2",
     "#edc948",
     "#b07aa1",
-    "#ff9da7",
     "#9c755f",
+    "#17becf",
+    "#bcbd22",
+    "#1f3a93",
     "#bab0ac",
 )
-TRANSFER_COLOR = "#b2182b"
+TRANSFER_COLOR = "#d62728"
+ATTENTION_COLOR = "#e67e22"  # over a cap, slower than a baseline
 INSTALL_HINT = (
     "install Graphviz: `apt-get install graphviz` (Debian/Ubuntu), "
     "`brew install graphviz` (macOS), or write a .dot/.html file instead"
@@ -100,7 +106,7 @@ def device_colors(plan: Plan) -> dict[str, str]:
     return {d.name: PALETTE[i % len(PALETTE)] for i, d in enumerate(plan.cluster.devices)}
 
 
-def _lighten(color: str, amount: float = 0.55) -> str:
+def lighten(color: str, amount: float = 0.55) -> str:
     r, g, b = (int(color[i : i + 2], 16) for i in (1, 3, 5))
     mix = [round(c + (255 - c) * amount) for c in (r, g, b)]
     return "#" + "".join(f"{c:02x}" for c in mix)
@@ -185,7 +191,7 @@ def coarsen(plan: Plan, max_nodes: int = 400, *, target: int | None = None) -> l
 
 # ---- DOT ----------------------------------------------------------------------------
 def _node_fill(devices: list[str], colors: dict[str, str]) -> str:
-    fills = [_lighten(colors.get(d, PALETTE[-1])) for d in devices]
+    fills = [lighten(colors.get(d, PALETTE[-1])) for d in devices]
     if len(fills) == 1:
         return f"style={_q('rounded,filled')}, fillcolor={_q(fills[0])}"
     # a left-to-right blend of the group's colours: reads as "several devices" and,
@@ -204,7 +210,7 @@ def _legend(plan: Plan, colors: dict[str, str]) -> list[str]:
         text = f"{d.name} · {d.kind} · {human_bytes(d.mem_cap)}"
         lines.append(
             f"    legend_{i} [label={_q(text)}, style={_q('rounded,filled')}, "
-            f"fillcolor={_q(_lighten(colors[d.name]))}, color={_q(colors[d.name])}, penwidth=2];"
+            f"fillcolor={_q(lighten(colors[d.name]))}, color={_q(colors[d.name])}, penwidth=2];"
         )
         names.append(f"legend_{i}")
     lines.append(
@@ -284,14 +290,22 @@ def plan_to_dot(plan: Plan, *, coarse: bool | None = None, max_nodes: int = 400)
 
 
 def _edges(plan: Plan, box_of: dict[str, NodeGroup]) -> list[str]:
-    """Edges between boxes; cross-stage ones carry bytes, cross-device ones are transfers."""
+    """Edges between boxes; cross-stage ones carry bytes, cross-device ones are transfers.
+
+    A tensor that a stage reads in several places is sent once, so it is drawn
+    once: one arrow per (source box, receiving stage), to the first reader.
+    """
     tx_time = {(t.tensor, t.dst_stage): t.time_s for t in plan.transfers}
     agg: dict[tuple[str, str], dict[str, int]] = {}
+    first_reader: dict[tuple[str, int], str] = {}
     for src, dst, nbytes in plan.edges:
         ga, gb = box_of.get(src), box_of.get(dst)
         if ga is None or gb is None or ga.id == gb.id:
             continue
-        agg.setdefault((ga.id, gb.id), {})[src] = nbytes  # a tensor counts once per box pair
+        target = gb.id
+        if ga.stage != gb.stage:
+            target = first_reader.setdefault((ga.id, gb.stage), gb.id)
+        agg.setdefault((ga.id, target), {})[src] = nbytes  # a tensor counts once per pair
     stage_of = {g.id: g.stage for g in box_of.values()}
     lines = []
     for (a, b), tensors in agg.items():

@@ -1,7 +1,10 @@
 """A self-contained HTML report of a plan: one file, no network, no build step.
 
-Everything is inline (the DAG as Graphviz SVG, CSS, a few lines of JS), so the
-report can be mailed, attached to CI, or opened from a laptop on a plane. The
+Everything is inline (the DAG as SVG laid out in Python by
+:mod:`crosscut.viz.layout`, CSS, a few lines of JS), so the report can be
+mailed, attached to CI, or opened from a laptop on a plane, and it needs
+neither Graphviz nor a network. Colours keep one meaning each: the palette
+colours are devices, red is a transfer, orange needs attention. The
 page answers, top to bottom: what model on what cluster; how fast and how
 sure (step time, bubble, solver status and gap); which device is busy or full
 (compute and memory bars against the caps); when each device works (the
@@ -18,22 +21,22 @@ import re
 
 from crosscut.partitioner.plan import Plan
 from crosscut.viz.dot import (
+    ATTENTION_COLOR,
     TRANSFER_COLOR,
     NodeGroup,
-    VizError,
     device_colors,
     human_bytes,
     human_time,
-    plan_to_dot,
-    render_dot,
     view_groups,
 )
+from crosscut.viz.layout import layout_svg, stage_layers
 from crosscut.viz.summary import baseline_ratios, stage_cap
-from crosscut.viz.timeline import SimulationLike, microbatch_color, timeline_svg
+from crosscut.viz.timeline import SimulationLike, action_color, timeline_svg
 
 __all__ = ["plan_to_html", "strip_svg_prolog"]
 
 _e = html.escape
+_MEMORY = "#6b7785"  # memory bars: neutral grey, orange (attention) above 90 % of the cap
 
 _CSS = """
 :root { --fg:#1d232a; --muted:#5b6670; --line:#d9dee3; --bg:#f6f7f9; --card:#fff; }
@@ -59,12 +62,12 @@ tr.hot td { background:#fff4e5; }
 .bar { position:relative; width:260px; height:16px; background:#e9ecef; border-radius:3px;
        overflow:hidden; display:inline-block; vertical-align:middle; }
 .bar > span { position:absolute; left:0; top:0; bottom:0; }
-.bar.over > span { background:#c0392b !important; }
+.bar.over > span { background:%ATT% !important; }
 .swatch { display:inline-block; width:12px; height:12px; border-radius:2px;
           vertical-align:middle; margin-right:6px; border:1px solid rgba(0,0,0,.2); }
-.muted { color:var(--muted); } .warn { color:#a04000; } .bad { color:#c0392b; }
+.muted { color:var(--muted); } .warn { color:%ATT%; font-weight:600; }
 .scroll { overflow:auto; border:1px solid var(--line); border-radius:6px; background:#fff; }
-#dag { max-height:80vh; cursor:grab; } #dag.drag { cursor:grabbing; }
+#dag { height:80vh; cursor:grab; } #dag.drag { cursor:grabbing; }
 #dag svg { display:block; }
 .toolbar { margin:0 0 8px; display:flex; gap:6px; align-items:center; }
 .toolbar button { font:inherit; padding:2px 10px; border:1px solid var(--line);
@@ -72,28 +75,35 @@ tr.hot td { background:#fff4e5; }
 details.grp { margin:2px 0; } details.grp summary { cursor:pointer; }
 details.grp[open] { background:#fffbe6; } details.grp ul { margin:4px 0 8px 18px; padding:0; }
 code { font-size:12px; }
-"""
+dl.explain { margin:10px 0 0; font-size:13px; } dl.explain dt { font-weight:600; }
+dl.explain dd { margin:0 0 6px 16px; color:var(--muted); }
+""".replace("%ATT%", ATTENTION_COLOR)
 
 _JS = """
 (function () {
   var box = document.getElementById('dag');
   var svg = box && box.querySelector('svg');
   if (svg) {
-    var vb = svg.viewBox && svg.viewBox.baseVal;
-    var natural = vb && vb.width ? vb.width * 4 / 3 : svg.getBoundingClientRect().width;
-    svg.removeAttribute('height');
-    var scale = Math.min(1, (box.clientWidth - 4) / natural);
+    var vb = svg.viewBox.baseVal;
+    var natural = [vb.width, vb.height];  // px: crosscut's layout draws in px
     var label = document.getElementById('zoom-level');
+    var scale = 1;
     var apply = function () {
-      svg.setAttribute('width', Math.max(50, natural * scale));
-      if (label) { label.textContent = Math.round(scale * 100) + '%'; }
+      svg.setAttribute('width', Math.max(20, natural[0] * scale));
+      svg.setAttribute('height', Math.max(20, natural[1] * scale));
+      if (label) { label.textContent = 'zoom ' + Math.round(scale * 100) + '%'; }
     };
+    var fit = function () {  // the whole graph in the box: both width and height
+      scale = Math.min((box.clientWidth - 4) / natural[0], (box.clientHeight - 4) / natural[1]);
+      apply();
+    };
+    // open wide enough to read the node names; "fit" shows the whole graph
+    scale = Math.min(1, (box.clientWidth - 4) / natural[0]);
     apply();
-    var zoom = function (f) { scale = Math.max(0.05, Math.min(8, scale * f)); apply(); };
+    var zoom = function (f) { scale = Math.max(0.02, Math.min(8, scale * f)); apply(); };
     document.getElementById('zoom-in').onclick = function () { zoom(1.25); };
     document.getElementById('zoom-out').onclick = function () { zoom(0.8); };
-    document.getElementById('zoom-fit').onclick = function () {
-      scale = (box.clientWidth - 4) / natural; apply(); };
+    document.getElementById('zoom-fit').onclick = fit;
     document.getElementById('zoom-1').onclick = function () { scale = 1; apply(); };
     box.addEventListener('wheel', function (ev) {
       if (ev.ctrlKey) { ev.preventDefault(); zoom(ev.deltaY < 0 ? 1.1 : 0.9); }
@@ -153,7 +163,7 @@ def _kpis(plan: Plan, sim: SimulationLike | None) -> str:
         ("bubble", f"{bubble:.1%}"),
         ("stages / devices", f"{plan.num_stages} / {len(set(plan.used_devices()))}"),
         ("solver", f'<span class="{status_cls}">{_e(r.status or "-")}</span>'),
-        ("gap", f"{r.gap:.2%}"),
+        ("optimality gap (at most)", f"{r.gap:.2%}"),
     ]
     cells = "".join(
         f'<div class="kpi"><div class="v">{v if k == "solver" else _e(v)}</div>'
@@ -176,22 +186,27 @@ def _stages(plan: Plan, colors: dict[str, str]) -> str:
         if len(s.devices) > 1:
             devs += f' <span class="muted">({_e(s.split)} split)</span>'
         hot = ' class="hot"' if s.time_s == bottleneck else ""
+        first, last = stage_layers(plan, s.index)
         rows.append(
             f"<tr{hot}><td>{s.index}</td><td class='l'>{devs}</td>"
+            f"<td class='l'><code>{_e(first)}</code> → <code>{_e(last)}</code></td>"
             f"<td>{len(plan.stage_nodes(s.index))}</td><td>{s.compute_s * 1e3:.3f}</td>"
             f"<td>{s.comm_s * 1e3:.3f}</td><td>{s.time_s * 1e3:.3f}</td><td class='l'>"
-            + _bar(frac, "#59a14f", f"{human_bytes(s.memory_bytes)} / {human_bytes(cap)}")
+            + _bar(frac, _MEMORY, f"{human_bytes(s.memory_bytes)} / {human_bytes(cap)}")
             + "</td></tr>"
         )
     head = (
-        "<tr><th>stage</th><th class='l'>devices</th><th>nodes</th><th>compute ms</th>"
+        "<tr><th>stage</th><th class='l'>devices</th><th class='l'>first → last layer</th>"
+        "<th>nodes</th><th>compute ms</th>"
         "<th>comm ms</th><th>time ms</th><th class='l'>memory / cap</th></tr>"
     )
     return (
         "<section id='stages'><h2>Stages</h2><table>"
         + head
         + "".join(rows)
-        + "</table><p class='muted'>highlighted: the bottleneck stage</p></section>"
+        + "</table><p class='muted'>times are per micro-batch (compute: forward and backward; "
+        "comm: the stage's transfers in and out); highlighted: the bottleneck stage, the "
+        "slowest, which sets the pipeline's pace</p></section>"
     )
 
 
@@ -217,7 +232,7 @@ def _devices(plan: Plan, sim: SimulationLike | None, colors: dict[str, str]) -> 
         rows.append(
             f"<tr><td class='l'>{sw}{_e(d.name)} <span class='muted'>{_e(d.kind)}</span></td>"
             f"<td class='l'>{_bar(busy / step if step else 0, colors[d.name], f'busy {human_time(busy)} of {human_time(step)}')}</td>"  # noqa: E501
-            f"<td class='l'>{_bar(frac, '#4e79a7' if frac <= 0.9 else '#e67e22', f'{human_bytes(peak)} / {human_bytes(d.mem_cap)} ({frac:.0%})')}</td></tr>"  # noqa: E501
+            f"<td class='l'>{_bar(frac, _MEMORY if frac <= 0.9 else ATTENTION_COLOR, f'{human_bytes(peak)} / {human_bytes(d.mem_cap)} ({frac:.0%})')}</td></tr>"  # noqa: E501
         )
     return (
         "<section id='devices'><h2>Devices: compute and memory</h2><table>"
@@ -226,36 +241,31 @@ def _devices(plan: Plan, sim: SimulationLike | None, colors: dict[str, str]) -> 
     )
 
 
-def _timeline(plan: Plan, sim: SimulationLike | None) -> str:
+def _timeline(plan: Plan, sim: SimulationLike | None, colors: dict[str, str]) -> str:
     if sim is None:
         return (
             "<section id='timeline'><h2>Pipeline timeline</h2><p class='muted'>no simulation "
             "was given; render the report with crosscut.viz.render to include one</p></section>"
         )
-    mbs = sorted({e.microbatch for e in sim.events})[:12]
     key = " ".join(
-        f'<span class="swatch" style="background:{microbatch_color(m, "F")}"></span>'
-        f'<span class="swatch" style="background:{microbatch_color(m, "B")}"></span>mb {m}'
-        for m in mbs
+        f'<span class="swatch" style="background:{action_color(colors[d], "F")}"></span>'
+        f'<span class="swatch" style="background:{action_color(colors[d], "B")}"></span>'
+        f"{_e(d)}"
+        for d in dict.fromkeys(plan.used_devices())
     )
     return (
         "<section id='timeline'><h2>Pipeline timeline</h2>"
-        f"<p class='muted'>{_e(plan.options.schedule)} schedule, "
+        f"<p class='muted'>one training step simulated: {_e(plan.options.schedule)} schedule, "
         f"{plan.options.microbatches} micro-batches · step {human_time(sim.step_time_s)} · "
-        f"bubble {sim.bubble_fraction:.1%} (grey gaps) · light = forward, dark = backward, "
-        f"<span style='color:{TRANSFER_COLOR}'>red lane = transfer</span></p>"
+        f"bubble {sim.bubble_fraction:.1%} (grey: the device waits) · box colour = device, "
+        "light = forward, dark = backward, label = action and micro-batch (F3: forward of "
+        f"micro-batch 3) · <span style='color:{TRANSFER_COLOR}'>red lane under a row = the "
+        "transfer part of that action</span></p>"
         f"<p>{key}</p><div class='scroll'>{timeline_svg(plan, sim)}</div></section>"
     )
 
 
-def _dag(plan: Plan, groups: list[NodeGroup] | None, dot_src: str) -> str:
-    try:
-        svg = strip_svg_prolog(render_dot(dot_src, "svg").decode())
-    except VizError as exc:
-        svg = (
-            f"<p class='warn'>{_e(str(exc))}</p><details><summary>DOT source</summary>"
-            f"<pre>{_e(dot_src)}</pre></details>"
-        )
+def _dag(plan: Plan, groups: list[NodeGroup] | None) -> str:
     view = (
         f"coarse view: {len(groups)} module groups for {len(plan.nodes)} nodes; click a box "
         "or a list entry below for its nodes"
@@ -263,15 +273,20 @@ def _dag(plan: Plan, groups: list[NodeGroup] | None, dot_src: str) -> str:
         else f"{len(plan.nodes)} nodes"
     )
     tools = (
-        "<div class='toolbar'><button id='zoom-out'>−</button><button id='zoom-in'>+</button>"
-        "<button id='zoom-fit'>fit</button><button id='zoom-1'>100%</button>"
+        "<div class='toolbar'><button id='zoom-out' title='zoom out'>−</button>"
+        "<button id='zoom-in' title='zoom in'>+</button>"
+        "<button id='zoom-fit' title='show the whole graph'>fit</button>"
+        "<button id='zoom-1' title='natural size'>1:1</button>"
         "<span id='zoom-level' class='muted'></span><span class='muted'>· drag to pan, "
-        "ctrl+wheel to zoom</span></div>"
+        "ctrl+wheel to zoom, hover a box for its details</span></div>"
     )
     return (
         f"<section id='graph'><h2>Partitioned graph</h2><p class='muted'>{_e(view)}; "
-        "a box per stage, colour per device, transfers bold dashed with bytes per "
-        f"micro-batch</p>{tools}<div id='dag' class='scroll'>{svg}</div>"
+        "a band per stage (top to bottom), box colour = device, parallel branches stacked; "
+        f"<span style='color:{TRANSFER_COLOR}'>red dashed arrow = a transfer</span> (one per "
+        "tensor and receiving stage, with its bytes per micro-batch); dark arrow = a tensor "
+        f"between stages on the same devices</p>{tools}<div id='dag' class='scroll'>"
+        f"{layout_svg(plan, groups)}</div>"
         + (_group_list(plan, groups) if groups is not None else "")
         + "</section>"
     )
@@ -319,13 +334,14 @@ def _transfers(plan: Plan, limit: int = 40) -> str:
 
 def _solver(plan: Plan) -> str:
     r = plan.solver
+    per = "per micro-batch" if plan.options.objective == "throughput" else "per step"
     fields = [
         ("solver", r.solver or "-"),
         ("status", r.status or "-"),
-        ("objective", f"{r.objective:.6g}"),
-        ("best bound", f"{r.best_bound:.6g}"),
-        ("gap", f"{r.gap:.2%}"),
-        ("lower bound", f"{r.lower_bound:.6g}"),
+        ("objective", f"{human_time(r.objective)} {per}"),
+        ("best bound", f"{human_time(r.best_bound)} {per}"),
+        ("optimality gap", f"{r.gap:.2%}"),
+        ("lower bound", f"{human_time(r.lower_bound)} {per}"),
         ("wall time", f"{r.wall_time_s:.2f} s"),
         ("workers / seed", f"{r.workers} / {r.seed}"),
         ("coarse nodes", str(r.coarse_nodes)),
@@ -334,20 +350,47 @@ def _solver(plan: Plan) -> str:
         f"<tr><th class='l'>{_e(k)}</th><td class='l'>{_e(v)}</td></tr>" for k, v in fields
     )
     base = "".join(
-        f"<tr><td class='l'>{_e(name)}</td><td>{value:.6g}</td><td>×{ratio:.2f}</td>"
-        f"<td class='l {'' if ratio > 1 else 'bad'}'>{'beaten' if ratio > 1 else 'not beaten'}"
-        "</td></tr>"
+        f"<tr><td class='l'>{_e(name)}</td><td>{_e(human_time(value))}</td><td>×{ratio:.2f}</td>"
+        f"<td class='l'>{_verdict(ratio)}</td></tr>"
         for name, value, ratio in baseline_ratios(plan)
     )
     notes = "".join(f"<li>{_e(n)}</li>" for n in r.notes)
+    what = (
+        "the slowest stage's time per micro-batch, which sets the pipeline's throughput"
+        if plan.options.objective == "throughput"
+        else "one input's time through every stage (latency)"
+    )
+    explain = (
+        "<dl class='explain'>"
+        f"<dt>objective</dt><dd>what the solver minimises: {what}.</dd>"
+        "<dt>best bound</dt><dd>the solver's proof: no plan it could choose beats this. "
+        "OPTIMAL means objective = best bound.</dd>"
+        "<dt>optimality gap</dt><dd>(objective − best bound) / objective: how much faster "
+        "the best possible plan could be, at most.</dd>"
+        "<dt>lower bound</dt><dd>a floor for any plan, computed without the solver: the "
+        "whole model's compute spread evenly over every device, or its slowest single op, "
+        "whichever is larger. Usually weaker than the best bound.</dd>"
+        "<dt>baselines</dt><dd>other ways to split the same model, priced by the same cost "
+        "model; ×N = their objective / ours, so ×2.00 means ours is twice as fast and "
+        "×1.00 a tie.</dd></dl>"
+    )
     return (
         "<section id='solver'><h2>Solver record</h2><div style='display:flex;gap:40px;"
-        f"flex-wrap:wrap'><table>{rec}</table><div><table><tr><th class='l'>baseline</th>"
-        "<th>objective</th><th>baseline / ours</th><th class='l'></th></tr>"
-        f"{base}</table>"
+        f"flex-wrap:wrap'><div><table>{rec}</table>{explain}</div><div><table><tr>"
+        "<th class='l'>baseline</th><th>objective</th><th>baseline / ours</th>"
+        f"<th class='l'></th></tr>{base}</table>"
         + (f"<h3 style='font-size:14px'>Notes</h3><ul>{notes}</ul>" if notes else "")
         + "</div></div></section>"
     )
+
+
+def _verdict(ratio: float) -> str:
+    """Beaten / tie / ours slower; only a loss draws the attention colour."""
+    if ratio > 1.0005:
+        return "ours faster"
+    if ratio >= 0.9995:
+        return "tie"
+    return "<span class='warn'>ours slower</span>"
 
 
 def plan_to_html(
@@ -361,7 +404,6 @@ def plan_to_html(
     m, c, o = plan.model, plan.cluster, plan.options
     colors = device_colors(plan)
     groups = view_groups(plan, coarse=coarse, max_nodes=max_nodes)
-    dot_src = plan_to_dot(plan, coarse=coarse, max_nodes=max_nodes)
     shapes = ", ".join("×".join(str(x) for x in s) for s in m.input_shapes)
     sub = (
         f"{m.name} · batch {m.batch_size} · {m.mode} · {m.dtype} · input {shapes} · "
@@ -376,8 +418,8 @@ def plan_to_html(
             _kpis(plan, simulation),
             _stages(plan, colors),
             _devices(plan, simulation, colors),
-            _timeline(plan, simulation),
-            _dag(plan, groups, dot_src),
+            _timeline(plan, simulation, colors),
+            _dag(plan, groups),
             _transfers(plan),
             _solver(plan),
         ]

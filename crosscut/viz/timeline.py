@@ -1,9 +1,11 @@
 """The pipeline timeline of a simulated plan as inline SVG.
 
-One row per device, one box per forward (light) or backward (dark) action,
-coloured by micro-batch, so the bubbles of the schedule show as the grey gaps
-between boxes; transfers, when the simulation reports them, run as a thin
-lane under their sending device. The drawing takes any object shaped like
+One row per device, one box per forward (light) or backward (dark) action in
+the device's colour (the colour means "this device" in every picture of the
+report), labelled with its micro-batch ("F3", "B3"), so the bubbles of the
+schedule show as the grey gaps between boxes. The transfer part of an action
+(the simulator's ``"T"`` events) runs as a thin red lane under its device.
+The drawing takes any object shaped like
 ``crosscut.partitioner.simulate.Simulation`` (see :class:`SimulationLike`), so
 tests and other simulators can draw without importing the partitioner.
 """
@@ -16,8 +18,9 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from crosscut.partitioner.plan import Plan
+from crosscut.viz.dot import TRANSFER_COLOR, device_colors, lighten
 
-__all__ = ["EventLike", "SimulationLike", "microbatch_color", "nice_step", "timeline_svg"]
+__all__ = ["EventLike", "SimulationLike", "action_color", "nice_step", "timeline_svg"]
 
 
 class EventLike(Protocol):
@@ -52,11 +55,18 @@ class SimulationLike(Protocol):
     def device_peak_bytes(self) -> Mapping[str, int]: ...
 
 
-def microbatch_color(mb: int, kind: str) -> str:
-    """Golden-angle hues keep neighbouring micro-batches apart; B darker than F."""
-    hue = (mb * 137.508) % 360
-    light = 40 if kind == "B" else 66
-    return f"hsl({hue:.0f},60%,{light}%)"
+_WHAT = {"F": "forward", "B": "backward", "T": "transfer"}
+
+
+def action_color(device_color: str, kind: str) -> str:
+    """A forward in the device's colour lightened, a backward in the colour itself."""
+    return lighten(device_color, 0.45) if kind == "F" else device_color
+
+
+def _text_on(fill: str) -> str:
+    """Black text on light fills, white on dark ones (relative luminance of an #rrggbb)."""
+    r, g, b = (int(fill[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    return "#111" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.45 else "#fff"
 
 
 def nice_step(span: float, ticks: int = 8) -> float:
@@ -86,6 +96,7 @@ def _rows(plan: Plan, sim: SimulationLike) -> dict[str, list[EventLike]]:
 def timeline_svg(plan: Plan, sim: SimulationLike, *, width: int = 1200) -> str:
     """An SVG Gantt chart of ``sim``: rows = devices, x = time in ms."""
     rows = _rows(plan, sim)
+    colors = device_colors(plan)
     span = max([sim.step_time_s, *(e.end for e in sim.events)], default=0.0) or 1e-9
     left, right, top, row_h, lane = 130, 20, 28, 30, 7
     plot = width - left - right
@@ -126,16 +137,16 @@ def timeline_svg(plan: Plan, sim: SimulationLike, *, width: int = 1200) -> str:
             x0, x1 = x(e.start), x(e.end)
             w = max(x1 - x0, 0.5)
             tip = html.escape(
-                f"{dev} stage {e.stage} {e.kind}{e.microbatch}: "
+                f"{dev} stage {e.stage} {_WHAT.get(e.kind, e.kind)} of micro-batch {e.microbatch}: "
                 f"{e.start * 1e3:.3f}–{e.end * 1e3:.3f} ms"
             )
             if e.kind == "T":
                 parts.append(
                     f'<rect class="ev ev-T" x="{x0:.1f}" y="{y + row_h + 1}" width="{w:.1f}" '
-                    f'height="{lane - 2}" fill="#b2182b"><title>{tip}</title></rect>'
+                    f'height="{lane - 2}" fill="{TRANSFER_COLOR}"><title>{tip}</title></rect>'
                 )
                 continue
-            fill = microbatch_color(e.microbatch, e.kind)
+            fill = action_color(colors.get(dev, "#bab0ac"), e.kind)
             parts.append(
                 f'<rect class="ev ev-{html.escape(e.kind)}" x="{x0:.1f}" y="{y + 2}" '
                 f'width="{w:.1f}" height="{row_h - 4}" fill="{fill}" stroke="#fff" '
@@ -143,7 +154,7 @@ def timeline_svg(plan: Plan, sim: SimulationLike, *, width: int = 1200) -> str:
             )
             label = f"{html.escape(e.kind)}{e.microbatch}"
             if w > 7 * len(label) + 4:
-                color = "#fff" if e.kind == "B" else "#111"
+                color = _text_on(fill)
                 parts.append(
                     f'<text x="{x0 + w / 2:.1f}" y="{y + row_h / 2 + 4:.1f}" '
                     f'text-anchor="middle" fill="{color}" pointer-events="none">{label}</text>'

@@ -39,6 +39,13 @@ def check_writable(path: str | Path, what: str) -> Path:
     return out
 
 
+def _umask() -> int:
+    """The process umask (reading it means setting it, so it is set straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: str | Path, data: str | bytes, what: str) -> Path:
     """Write ``data`` to ``path`` atomically (see the module docstring); returns the path."""
     out = check_writable(path, what)
@@ -48,6 +55,7 @@ def write_atomic(path: str | Path, data: str | bytes, what: str) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; results are meant to be shared
         os.replace(tmp, out)
         tmp = None
     except OSError as exc:

@@ -9,6 +9,12 @@ name the port and the remedy in one line. The wrapper hands the plan path to
 every rank in ``CROSSCUT_PLAN`` (read by
 :func:`crosscut.distributed.compile_distributed`).
 
+A failed job ends in one line, not torchrun's 30-line ``ChildFailedError``
+traceback: every rank's output is shown as it comes, its stderr lines tagged
+with the rank (torchrun's ``--tee 2``; stdout stays as the script wrote it),
+and torchrun's own failure report is kept in the job's log directory, which
+that last line names with the rank that failed first and its exit code.
+
 Multi-node: run it once per node with the same ``--nnodes``, ``--host`` and
 ``--port`` and its own ``--node-rank``; node 0 hosts the c10d rendezvous.
 """
@@ -18,14 +24,18 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from crosscut.cli_args import _nonnegative_int, _port, _positive_float, _positive_int
 from crosscut.errors import CrosscutError, DistributedError, InputError
+from crosscut.fileio import check_writable
 
 __all__ = ["build_command", "check_port_free", "free_port", "parse_args", "run_main"]
 
@@ -75,6 +85,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument(
         "--timeout", type=_positive_float, default=300.0, help="per-wait timeout (seconds)"
     )
+    ap.add_argument(
+        "--log-dir",
+        default=None,
+        help="where each rank's log and torchrun's failure report go (default: a new "
+        "temporary directory, removed when the job succeeds)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the torchrun command only")
     ap.add_argument("script", help="the training script")
     ap.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -117,6 +133,8 @@ def build_command(ns: argparse.Namespace, devices: int) -> list[str]:
         "--rdzv-endpoint", f"{ns.host}:{ns.port}",
         "--rdzv-id", f"crosscut-{ns.port}",
         "--max-restarts", "0",
+        "--tee", "2",  # stderr lines reach the console tagged "[default<rank>]:"
+        "--log-dir", str(ns.log_dir),
         ns.script, *ns.script_args,
     ]  # fmt: skip
 
@@ -141,6 +159,19 @@ def run_main(argv: Sequence[str]) -> int:
         ranks = sum(
             len(st.devices) if st.split in ("channel", "batch") else 1 for st in plan.stages
         )
+        own_logs = ns.log_dir is None
+        if own_logs:
+            ns.log_dir = tempfile.mkdtemp(prefix="crosscut-run-")
+        else:
+            check_writable(Path(ns.log_dir) / "torchrun-report.txt", "the job's logs")
+            try:
+                Path(ns.log_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise InputError(
+                    f"--log-dir must be a folder crosscut can create: {exc.strerror or exc}",
+                    value=ns.log_dir,
+                    remedy="choose a writable folder, or leave --log-dir out",
+                ) from exc
         cmd = build_command(ns, ranks)
     except CrosscutError as exc:
         print(f"crosscut run: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -153,4 +184,44 @@ def run_main(argv: Sequence[str]) -> int:
     if ns.dry_run:
         print(" ".join(cmd))
         return 0
-    return subprocess.run(cmd, env=env, check=False).returncode
+    rc = _supervise(cmd, env, Path(ns.log_dir))
+    if rc == 0 and own_logs:
+        shutil.rmtree(ns.log_dir, ignore_errors=True)
+    return rc
+
+
+# torchrun's own lines once a rank has failed: its error log line, then the traceback
+# of its ChildFailedError and the report; kept in a file rather than shown
+_AGENT_FAILED = re.compile(r"elastic/multiprocessing/api\.py:\d+\] failed \(exitcode")
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def _supervise(cmd: list[str], env: dict[str, str], log_dir: Path) -> int:
+    """Run torchrun, pass its ranks' lines through, and end a failure in one line."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    assert proc.stderr is not None
+    report: list[str] = []
+    for line in proc.stderr:
+        if report or (_AGENT_FAILED.search(line) and not line.startswith("[default")):
+            report.append(line)
+            continue
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    rc = proc.wait()
+    if rc == 0:
+        return 0
+    text = "".join(report)
+    (log_dir / "torchrun-report.txt").write_text(text)
+    cause = _ROOT_CAUSE.search(text)
+    who = (
+        f"rank {cause.group(1)} failed first (exit code {cause.group(2)})"
+        if cause
+        else (f"torchrun exited with code {rc}")
+    )
+    print(
+        f"crosscut run: the job failed: {who}; its error is above (lines tagged "
+        f"[default<rank>]); torchrun's report and each rank's log: {log_dir}",
+        file=sys.stderr,
+    )
+    return rc

@@ -106,3 +106,71 @@ def test_run_refuses_bad_values(
         main(["run", "--plan", str(plan_file), flag, value, "train.py"])
     assert done.value.code == 2
     _one_line_error(capsys, flag, needle)
+
+
+@pytest.mark.parametrize("command", ["show", "partition"])
+def test_output_on_a_read_only_filesystem(
+    command: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    plan_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EROFS (a read-only mount; root ignores permission bits, so the OS error is injected
+    where the file is created): one line naming the path, exit 2, nothing left behind."""
+    import errno
+    import tempfile
+
+    def read_only(*args: object, **kwargs: object) -> tuple[int, str]:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    out = tmp_path / ("p.html" if command == "show" else "p.json")
+    argv = ["show", str(plan_file)] if command == "show" else ["partition", *PLAN_ARGS]
+    assert main([*argv, "-o", str(out)]) == 2
+    _one_line_error(capsys, str(out), "Read-only file system", "remedy")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_written_files_are_readable_by_others(tmp_path: Path, plan_file: Path) -> None:
+    """A plan or a report is meant to be shared: not mkstemp's 0600."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "p.html"
+        assert main(["show", str(plan_file), "-o", str(out)]) == 0
+        plan = Plan.load(plan_file).save(tmp_path / "copy.json")
+    finally:
+        os.umask(old)
+    assert oct(out.stat().st_mode & 0o777) == "0o644"
+    assert oct(plan.stat().st_mode & 0o777) == "0o644"
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("dist")
+def test_a_failed_run_ends_in_one_line(tmp_path: Path) -> None:
+    """The script's own traceback, tagged by rank, then one crosscut line naming the rank
+    that failed first and where torchrun's report went; no ChildFailedError block."""
+    import subprocess
+    import sys
+
+    from tests.plan_factory import make_plan
+
+    plan = make_plan(30, 2, cross_shaped=False).save(tmp_path / "plan.json")
+    script = tmp_path / "bad.py"
+    script.write_text("import os\nraise ValueError('boom on rank ' + os.environ['RANK'])\n")
+    logs = tmp_path / "logs"
+    proc = subprocess.run(
+        [sys.executable, "-m", "crosscut.cli", "run", "--plan", str(plan), "--port", "0",
+         "--log-dir", str(logs), str(script)],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    err = proc.stderr.strip().splitlines()
+    assert "ChildFailedError" not in proc.stderr and "torch/distributed/run.py" not in proc.stderr
+    assert any(line.startswith("[default0]:ValueError: boom on rank 0") for line in err), err
+    last = err[-1]
+    assert last.startswith("crosscut run: the job failed: rank ") and str(logs) in last, last
+    assert "exit code 1" in last
+    assert "ChildFailedError" in (logs / "torchrun-report.txt").read_text()

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from crosscut.errors import CrosscutError
+from crosscut.fileio import check_writable, write_atomic
 from crosscut.partitioner.plan import Plan
 from crosscut.viz.dot import INSTALL_HINT, VizError, plan_to_dot, render_dot, view_groups
 from crosscut.viz.html import plan_to_html
@@ -80,6 +80,7 @@ def render(
             value=out.name,
             remedy=f"use one of {', '.join(FORMATS)}",
         )
+    check_writable(out, "the picture")  # before the work, not after it
     data: bytes
     if suffix == ".html":
         sim = simulation if simulation is not None else default_simulation(plan)
@@ -91,14 +92,4 @@ def render(
             data = ('<?xml version="1.0" encoding="UTF-8"?>\n' + layout_svg(plan, groups)).encode()
         else:
             data = dot_src.encode() if suffix == ".dot" else render_dot(dot_src, suffix[1:])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a report is meant to be shared
-        os.replace(tmp, out)  # atomic: a viewer never sees half a report
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return out
+    return write_atomic(out, data, "the picture")

@@ -23,7 +23,8 @@ def test_digits_lenet_same_accuracy_on_two_devices() -> None:
 
 
 def test_resnet_pipeline_trains() -> None:
-    loss = resnet50_pipeline.main(
+    """The loss on the example's fixed batch falls (it used to double: lr too high)."""
+    losses = resnet50_pipeline.main(
         [
             "--model",
             "resnet18",
@@ -34,10 +35,10 @@ def test_resnet_pipeline_trains() -> None:
             "--microbatches",
             "2",
             "--steps",
-            "2",
+            "4",
         ]
     )
-    assert 0.0 < loss < 20.0
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
 
 
 def test_mariana_alexnet_plan_checks_out() -> None:

@@ -33,6 +33,8 @@ from crosscut.planning import (
     partition,
     plan_request,
     public_errors,
+    recompute_flags_for,
+    recompute_request,
     trace,
 )
 
@@ -68,14 +70,17 @@ def compile(
     splits: Sequence[str] = ("batch", "channel"),
     bn_mode: str = "micro",
     output_merge: Any = None,
-    recompute: bool | Sequence[bool] = False,
+    recompute: str | bool | Sequence[bool] = "auto",
 ) -> Any:
     """Partition ``model`` over ``devices`` and return a CompiledModule that trains.
 
     ``recompute``: stages keep only their inputs per micro-batch and recompute
-    their activations in backward (``True``: every stage; or one bool per
-    stage of the plan), with the same numbers (:mod:`crosscut.runtime.recompute`).
-    The planner does not price it yet: it trades compute for memory at run time.
+    their activations in backward, with the same numbers
+    (:mod:`crosscut.runtime.recompute`). ``"auto"`` (default): the planner
+    decides, pricing the memory saved and the extra forward (see
+    :func:`partition`), and a given plan runs as it says; ``"always"``/``True``
+    and ``"never"``/``False`` plan and run every stage that way; one bool per
+    stage overrides the run time only (the plan does not price that).
 
     ``bn_mode`` (``"micro"``, ``"step"``, ``"exact"``): batch norm over
     micro-batches, see :mod:`crosscut.runtime.compiled`.
@@ -128,6 +133,7 @@ def compile(
         cross_shaped=cross_shaped,
         widths=None if widths is None else tuple(widths),
         splits=tuple(splits),
+        recompute=recompute_request(recompute, bn_mode),
     )
     check_recompute(recompute)
     if _distributed_run():
@@ -192,5 +198,5 @@ def compile(
         bn_mode=bn_mode,
         other_gm=other_gm,
         gm_training=the_plan.model.mode == "train",
-        recompute=recompute,
+        recompute=recompute_flags_for(recompute, the_plan),
     )

@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --cross-shaped: one stage per device (for `crosscut run`)",
     )
+    p.add_argument(
+        "--recompute",
+        choices=["auto", "never", "always"],
+        default="auto",
+        help="recompute activations in backward: auto = where it makes a plan fit or faster",
+    )
     p.add_argument("-o", "--output", required=True, help="where to write plan.json")
 
     p = sub.add_parser("show", help="draw a plan (html, svg, png, dot) or print its summary")
@@ -191,6 +197,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
             progress=progress,
             cross_shaped=args.cross_shaped,
             colocate=not args.no_colocate,
+            recompute=args.recompute,
         )
     plan.save(args.output)
     print_summary(plan)

@@ -195,7 +195,7 @@ def compile_distributed(
     output_merge: Any = None,
     devices: Any = None,
     partition_options: Mapping[str, Any] | None = None,
-    recompute: bool | Sequence[bool] = False,
+    recompute: str | bool | Sequence[bool] = "auto",
 ) -> DistributedPipeline:
     """This rank's :class:`DistributedPipeline` of ``model`` under ``plan``.
 
@@ -212,7 +212,7 @@ def compile_distributed(
     with ``partition_options`` (:func:`crosscut.partition`'s keywords).
     """
     from crosscut.codegen.modes import mode_differences
-    from crosscut.planning import other_mode_graph, trace
+    from crosscut.planning import other_mode_graph, recompute_flags_for, trace
 
     check_bn_mode(bn_mode)
     if not dist.is_initialized():
@@ -272,7 +272,7 @@ def compile_distributed(
         device=dev,
         bn_mode=bn_mode,
         output_merge=output_merge,
-        recompute=recompute,
+        recompute=recompute_flags_for(recompute, the_plan),
     )
     if other is not None:  # one program per rank: the other mode is refused, never run wrong
         why = [str(other)] if isinstance(other, Exception) else mode_differences(graph.gm, other)

@@ -25,7 +25,7 @@ from torch import nn
 from crosscut.errors import CrosscutError, InputError, PlanError
 from crosscut.graph import OpGraph
 from crosscut.partitioner.plan import Plan, PlanOptions
-from crosscut.partitioner.problem import OBJECTIVES, SCHEDULES
+from crosscut.partitioner.problem import OBJECTIVES, RECOMPUTE, SCHEDULES
 
 __all__ = [
     "PlanRequest",
@@ -41,6 +41,8 @@ __all__ = [
     "partition",
     "plan_request",
     "public_errors",
+    "recompute_flags_for",
+    "recompute_request",
     "trace",
 ]
 
@@ -140,14 +142,40 @@ def check_options(
 
 
 def check_recompute(recompute: Any) -> None:
-    """``recompute`` is one bool or a sequence of bools (its length is checked on the plan)."""
+    """``recompute`` is a planning choice, one bool, or one bool per stage (checked on the plan)."""
+    if isinstance(recompute, str) and recompute in RECOMPUTE:
+        return
     flags = [recompute] if isinstance(recompute, bool) else recompute
     if not isinstance(flags, (list, tuple)) or not all(isinstance(f, bool) for f in flags):
         raise InputError(
-            "recompute must be True/False or one bool per stage",
+            f"recompute must be one of {list(RECOMPUTE)}, True/False, or one bool per stage",
             value=repr(recompute)[:80],
-            remedy="pass recompute=True (every stage), False, or e.g. [True, False]",
+            remedy="pass recompute='auto' (the planner decides), 'never', 'always' (= True), "
+            "or e.g. [True, False]",
         )
+
+
+def recompute_request(recompute: Any, bn_mode: str) -> str:
+    """What the planner may do for ``compile(recompute=...)``.
+
+    A list of flags is a run-time choice the planner does not price ("never");
+    with ``bn_mode`` ``"step"``/``"exact"`` "auto" plans without recomputation,
+    since those modes cannot run it (runtime/recompute.py).
+    """
+    if recompute is True or recompute == "always":
+        return "always"
+    if recompute is False or recompute == "never" or not isinstance(recompute, str):
+        return "never"
+    return "never" if bn_mode != "micro" else "auto"
+
+
+def recompute_flags_for(recompute: Any, plan: Plan) -> bool | list[bool]:
+    """The run-time flags: the plan's own per-stage choice unless the caller overrides it."""
+    if recompute == "auto":
+        return [stage.recompute for stage in plan.stages]
+    if isinstance(recompute, str):
+        return recompute == "always"
+    return recompute if isinstance(recompute, bool) else list(recompute)
 
 
 @public_errors
@@ -203,6 +231,7 @@ class PlanRequest:
     widths: tuple[int, ...] | None = None
     splits: tuple[str, ...] = ("batch", "channel")
     colocate: bool = True
+    recompute: str = "auto"
 
     def __post_init__(self) -> None:
         check_options(
@@ -219,6 +248,12 @@ class PlanRequest:
             object.__setattr__(self, "widths", tuple(self.widths))
         object.__setattr__(self, "splits", tuple(self.splits))
         cross_options(self.cross_shaped, self.widths, self.splits, 2)
+        if self.recompute not in RECOMPUTE:
+            raise InputError(
+                f"recompute must be one of {list(RECOMPUTE)}",
+                value=self.recompute,
+                remedy="'auto' (recompute where it makes a plan fit or faster), 'never', 'always'",
+            )
 
     def partition_options(self) -> dict[str, Any]:
         """The keywords of :func:`partition` this request stands for."""
@@ -248,6 +283,7 @@ def partition(
     widths: Sequence[int] | None = None,
     splits: Sequence[str] = ("batch", "channel"),
     colocate: bool = True,
+    recompute: str = "auto",
 ) -> Plan:
     """Find the best plan for a model (or an already traced OpGraph) on ``cluster``.
 
@@ -261,6 +297,12 @@ def partition(
     (default: 2, 4, 8, ... up to the device count, and the count itself).
     ``colocate=False`` forbids the last stage from sharing the previous stage's
     device group (needed for plans run under torchrun: one stage per rank).
+
+    ``recompute`` (training only): ``"auto"`` lets stages keep only their inputs
+    and recompute their activations in backward where that makes a plan fit
+    the memory caps or run faster; ``"never"``; ``"always"``. The plan records
+    it per stage and ``crosscut.compile`` runs it
+    (:func:`crosscut.partitioner.partition.partition_graph` says how).
     """
     request = PlanRequest(
         mode=mode,
@@ -278,6 +320,7 @@ def partition(
         widths=None if widths is None else tuple(widths),
         splits=tuple(splits),
         colocate=colocate,
+        recompute=recompute,
     )
     return plan_request(
         model_or_graph, cluster, example_inputs, request, model_name=model_name, progress=progress
@@ -335,6 +378,7 @@ def plan_request(
         require_all_devices=r.require_all_devices,
         progress=progress,
         colocate=r.colocate,
+        recompute=r.recompute,
     )
 
 

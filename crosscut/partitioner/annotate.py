@@ -25,6 +25,7 @@ def annotate(plan: Plan) -> Plan:
         stage.compute_s = ev.stage_compute[k]
         stage.comm_s = ev.stage_comm[k]
         stage.time_s = ev.stage_time[k]
+        stage.recompute = problem.recompute  # priced plan-wide (PlanOptions.recompute)
         # a group's busiest device (its leader holds the whole ops and receive buffers)
         stage.memory_bytes = max(ev.device_memory[plan.cluster.index(d)] for d in stage.devices)
     mult = 2 if problem.training else 1

@@ -94,6 +94,7 @@ def problem_from_parts(
     index = {name: i for i, name in enumerate(names)}
     by_name = {n.name: n for n in nodes}
     kinds = [d.kind for d in cluster.devices]
+    again = options.recompute and training
     compute: list[list[float]] = []
     for name in names:
         node = by_name[name]
@@ -104,7 +105,10 @@ def problem_from_parts(
                 value=sorted(node.time_s),
                 remedy="re-run `crosscut partition` for this cluster so every kind is priced",
             )
-        compute.append([float(node.time_s[k]) for k in kinds])
+        times = [float(node.time_s[k]) for k in kinds]
+        if again:  # the forward runs twice: once in the pipeline, once inside backward
+            times = [t + max(0.0, t - node.bwd_s.get(k, 0.0)) for t, k in zip(times, kinds)]
+        compute.append(times)
     edges = sorted(
         {
             (index[src], index[n.name])
@@ -137,6 +141,7 @@ def problem_from_parts(
         objective=options.objective,
         training=training,
         overlap_comm=options.overlap_comm,
+        recompute=again,
         widths=tuple(options.widths) or (1,),
         splits=tuple(options.splits),
         shard=[by_name[n].shard for n in names],

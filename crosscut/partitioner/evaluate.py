@@ -63,6 +63,7 @@ __all__ = [
     "comm_multiplier",
     "consumers",
     "evaluate",
+    "in_flight",
     "lower_bound",
     "renumber",
     "single_groups",
@@ -108,20 +109,32 @@ def transfer_time(problem: PartitionProblem, node: int, src: int, dst: int) -> f
     return problem.latency[src][dst] + problem.out_bytes[node] / problem.bandwidth[src][dst]
 
 
-def activation_factor(problem: PartitionProblem, k: int, num_stages: int) -> int:
-    """Micro-batches whose activations stage ``k`` keeps at once (0 in inference)."""
-    if not problem.training:
-        return 0
+def in_flight(problem: PartitionProblem, k: int, num_stages: int) -> int:
+    """Micro-batches stage ``k`` has started but not finished backward (training)."""
     if problem.schedule == "gpipe":
         return problem.microbatches
     return max(1, min(problem.microbatches, num_stages - k))
+
+
+def activation_factor(problem: PartitionProblem, k: int, num_stages: int) -> int:
+    """Micro-batches whose activations stage ``k`` keeps at once (0 in inference).
+
+    A recomputing stage keeps one: the micro-batch whose forward it re-runs in
+    backward; its inputs for the others are the receive buffers
+    (:func:`buffer_factor`), which stay one per in-flight micro-batch.
+    """
+    if not problem.training:
+        return 0
+    if problem.recompute:
+        return 1
+    return in_flight(problem, k, num_stages)
 
 
 def buffer_factor(problem: PartitionProblem, k: int, num_stages: int) -> int:
     """Receive buffers per received tensor: one per in-flight micro-batch (1 in inference)."""
     if not problem.training:
         return 1
-    return activation_factor(problem, k, num_stages)
+    return in_flight(problem, k, num_stages)
 
 
 def single_groups(stage_device: Sequence[int]) -> list[StageGroup]:

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from crosscut.errors import InfeasiblePlanError
 from crosscut.graph import OpGraph
 from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.build import CostLookup, plan_nodes, problem_from_parts
@@ -82,6 +83,11 @@ def _coarse_nodes(
     return out
 
 
+# "auto" also tries recomputation when a device of the plain plan is this full: memory
+# then likely shaped the plan, and a plan that recomputes may be faster
+_MEMORY_BOUND = 0.9
+
+
 def partition_graph(
     graph: OpGraph,
     costs: CostLookup,
@@ -94,8 +100,92 @@ def partition_graph(
     use_coarsening: bool = True,
     progress: Progress | None = None,
     colocate: bool = True,
+    recompute: str = "never",
 ) -> Plan:
-    """Solve the partition of ``graph`` (traced at micro-batch size) over ``cluster``."""
+    """Solve the partition of ``graph`` (traced at micro-batch size) over ``cluster``.
+
+    ``recompute``: ``"never"`` keeps every activation; ``"always"`` makes every
+    stage keep only its inputs and one micro-batch of activations, paying one
+    more forward in backward; ``"auto"`` solves without, and with recomputation
+    only where that could help: when no plan fits without it, or when the
+    plain plan fills a device past 90 % (memory then shaped it); it keeps the
+    faster plan and says why in the solver notes. Inference never recomputes.
+    """
+
+    def once(again: bool) -> Plan:
+        return _partition_once(
+            graph,
+            costs,
+            cluster,
+            dataclasses.replace(options, recompute=again),
+            input_shapes=input_shapes,
+            solver=solver,
+            require_all_devices=require_all_devices,
+            use_coarsening=use_coarsening,
+            progress=progress,
+            colocate=colocate,
+        )
+
+    if graph.mode != "train" or recompute == "never":
+        return once(False)
+    if recompute == "always":
+        return once(True)
+    try:
+        plain = once(False)
+    except InfeasiblePlanError as exc:
+        try:
+            plan = once(True)
+        except InfeasiblePlanError as again:
+            raise InfeasiblePlanError(
+                f"{again.rule} (tried with and without recomputation)",
+                value=again.value,
+                remedy=again.remedy,
+            ) from exc
+        plan.solver.notes.append(
+            "recompute='auto': no plan fits the memory caps without recomputation, so "
+            "every stage keeps only its inputs and recomputes in backward"
+        )
+        return plan
+    fullest = max(
+        (
+            plain.predicted.device_peak_bytes.get(d.name, 0) / d.mem_cap
+            for d in plain.cluster.devices
+        ),
+        default=0.0,
+    )
+    if fullest < _MEMORY_BOUND:
+        return plain
+    try:
+        plan = once(True)
+    except InfeasiblePlanError:
+        return plain
+    if plan.solver.objective < plain.solver.objective * (1 - 1e-9):
+        plan.solver.notes.append(
+            f"recompute='auto': recomputing gives {plan.solver.objective:.6g} s against "
+            f"{plain.solver.objective:.6g} s without (a device was {fullest:.0%} full)"
+        )
+        return plan
+    plain.solver.notes.append(
+        f"recompute='auto': recomputing was tried (a device was {fullest:.0%} full) and "
+        f"is not faster ({plan.solver.objective:.6g} s against {plain.solver.objective:.6g} s)"
+    )
+    return plain
+
+
+def _partition_once(
+    graph: OpGraph,
+    costs: CostLookup,
+    cluster: Any,
+    options: PlanOptions,
+    *,
+    input_shapes: list[list[int]] | None,
+    solver: str,
+    require_all_devices: bool,
+    use_coarsening: bool,
+    progress: Progress | None,
+    colocate: bool,
+) -> Plan:
+    """One solve, with the recomputation setting in ``options``."""
     pc = plan_cluster(cluster)
     training = graph.mode == "train"
     fine = plan_nodes(graph, costs, [d.kind for d in pc.devices])

@@ -95,6 +95,7 @@ class PlanStage:
     comm_s: float = 0.0
     time_s: float = 0.0
     memory_bytes: int = 0
+    recompute: bool = False  # keeps its inputs only and recomputes in backward
 
 
 @dataclass
@@ -120,6 +121,9 @@ class PlanOptions:
     cost_source: str = "analytic"
     widths: list[int] = field(default_factory=lambda: [1])  # group widths the solver may use
     splits: list[str] = field(default_factory=list)  # "batch", "channel": cross-shaped stages
+    # stages keep only their inputs per in-flight micro-batch and recompute the rest in
+    # backward (priced: one micro-batch of activations, one more forward; runtime/recompute.py)
+    recompute: bool = False
 
 
 @dataclass

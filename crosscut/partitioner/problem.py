@@ -32,11 +32,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["OBJECTIVES", "SCHEDULES", "SHARD_KINDS", "SPLITS", "PartitionProblem", "StageGroup"]
+__all__ = [
+    "OBJECTIVES",
+    "RECOMPUTE",
+    "SCHEDULES",
+    "SHARD_KINDS",
+    "SPLITS",
+    "PartitionProblem",
+    "StageGroup",
+]
 
 OBJECTIVES = ("throughput", "latency")
 SCHEDULES = ("gpipe", "1f1b")
 SPLITS = ("none", "batch", "channel")
+RECOMPUTE = ("auto", "never", "always")  # what a caller may ask; a plan records a bool
 # how a node behaves in a channel-split stage: "split" needs its whole input and
 # makes channel shards (conv2d, linear: weights sharded by output channel);
 # "channel" works shard by shard (batch norm, activations, pooling);
@@ -80,6 +89,10 @@ class PartitionProblem:
     objective: str = "throughput"
     training: bool = True
     overlap_comm: bool = False  # count a stage as max(compute, comm) instead of their sum
+    # every stage keeps one micro-batch of activations (plus its inputs per in-flight
+    # micro-batch) and recomputes its forward in backward; ``compute`` already holds
+    # that extra forward (build.problem_from_parts adds it)
+    recompute: bool = False
     # ---- cross-shaped stages (opt-in; empty lists mean "all 0" / "all full") ----------
     widths: tuple[int, ...] = (1,)  # group widths the solver may use
     splits: tuple[str, ...] = ()  # split kinds the solver may use: "batch", "channel"

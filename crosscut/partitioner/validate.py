@@ -63,7 +63,14 @@ def _structure_problems(plan: Plan) -> list[str]:
     if len(set(dev_names)) != len(dev_names):
         out.append(f"cluster device names must be unique: {dev_names}")
     used: dict[str, int] = {}
+    training = plan.model.mode == "train"
     for i, stage in enumerate(plan.stages):
+        if stage.recompute != (plan.options.recompute and training):
+            out.append(
+                f"stage {i} says recompute={stage.recompute} but the plan is priced with "
+                f"options.recompute={plan.options.recompute} ({plan.model.mode} mode); "
+                "recomputation is priced for every stage of a plan or none"
+            )
         if stage.index != i:
             out.append(f"stage {i} is numbered {stage.index}; stages are numbered 0..S-1 in order")
         # co-located stages (partitioner/group_costs.py): the same group of 2+ devices as the last

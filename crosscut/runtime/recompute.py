@@ -11,8 +11,9 @@ Recomputation must not change a number, so the second forward replays the
 first one's state:
 
 * **random ops** draw the same masks: crosscut's seeded ops re-enter the
-  first pass's draw key (:meth:`~crosscut.codegen.rng.RandomScope.replaying`),
-  and ops drawing from the caller's generator get its state back
+  first pass's draw key (:meth:`~crosscut.codegen.rng.RandomScope.replaying`);
+  only when no draw scope is active (ops draw from the caller's generator,
+  one thread) does checkpoint save and restore that generator
   (``preserve_rng_state``);
 * **batch norm** normalises by the batch statistics again but does not update
   the running statistics (or count the batch) a second time: during the
@@ -120,12 +121,19 @@ def recomputing(module: nn.Module, scope: Callable[[], RandomScope | None]) -> R
         def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
             return first_pass(), recompute()
 
+        # With a draw scope every random op of the stage draws from its own seeded key,
+        # which the replay restores; saving and restoring the process-wide generator as
+        # well would be wrong, not merely redundant: another stage's thread may be
+        # drawing from it under codegen/rng.py's lock at that moment, and setting it
+        # mid-draw changed that thread's dropout mask (seen under load).
+        rng = scope()
+        eager_draws = rng is None or rng.seed is None
         outs = checkpoint(
             lambda *xs: tuple(module(*xs)),
             *ins,
             use_reentrant=False,
             context_fn=contexts,
-            preserve_rng_state=True,
+            preserve_rng_state=eager_draws,
             early_stop=not shares,
         )
         return list(outs), None

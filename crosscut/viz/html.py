@@ -185,6 +185,9 @@ def _stages(plan: Plan, colors: dict[str, str]) -> str:
         )
         if len(s.devices) > 1:
             devs += f' <span class="muted">({_e(s.split)} split)</span>'
+        if s.recompute:
+            devs += ' <span class="muted" title="keeps only its inputs per micro-batch and '
+            devs += 'recomputes its activations in backward">· recomputes</span>'
         hot = ' class="hot"' if s.time_s == bottleneck else ""
         first, last = stage_layers(plan, s.index)
         rows.append(

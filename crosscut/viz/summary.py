@@ -35,7 +35,8 @@ def baseline_ratios(plan: Plan) -> list[tuple[str, float, float]]:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms" if seconds < 10 else f"{seconds:.3g} s"
+    """Milliseconds below a second (the usual stage time), seconds from there on."""
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
 def _stages_table(plan: Plan) -> Table:
@@ -51,6 +52,7 @@ def _stages_table(plan: Plan) -> Table:
         caption=(
             "time = compute + comm for one micro-batch; ◀ the bottleneck, the slowest "
             f"stage, sets the pipeline's pace; memory = predicted peak ({cap_note})"
+            + ("; ↻ recomputes its activations in backward" if plan.options.recompute else "")
         ),
         caption_justify="left",
     )
@@ -68,6 +70,7 @@ def _stages_table(plan: Plan) -> Table:
             "+".join(s.devices) if len(s.devices) <= 2 else f"{s.devices[0]}+{len(s.devices) - 1}"
         )
         devs += f" ({s.split})" if len(s.devices) > 1 else ""
+        devs += " ↻" if s.recompute else ""
         cap = stage_cap(plan, s)
         frac = s.memory_bytes / cap if cap else 0.0
         mem = f"{human_bytes(s.memory_bytes)} ({frac:.0%})"

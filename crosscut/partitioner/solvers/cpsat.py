@@ -90,7 +90,7 @@ def candidate_orders(pb: PartitionProblem) -> tuple[list[list[int]], bool]:
 
 def infeasibility_report(pb: PartitionProblem) -> str:
     """The numbers that make the problem infeasible (or look most like it)."""
-    least = (1 if pb.schedule == "1f1b" else pb.microbatches) if pb.training else 0
+    least = _least_in_flight(pb)
     need = [pb.resident[v] + least * pb.activation[v] for v in range(pb.n)]
     big = max(range(pb.n), key=lambda v: need[v]) if pb.n else 0
     total = sum(pb.resident) + least * sum(pb.activation)
@@ -106,13 +106,21 @@ def infeasibility_report(pb: PartitionProblem) -> str:
 
 _REMEDY = (
     "add devices or devices with more memory, use a smaller batch / more micro-batches, "
-    "use the 1f1b schedule, enable activation checkpointing, or allow cross-shaped "
+    "use the 1f1b schedule, recompute='auto' or 'always' (activation recomputation), "
+    "or allow cross-shaped "
     "(channel-split) stages for nodes larger than one device"
 )
 
 
+def _least_in_flight(pb: PartitionProblem) -> int:
+    """Micro-batches of activations any stage keeps at least (1F1B's last stage keeps 1)."""
+    if not pb.training:
+        return 0
+    return 1 if pb.schedule == "1f1b" or pb.recompute else pb.microbatches
+
+
 def _precheck(pb: PartitionProblem) -> None:
-    least = (1 if pb.schedule == "1f1b" else pb.microbatches) if pb.training else 0
+    least = _least_in_flight(pb)
     too_big = any(pb.resident[v] + least * pb.activation[v] > max(pb.mem_cap) for v in range(pb.n))
     if too_big or sum(pb.resident) > sum(pb.mem_cap):
         raise InfeasiblePlanError(

@@ -25,6 +25,7 @@ from crosscut.planning import (
     PlanRequest,
     as_tuple,
     check_plan_devices,
+    check_plan_precision,
     check_recompute,
     get_costs,
     load_plan,
@@ -37,6 +38,7 @@ from crosscut.planning import (
     recompute_request,
     trace,
 )
+from crosscut.precision import check_precision_devices
 
 __all__ = ["compile", "get_costs", "micro_inputs", "other_mode_graph", "partition", "trace"]
 
@@ -71,6 +73,7 @@ def compile(
     bn_mode: str = "micro",
     output_merge: Any = None,
     recompute: str | bool | Sequence[bool] = "auto",
+    precision: str | None = None,
 ) -> Any:
     """Partition ``model`` over ``devices`` and return a CompiledModule that trains.
 
@@ -81,6 +84,10 @@ def compile(
     :func:`partition`), and a given plan runs as it says; ``"always"``/``True``
     and ``"never"``/``False`` plan and run every stage that way; one bool per
     stage overrides the run time only (the plan does not price that).
+
+    ``precision`` (``"fp32"``, ``"bf16"``, ``"fp16"``; default: fp32, or a given
+    plan's): the plan is priced and every call runs under autocast with that
+    dtype (:mod:`crosscut.precision`); fp16 training wants a loss scaler.
 
     ``bn_mode`` (``"micro"``, ``"step"``, ``"exact"``): batch norm over
     micro-batches, see :mod:`crosscut.runtime.compiled`.
@@ -134,6 +141,7 @@ def compile(
         widths=None if widths is None else tuple(widths),
         splits=tuple(splits),
         recompute=recompute_request(recompute, bn_mode),
+        precision=precision or "fp32",
     )
     check_recompute(recompute)
     if _distributed_run():
@@ -153,6 +161,7 @@ def compile(
             bn_mode=bn_mode,
             output_merge=output_merge,
             recompute=recompute,
+            precision=precision,
             devices=devices,
             partition_options={
                 k: v
@@ -162,16 +171,24 @@ def compile(
         )
     cl = Cluster.from_any(devices)
     if plan is None:
-        graph = trace(model, micro_inputs(example_inputs, microbatches), mode=mode)
+        check_precision_devices(request.precision, cl.devices)
+        graph = trace(
+            model,
+            micro_inputs(example_inputs, microbatches),
+            mode=mode,
+            precision=request.precision,
+        )
         graph.model_name = type(model).__name__
         the_plan = plan_request(graph, cl, None, request, progress=progress)
         the_plan.model.input_shapes = [list(t.shape) for t in as_tuple(example_inputs)]
     else:
         the_plan = load_plan(plan)
+        check_plan_precision(the_plan, precision)
         graph = trace(
             model,
             micro_inputs(example_inputs, the_plan.options.microbatches),
             mode=the_plan.model.mode,
+            precision=the_plan.options.precision,
         )
         validate_plan(the_plan, graph)
         check_plan_devices(the_plan, cl)
@@ -199,4 +216,5 @@ def compile(
         other_gm=other_gm,
         gm_training=the_plan.model.mode == "train",
         recompute=recompute_flags_for(recompute, the_plan),
+        precision=the_plan.options.precision,
     )

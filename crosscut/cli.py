@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="recompute activations in backward: auto = where it makes a plan fit or faster",
     )
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="price and run ops under autocast with this dtype",
+    )
     p.add_argument("-o", "--output", required=True, help="where to write plan.json")
 
     p = sub.add_parser("show", help="draw a plan (html, svg, png, dot) or print its summary")
@@ -198,6 +204,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
             cross_shaped=args.cross_shaped,
             colocate=not args.no_colocate,
             recompute=args.recompute,
+            precision=args.precision,
         )
     plan.save(args.output)
     print_summary(plan)

@@ -196,6 +196,7 @@ def compile_distributed(
     devices: Any = None,
     partition_options: Mapping[str, Any] | None = None,
     recompute: str | bool | Sequence[bool] = "auto",
+    precision: str | None = None,
 ) -> DistributedPipeline:
     """This rank's :class:`DistributedPipeline` of ``model`` under ``plan``.
 
@@ -212,7 +213,12 @@ def compile_distributed(
     with ``partition_options`` (:func:`crosscut.partition`'s keywords).
     """
     from crosscut.codegen.modes import mode_differences
-    from crosscut.planning import other_mode_graph, recompute_flags_for, trace
+    from crosscut.planning import (
+        check_plan_precision,
+        other_mode_graph,
+        recompute_flags_for,
+        trace,
+    )
 
     check_bn_mode(bn_mode)
     if not dist.is_initialized():
@@ -244,11 +250,13 @@ def compile_distributed(
         mb = microbatches or 1
         share = tuple(t[: t.shape[0] // reps] for t in inputs)
         cluster = _plan_cluster(devices, world // reps, dev)
-        the_plan = _plan_on_rank0(
-            model, share, cluster, mb, schedule or "1f1b", partition_options or {}
-        )
+        options = {**(partition_options or {})}
+        if precision is not None:
+            options["precision"] = precision
+        the_plan = _plan_on_rank0(model, share, cluster, mb, schedule or "1f1b", options)
     else:
         the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    check_plan_precision(the_plan, precision)
     m = microbatches or the_plan.options.microbatches
     batch = int(inputs[0].shape[0])
     if batch % (reps * m):
@@ -258,7 +266,7 @@ def compile_distributed(
             remedy=f"use a batch that is a multiple of {reps * m}",
         )
     micro = tuple(t[: batch // (reps * m)] for t in inputs)
-    graph = trace(model, micro, mode=the_plan.model.mode)
+    graph = trace(model, micro, mode=the_plan.model.mode, precision=the_plan.options.precision)
     validate_plan(the_plan, graph)
     other = other_mode_graph(model, graph)
     pipe = DistributedPipeline(

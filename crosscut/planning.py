@@ -26,12 +26,14 @@ from crosscut.errors import CrosscutError, InputError, PlanError
 from crosscut.graph import OpGraph
 from crosscut.partitioner.plan import Plan, PlanOptions
 from crosscut.partitioner.problem import OBJECTIVES, RECOMPUTE, SCHEDULES
+from crosscut.precision import check_precision, check_precision_devices
 
 __all__ = [
     "PlanRequest",
     "as_tuple",
     "check_options",
     "check_plan_devices",
+    "check_plan_precision",
     "check_recompute",
     "cross_options",
     "get_costs",
@@ -185,11 +187,13 @@ def trace(
     *,
     mode: str = "train",
     leaf_modules: Sequence[str] = (),
+    precision: str = "fp32",
 ) -> OpGraph:
     """Trace ``model`` into an :class:`OpGraph` (shapes from FakeTensors, no real compute)."""
     from crosscut.partitioner.trace import trace as _trace
 
-    return _trace(model, example_inputs, mode=mode, leaf_modules=leaf_modules)
+    check_precision(precision)
+    return _trace(model, example_inputs, mode=mode, leaf_modules=leaf_modules, precision=precision)
 
 
 def get_costs(
@@ -232,8 +236,10 @@ class PlanRequest:
     splits: tuple[str, ...] = ("batch", "channel")
     colocate: bool = True
     recompute: str = "auto"
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
+        check_precision(self.precision)
         check_options(
             mode=self.mode,
             objective=self.objective,
@@ -284,6 +290,7 @@ def partition(
     splits: Sequence[str] = ("batch", "channel"),
     colocate: bool = True,
     recompute: str = "auto",
+    precision: str = "fp32",
 ) -> Plan:
     """Find the best plan for a model (or an already traced OpGraph) on ``cluster``.
 
@@ -303,6 +310,10 @@ def partition(
     the memory caps or run faster; ``"never"``; ``"always"``. The plan records
     it per stage and ``crosscut.compile`` runs it
     (:func:`crosscut.partitioner.partition.partition_graph` says how).
+
+    ``precision`` (``"fp32"``, ``"bf16"``, ``"fp16"``): ops are priced and run
+    under autocast with that dtype (:mod:`crosscut.precision`); bf16 is refused
+    on devices without it.
     """
     request = PlanRequest(
         mode=mode,
@@ -321,6 +332,7 @@ def partition(
         splits=tuple(splits),
         colocate=colocate,
         recompute=recompute,
+        precision=precision,
     )
     return plan_request(
         model_or_graph, cluster, example_inputs, request, model_name=model_name, progress=progress
@@ -342,6 +354,7 @@ def plan_request(
 
     r = request
     cl = Cluster.from_any(cluster)
+    check_precision_devices(r.precision, cl.devices)
     group_widths, group_splits = cross_options(r.cross_shaped, r.widths, r.splits, len(cl.devices))
     shapes: list[list[int]] = []
     if isinstance(model_or_graph, OpGraph):
@@ -353,7 +366,12 @@ def plan_request(
                 remedy="pass e.g. torch.randn(32, 3, 224, 224)",
             )
         shapes = [list(t.shape) for t in as_tuple(example_inputs)]
-        graph = trace(model_or_graph, micro_inputs(example_inputs, r.microbatches), mode=r.mode)
+        graph = trace(
+            model_or_graph,
+            micro_inputs(example_inputs, r.microbatches),
+            mode=r.mode,
+            precision=r.precision,
+        )
         graph.model_name = model_name or type(model_or_graph).__name__
     options = PlanOptions(
         objective=r.objective,
@@ -366,6 +384,7 @@ def plan_request(
         cost_source=r.cost,
         widths=group_widths,
         splits=group_splits,
+        precision=r.precision,
     )
     costs = get_costs(graph, cl, cost=r.cost, optimizer=r.optimizer)
     return partition_graph(
@@ -412,6 +431,16 @@ def load_plan(plan: Plan | str | Path) -> Plan:
     if isinstance(plan, (str, Path)):
         return Plan.load(plan)
     raise PlanError("plan= takes a Plan or a path to a plan JSON file", value=type(plan).__name__)
+
+
+def check_plan_precision(plan: Plan, precision: str | None) -> None:
+    """A replayed plan runs in the precision it was priced and traced for."""
+    if precision is not None and check_precision(precision) != plan.options.precision:
+        raise PlanError(
+            f"the plan was made for precision={plan.options.precision!r}, not {precision!r}",
+            value={"plan": plan.options.precision, "given": precision},
+            remedy="leave precision out to use the plan's, or re-partition with this precision",
+        )
 
 
 def check_plan_devices(plan: Plan, cluster: Any) -> None:

@@ -288,6 +288,10 @@ def test_merge_and_autocast_under_torchrun(tmp_path: Any, monkeypatch: Any) -> N
         torch.testing.assert_close(got, eager, rtol=2e-2, atol=2e-2)
         total = sum(loss_fn(model(xc), yc) / 2 for xc, yc in zip(x.chunk(2), y.chunk(2)))
     assert ranks[1]["loss"] == pytest.approx(float(total.detach()), rel=1e-2)
+    # precision="bf16" runs exactly what the caller's autocast ran
+    for a, b in zip(ranks[1]["bf16"], ranks[1]["autocast"], strict=True):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    assert ranks[1]["bf16_loss"] == ranks[1]["loss"] and ranks[0]["bf16"] is None
     total.backward()
     grads = {**ranks[0]["grads"], **ranks[1]["grads"]}
     assert set(grads) == {k for k, _ in model.named_parameters()}

@@ -124,6 +124,8 @@ class PlanOptions:
     # stages keep only their inputs per in-flight micro-batch and recompute the rest in
     # backward (priced: one micro-batch of activations, one more forward; runtime/recompute.py)
     recompute: bool = False
+    # ops run under autocast with this dtype (crosscut/precision.py): "fp32" | "bf16" | "fp16"
+    precision: str = "fp32"
 
 
 @dataclass

@@ -54,6 +54,7 @@ from crosscut.partitioner.propagate import (
     named_tensors,
     shapes_of,
 )
+from crosscut.precision import autocast
 
 __all__ = ["trace"]
 
@@ -246,8 +247,13 @@ def trace(
     *,
     mode: str = "train",
     leaf_modules: Sequence[str | type[nn.Module]] = (),
+    precision: str = "fp32",
 ) -> OpGraph:
     """Trace ``model`` into an :class:`OpGraph` with shapes, bytes and FLOPs per fx node.
+
+    ``precision`` ``"bf16"``/``"fp16"`` propagates under ``torch.autocast`` with
+    that dtype, so each node records the dtype and bytes it has when run so
+    (:mod:`crosscut.precision`).
 
     ``example_inputs`` fix the shapes (dim 0 of the first is the batch); they may
     live on the ``meta`` device, and so may the model's parameters. Nothing is
@@ -259,7 +265,7 @@ def trace(
     train = mode == "train"
     with _training(model, train), _untouched_state(model):
         gm, auto = _symbolic_trace(model, leaf_paths, leaf_types)
-        prop = _propagate(gm, inputs, train)
+        prop = _propagate(gm, inputs, train, precision)
     ties = _ties(gm) + order_mutations(gm)  # writes through views: partitioner/alias.py
     nodes = _build_nodes(gm, prop, auto)
     graph = OpGraph(
@@ -330,7 +336,9 @@ def _trace_device(inputs: list[Tensor], gm: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _propagate(gm: torch.fx.GraphModule, inputs: list[Tensor], train: bool) -> Propagator:
+def _propagate(
+    gm: torch.fx.GraphModule, inputs: list[Tensor], train: bool, precision: str = "fp32"
+) -> Propagator:
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     if len(inputs) > len(placeholders):
         raise InputError(
@@ -347,6 +355,7 @@ def _propagate(gm: torch.fx.GraphModule, inputs: list[Tensor], train: bool) -> P
         stack.enter_context(_reparametrize_module(gm, state))
         stack.enter_context(fake_mode)
         stack.enter_context(prop.flops_mode)
+        stack.enter_context(autocast(precision, prop.device.type))
         try:
             prop.run(*fake_inputs)
         except InputError:

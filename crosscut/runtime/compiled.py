@@ -56,6 +56,7 @@ combines the shares' statistics into the step's single update.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ from crosscut.codegen.source import program_source
 from crosscut.codegen.split import StagedProgram, build_stages
 from crosscut.codegen.state_writes import check_state_writes
 from crosscut.errors import CrosscutError, InputError, RuntimeError_
+from crosscut.precision import autocast, check_precision
 from crosscut.runtime.batchnorm import (
     commit_batchnorm,
     discard_batchnorm,
@@ -105,8 +107,11 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         other_gm: fx.GraphModule | CrosscutError | None = None,
         gm_training: bool = True,
         recompute: bool | Sequence[bool] = False,
+        precision: str = "fp32",
     ) -> None:
         super().__init__()
+        # every call runs under autocast with this dtype; stage threads inherit it
+        self._precision = check_precision(precision)
         if bn_mode not in BN_MODES:
             raise InputError(
                 "bn_mode must be known", value=bn_mode, remedy=f"use one of {BN_MODES}"
@@ -258,7 +263,8 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         self._check_bn()
         executor = self._active()[1]
         self._rng.start(enabled=not self._eager_draws)
-        return self._committed(lambda: executor.forward(args))
+        with self._autocast():
+            return self._committed(lambda: executor.forward(args))
 
     def train_step(
         self,
@@ -275,8 +281,15 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         executor = self._active()[1]
         self._rng.start(enabled=not self._eager_draws)
-        loss: torch.Tensor = self._committed(lambda: executor.train_step(args, targets, loss_fn))
+        with self._autocast():
+            loss: torch.Tensor = self._committed(
+                lambda: executor.train_step(args, targets, loss_fn)
+            )
         return loss
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        """The plan's precision (crosscut/precision.py) on the stages' device type."""
+        return autocast(self._precision, self._program.stages[0].device.type)
 
     def _committed(self, call: Callable[[], Any]) -> Any:
         """Run one step; with ``bn_mode="step"`` its batch-norm statistics are committed

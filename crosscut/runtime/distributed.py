@@ -50,6 +50,7 @@ naming the lost rank and what this rank waited for (:mod:`crosscut.runtime.p2p`)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -61,6 +62,7 @@ from crosscut.codegen.split import StagedProgram, build_stages
 from crosscut.codegen.state_writes import check_state_writes
 from crosscut.codegen.transfers import INPUT
 from crosscut.errors import DistributedError, InputError
+from crosscut.precision import autocast
 from crosscut.runtime.batchnorm import install_step_batchnorm
 from crosscut.runtime.bn_commit import StepCommit
 from crosscut.runtime.checkpoint import RankState
@@ -390,6 +392,10 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             params = list(self.stage.parameters())
             allreduce_mean(params, self._position_groups[self.position], ranks, self._msg)
 
+    def _autocast(self) -> AbstractContextManager[Any]:
+        """The plan's precision (crosscut/precision.py) on this rank's device type."""
+        return autocast(getattr(self.plan.options, "precision", "fp32"), self.device.type)
+
     def train_step(
         self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
     ) -> torch.Tensor | None:
@@ -404,7 +410,10 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         ``optimizer.zero_grad()`` before and ``optimizer.step()`` after.
         """
         self._rng.start(enabled=True)
-        losses, _ = self._bn.run(self.stage, lambda: self._run("train", inputs, targets, loss_fn))
+        with self._autocast():
+            losses, _ = self._bn.run(
+                self.stage, lambda: self._run("train", inputs, targets, loss_fn)
+            )
         self._allreduce_grads()
         if self._group is not None:
             self._group.sync_buffers(self.stage)
@@ -430,7 +439,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         micro-batches merged by the ``output_merge`` rules (a ``"sum"`` is this
         replica's sum).
         """
-        with torch.no_grad():
+        with torch.no_grad(), self._autocast():
             self._rng.start(enabled=True)
             _, results = self._bn.run(self.stage, lambda: self._run("infer", inputs, None, None))
         if self._group is not None:

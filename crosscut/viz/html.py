@@ -412,7 +412,7 @@ def plan_to_html(
         f"{m.name} · batch {m.batch_size} · {m.mode} · {m.dtype} · input {shapes} · "
         f"{len(plan.nodes)} nodes, {len(plan.edges)} edges · cluster {c.name or '-'}: "
         + ", ".join(f"{d.name} ({d.kind}, {human_bytes(d.mem_cap)})" for d in c.devices)
-        + f" · {o.objective}, {o.schedule}, {o.microbatches} micro-batches, "
+        + f" · {o.objective}, {o.schedule}, {o.microbatches} micro-batches, {o.precision}, "
         f"costs {o.cost_source} · crosscut {plan.crosscut_version or '?'} "
         f"{plan.created_at}"
     )

@@ -139,7 +139,8 @@ def print_summary(plan: Plan, console: Console | None = None) -> None:
     con.print(
         f"[bold]{escape(m.name)}[/bold] · batch {m.batch_size} · {m.mode} · {m.dtype} · "
         f"{len(plan.nodes)} nodes\non {escape(c.name or 'cluster')} ({len(c.devices)} devices) · "
-        f"{o.objective}, {o.schedule}, {o.microbatches} micro-batches",
+        f"{o.objective}, {o.schedule}, {o.microbatches} micro-batches"
+        + (f", {o.precision}" if o.precision != "fp32" else ""),
         markup=True,
         highlight=False,
     )

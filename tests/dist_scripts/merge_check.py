@@ -89,6 +89,11 @@ def main() -> int:
             loss = pipe.train_step(x, y, loss_fn)
         seen["loss"] = None if loss is None else float(loss)
         seen["grads"] = pipe.local_grads()
+        # precision="bf16": the plan says it, the ranks run every call under that autocast
+        half = cd.compile_distributed(build(), x, output_merge={1: "sum"}, precision="bf16", **kw)
+        seen["bf16"] = half(x)
+        seen["bf16_loss"] = half.train_step(x, y, loss_fn)
+        seen["bf16_loss"] = None if seen["bf16_loss"] is None else float(seen["bf16_loss"])
         seen.update(scaler_steps(pipe, x, y, ctx.rank))
     except CrosscutError as exc:
         sys.stderr.write(f"CROSSCUT-ERROR rank {ctx.rank}: {type(exc).__name__}: {exc}\n")

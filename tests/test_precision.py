@@ -1,0 +1,129 @@
+"""``precision="bf16" | "fp16"``: priced from an autocast trace, run under the same autocast.
+
+What must hold (issue 17): the trace records what autocast really produces
+(16-bit convolutions, fp32 parameters); the planner's prediction follows
+(faster compute at the 16-bit peak, half the activation and transfer bytes);
+a part without bfloat16 is refused; and the compiled module computes exactly
+what eager mode computes under the same autocast. The torchrun half is in
+tests/test_output_merge.py (``precision="bf16"`` vs the caller's autocast,
+bit for bit, on 2 gloo ranks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import crosscut
+from crosscut.errors import InputError, PlanError
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.c2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.c1(x)))
+        h = torch.relu(self.c2(h)) + h
+        return self.fc(h.mean((2, 3)))
+
+
+X = torch.randn(8, 3, 16, 16)
+Y = torch.randint(0, 10, (8,))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_trace_records_what_autocast_produces(precision: str) -> None:
+    half = {"bf16": "bfloat16", "fp16": "float16"}[precision]
+    full = crosscut.trace(Net(), X)
+    low = crosscut.trace(Net(), X, precision=precision)
+    a, b = {n.name: n for n in full.nodes}, {n.name: n for n in low.nodes}
+    assert a["c1"].dtype == "float32" and b["c1"].dtype == half
+    assert b["fc"].dtype == half
+    assert b["c1"].out_bytes * 2 == a["c1"].out_bytes
+    assert b["c1"].param_bytes == a["c1"].param_bytes  # parameters stay fp32 (master copy)
+    assert full.fingerprint() != low.fingerprint()  # a plan is made for one precision
+
+
+def test_bf16_predicts_a_faster_step_on_ampere() -> None:
+    """Issue 17: resnet50 at batch 256 on 4xA100-80GB, 8 micro-batches: >= 1.5x faster."""
+    model = torchvision.models.resnet50(weights=None)
+    x = torch.empty(256, 3, 224, 224, device="meta")
+    fp32 = crosscut.partition(model, "4xA100-80GB", x, microbatches=8, time_limit=10)
+    bf16 = crosscut.partition(
+        model, "4xA100-80GB", x, microbatches=8, precision="bf16", time_limit=10
+    )
+    assert bf16.options.precision == "bf16" and fp32.options.precision == "fp32"
+    assert fp32.predicted.step_time_s >= 1.5 * bf16.predicted.step_time_s
+    peak = max(bf16.predicted.device_peak_bytes.values())
+    assert peak < max(fp32.predicted.device_peak_bytes.values())
+    per_node = {n.name: n for n in fp32.nodes}
+    for n in bf16.nodes:
+        if n.kind == "Conv2d":
+            assert n.out_bytes * 2 == per_node[n.name].out_bytes, n.name
+
+
+def test_bad_precision_and_bf16_without_hardware_are_refused() -> None:
+    with pytest.raises(InputError, match="precision must be one of"):
+        crosscut.partition(Net(), "2xV100", X, precision="int8")
+    with pytest.raises(InputError, match="V100 cannot") as info:
+        crosscut.partition(Net(), "2xV100", X, precision="bf16")
+    assert "fp16" in str(info.value)
+    with pytest.raises(InputError, match="V100 cannot"):
+        crosscut.compile(Net(), "2xV100", X, precision="bf16")
+    plan = crosscut.partition(Net(), "2xV100", X, precision="fp16", time_limit=5)
+    assert plan.options.precision == "fp16"
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_compiled_bf16_equals_eager_under_the_same_autocast(m: int) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    eager = Net()
+    eager.load_state_dict(model.state_dict())
+    compiled = crosscut.compile(
+        model, ["cpu", "cpu"], X, microbatches=m, precision="bf16", require_all_devices=True
+    )
+    try:
+        assert compiled.plan.options.precision == "bf16" and compiled.plan.num_stages == 2
+        with torch.no_grad():
+            out = compiled(X)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                want = torch.cat([eager(xc) for xc in X.chunk(m)])
+        assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+        loss = compiled.train_step((X,), Y, nn.functional.cross_entropy)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            parts = [
+                nn.functional.cross_entropy(eager(xc), yc) / m
+                for xc, yc in zip(X.chunk(m), Y.chunk(m))
+            ]
+        for part in parts:
+            part.backward()
+        assert float(loss) == pytest.approx(float(sum(p.detach() for p in parts)), rel=1e-6)
+        grads = dict(compiled.named_parameters())
+        for name, p in eager.named_parameters():
+            got = grads[name].grad
+            assert got is not None and got.dtype == torch.float32
+            torch.testing.assert_close(got, p.grad, rtol=1e-2, atol=1e-3, msg=name)
+    finally:
+        compiled.close()
+
+
+def test_a_plan_replays_in_its_own_precision() -> None:
+    plan = crosscut.partition(
+        Net(), ["cpu", "cpu"], X, precision="bf16", require_all_devices=True, time_limit=5
+    )
+    compiled = crosscut.compile(Net(), ["cpu", "cpu"], X, plan=plan)
+    try:
+        with torch.no_grad():
+            assert compiled(X).dtype == torch.bfloat16
+    finally:
+        compiled.close()
+    with pytest.raises(PlanError, match="made for precision='bf16', not 'fp32'"):
+        crosscut.compile(Net(), ["cpu", "cpu"], X, plan=plan, precision="fp32")

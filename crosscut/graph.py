@@ -74,6 +74,7 @@ class OpGraph:
     ties: list[list[str]] = field(default_factory=list)  # node groups sharing a parameter
     leaves: dict[str, str] = field(default_factory=dict)  # auto-leaf module path -> reason
     model_name: str = ""
+    precision: str = "fp32"  # the autocast the shapes were propagated under (precision.py)
     gm: Any = field(default=None, repr=False, compare=False)  # torch.fx.GraphModule, not serialised
     _index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -200,6 +201,7 @@ class OpGraph:
             "mode": self.mode,
             "ties": self.ties,
             "leaves": self.leaves,
+            "precision": self.precision,
             "nodes": [asdict(n) for n in self.nodes],
         }
 
@@ -212,6 +214,7 @@ class OpGraph:
             ties=[list(t) for t in data.get("ties", [])],
             leaves=dict(data.get("leaves", {})),
             model_name=str(data.get("model_name", "")),
+            precision=str(data.get("precision", "fp32")),
         )
 
     def subgraph_names(self, names: Sequence[str]) -> list[str]:

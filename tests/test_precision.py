@@ -127,3 +127,28 @@ def test_a_plan_replays_in_its_own_precision() -> None:
         compiled.close()
     with pytest.raises(PlanError, match="made for precision='bf16', not 'fp32'"):
         crosscut.compile(Net(), ["cpu", "cpu"], X, plan=plan, precision="fp32")
+
+
+def test_profiled_costs_are_timed_under_the_plans_autocast(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The profiler runs each op under the graph's autocast (its own cache entry)."""
+    from crosscut.cost_models import profiled
+    from crosscut.graph import OpGraph
+
+    seen: list[torch.dtype | None] = []
+    original = profiled._measure_context
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(profiled, "_measure_context", spy)
+    full = crosscut.trace(Net(), X)
+    low = crosscut.trace(Net(), X, precision="bf16")
+    assert low.precision == "bf16" and OpGraph.from_dict(low.to_dict()).precision == "bf16"
+    assert profiled.cache_key(full, "cpu") != profiled.cache_key(low, "cpu")
+    for graph in (full, low):
+        table = profiled.profile_costs(graph, torch.device("cpu"), kind="cpu", cache_dir=None)
+        assert table.total("cpu") > 0
+    assert seen == [None, torch.bfloat16]

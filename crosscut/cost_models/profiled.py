@@ -31,6 +31,7 @@ from crosscut.cost_models.memory import activation_bytes, is_alias, resident_byt
 from crosscut.cost_models.table import CostTable, NodeCost
 from crosscut.errors import CostModelError
 from crosscut.graph import OpGraph
+from crosscut.precision import autocast
 
 __all__ = ["cache_key", "device_kind", "profile_costs"]
 
@@ -57,7 +58,9 @@ def device_kind(device: torch.device) -> str:
 def cache_key(graph: OpGraph, kind: str) -> str:
     """File stem for the cache: fingerprint, kind, batch size, dtype, mode."""
     dtypes = sorted({n.dtype for n in graph.nodes if n.op == "placeholder"}) or ["float32"]
-    raw = json.dumps([graph.fingerprint(), kind, graph.batch_size, dtypes, graph.mode])
+    raw = json.dumps(
+        [graph.fingerprint(), kind, graph.batch_size, dtypes, graph.mode, graph.precision]
+    )
     return f"{kind}-b{graph.batch_size}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
 
 
@@ -275,10 +278,11 @@ def profile_costs(
     if cached is not None:
         return _with_memory(cached, graph, optimizer)
     t0 = time.perf_counter()
-    if method == "context":
-        times = _measure_context(graph, dev, warmup, repeats)
-    else:
-        times = _measure(graph, dev, warmup, repeats)
+    with autocast(graph.precision, dev.type):  # time the ops as the plan will run them
+        if method == "context":
+            times = _measure_context(graph, dev, warmup, repeats)
+        else:
+            times = _measure(graph, dev, warmup, repeats)
     table = CostTable(
         nodes={
             n.name: NodeCost(

@@ -275,6 +275,7 @@ def trace(
         ties=ties,
         leaves=auto,
         model_name=type(model).__name__,
+        precision=precision,
         gm=gm,
     )
     return graph

@@ -34,8 +34,9 @@ class Net(nn.Module):
         return self.fc(h.mean((2, 3)))
 
 
-X = torch.randn(8, 3, 16, 16)
-Y = torch.randint(0, 10, (8,))
+_DATA = torch.Generator().manual_seed(0)
+X = torch.randn(8, 3, 16, 16, generator=_DATA)
+Y = torch.randint(0, 10, (8,), generator=_DATA)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -152,3 +153,27 @@ def test_profiled_costs_are_timed_under_the_plans_autocast(
         table = profiled.profile_costs(graph, torch.device("cpu"), kind="cpu", cache_dir=None)
         assert table.total("cpu") > 0
     assert seen == [None, torch.bfloat16]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_differentiable_forward_gives_the_same_gradients_every_time(precision: str) -> None:
+    """Autocast's cast cache shared a weight's 16-bit copy among a stage's micro-batches,
+    and the order their gradients met there followed thread timing (digits_lenet in fp16
+    reached 92.3 / 88.1 / 92.6 % on three identical runs). Stage threads now run a
+    differentiable call uncached."""
+    torch.manual_seed(0)
+    model = Net()
+    compiled = crosscut.compile(
+        model, ["cpu", "cpu"], X, microbatches=4, precision=precision, require_all_devices=True
+    )
+    try:
+        seen = []
+        for _ in range(4):
+            compiled.zero_grad()
+            nn.functional.cross_entropy(compiled(X), Y).backward()
+            seen.append([p.grad.clone() for p in compiled.parameters()])
+        for other in seen[1:]:
+            for a, b in zip(seen[0], other, strict=True):
+                assert torch.equal(a, b)
+    finally:
+        compiled.close()

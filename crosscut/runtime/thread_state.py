@@ -84,9 +84,16 @@ class ThreadState:
         with ExitStack() as stack:
             stack.enter_context(torch.inference_mode(self.inference))
             stack.enter_context(torch.set_grad_enabled(self.grad))
+            # Autocast's cast cache shares one 16-bit copy of a weight among every use in
+            # the region, here all of a stage's micro-batches: a differentiable forward then
+            # sums their gradients at that copy in an order set by which thread created
+            # which autograd node first, so fp16 gradients changed from run to run
+            # (tests/test_precision.py). Uncached, each use casts anew and its gradient
+            # reaches the fp32 weight on its own: the same numbers every run.
+            cache = self.autocast_cache and not self.grad
             for kind, on, dtype in self.autocast:
                 stack.enter_context(
-                    torch.autocast(kind, dtype=dtype, enabled=on, cache_enabled=self.autocast_cache)
+                    torch.autocast(kind, dtype=dtype, enabled=on, cache_enabled=cache)
                 )
             if self.saved_tensor_hooks is not None:
                 pack, unpack = self.saved_tensor_hooks

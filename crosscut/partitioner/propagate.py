@@ -8,7 +8,7 @@ that module's docstring for why each choice was made.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any
 
 import torch
@@ -22,8 +22,16 @@ from torch.utils.flop_counter import flop_registry
 
 from crosscut.errors import InputError
 from crosscut.partitioner.alias import record_writes, versions
+from crosscut.precision import autocast
 
-__all__ = ["Propagator", "first_line", "iter_tensors", "named_tensors", "shapes_of"]
+__all__ = [
+    "Propagator",
+    "first_line",
+    "iter_tensors",
+    "named_tensors",
+    "propagate",
+    "shapes_of",
+]
 
 
 def first_line(exc: BaseException) -> str:
@@ -233,3 +241,46 @@ def _rejected(n: torch.fx.Node, module: nn.Module | None, args: Any, exc: Except
         remedy="pass example inputs with the shape and dtype the model's forward expects "
         "(e.g. (N, 3, H, W) float32 images for torchvision classifiers)",
     )
+
+
+def _trace_device(inputs: list[Tensor], gm: nn.Module) -> torch.device:
+    """The device fake tensors pretend to live on: the first non-meta input or parameter."""
+    for t in [*inputs, *(t for _, t in iter_tensors(gm))]:
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+def propagate(
+    gm: torch.fx.GraphModule, inputs: list[Tensor], train: bool, precision: str = "fp32"
+) -> Propagator:
+    """Run ``gm`` on fake twins of ``inputs`` (under ``precision``'s autocast), recording
+    every node's shapes, dtypes, FLOPs and writes; nothing is computed for real."""
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(inputs) > len(placeholders):
+        raise InputError(
+            f"the model's forward takes {len(placeholders)} input(s) {placeholders}, "
+            f"but {len(inputs)} example inputs were given",
+            value=f"input shapes {shapes_of(inputs)}",
+            remedy="pass one tensor per positional argument of the model's forward",
+        )
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    prop = Propagator(gm, fake_mode, _trace_device(inputs, gm), train)
+    state = named_tensors(gm, prop.fake)
+    fake_inputs = [prop.fake(t) for t in inputs]
+    with ExitStack() as stack:
+        stack.enter_context(_reparametrize_module(gm, state))
+        stack.enter_context(fake_mode)
+        stack.enter_context(prop.flops_mode)
+        stack.enter_context(autocast(precision, prop.device.type))
+        try:
+            prop.run(*fake_inputs)
+        except InputError:
+            raise
+        except Exception as exc:  # wrong number of inputs, or a failure outside any op
+            raise InputError(
+                f"the traced graph could not be run on the example inputs: {first_line(exc)}",
+                value=f"input shapes {shapes_of(inputs)}",
+                remedy="pass one tensor per positional argument of the model's forward",
+            ) from exc
+    return prop

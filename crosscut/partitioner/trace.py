@@ -33,14 +33,12 @@ import re
 import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.fx
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten
 
 from crosscut.errors import InputError, TraceError
@@ -51,10 +49,9 @@ from crosscut.partitioner.propagate import (
     Propagator,
     first_line,
     iter_tensors,
-    named_tensors,
+    propagate,
     shapes_of,
 )
-from crosscut.precision import autocast
 
 __all__ = ["trace"]
 
@@ -265,7 +262,7 @@ def trace(
     train = mode == "train"
     with _training(model, train), _untouched_state(model):
         gm, auto = _symbolic_trace(model, leaf_paths, leaf_types)
-        prop = _propagate(gm, inputs, train, precision)
+        prop = propagate(gm, inputs, train, precision)
     ties = _ties(gm) + order_mutations(gm)  # writes through views: partitioner/alias.py
     nodes = _build_nodes(gm, prop, auto)
     graph = OpGraph(
@@ -327,47 +324,6 @@ def _validate(
             ) from None
         paths.add(item)
     return inputs, paths, tuple(types)
-
-
-def _trace_device(inputs: list[Tensor], gm: nn.Module) -> torch.device:
-    """The device fake tensors pretend to live on: the first non-meta input or parameter."""
-    for t in [*inputs, *(t for _, t in iter_tensors(gm))]:
-        if t.device.type != "meta":
-            return t.device
-    return torch.device("cpu")
-
-
-def _propagate(
-    gm: torch.fx.GraphModule, inputs: list[Tensor], train: bool, precision: str = "fp32"
-) -> Propagator:
-    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(inputs) > len(placeholders):
-        raise InputError(
-            f"the model's forward takes {len(placeholders)} input(s) {placeholders}, "
-            f"but {len(inputs)} example inputs were given",
-            value=f"input shapes {shapes_of(inputs)}",
-            remedy="pass one tensor per positional argument of the model's forward",
-        )
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    prop = Propagator(gm, fake_mode, _trace_device(inputs, gm), train)
-    state = named_tensors(gm, prop.fake)
-    fake_inputs = [prop.fake(t) for t in inputs]
-    with ExitStack() as stack:
-        stack.enter_context(_reparametrize_module(gm, state))
-        stack.enter_context(fake_mode)
-        stack.enter_context(prop.flops_mode)
-        stack.enter_context(autocast(precision, prop.device.type))
-        try:
-            prop.run(*fake_inputs)
-        except InputError:
-            raise
-        except Exception as exc:  # wrong number of inputs, or a failure outside any op
-            raise InputError(
-                f"the traced graph could not be run on the example inputs: {first_line(exc)}",
-                value=f"input shapes {shapes_of(inputs)}",
-                remedy="pass one tensor per positional argument of the model's forward",
-            ) from exc
-    return prop
 
 
 def _tensor_bytes(values: Any) -> int:

@@ -355,6 +355,14 @@ def plan_request(
     r = request
     cl = Cluster.from_any(cluster)
     check_precision_devices(r.precision, cl.devices)
+    if cl.nodes > 1:
+        raise InputError(
+            "a cluster of several nodes is planned as replicas of a one-node pipeline, "
+            "which this version cannot do yet",
+            value=cl.name,
+            remedy="plan for one node (e.g. '8xV100') and run replicas with "
+            "`crosscut run --replicas`",
+        )
     group_widths, group_splits = cross_options(r.cross_shaped, r.widths, r.splits, len(cl.devices))
     shapes: list[list[int]] = []
     if isinstance(model_or_graph, OpGraph):

@@ -151,3 +151,43 @@ def test_measure_link_cpu() -> None:
     bw, lat = measure_link("cpu", "cpu", sizes=(1 << 16, 1 << 20, 1 << 22), repeats=3, warmup=1)
     assert bw > 1e8  # any machine copies faster than 100 MB/s
     assert lat >= 0
+
+
+# ---- clusters of nodes (issue 16) --------------------------------------------------------
+def test_nodes_spec_is_one_node_times_a_count_on_a_network() -> None:
+    import time
+
+    from crosscut.cost_models.links import NETWORKS
+
+    t0 = time.perf_counter()
+    big = Cluster.from_any("256x8xV100")  # 2,048 GPUs: an 8x8 matrix and a count
+    assert time.perf_counter() - t0 < 1.0
+    assert big.nodes == 256 and len(big.devices) == 8 and big.total_devices == 2048
+    assert big.network == NETWORKS["ib100"] and big.network_name == "ib100"
+    assert len(big.bandwidth) == 8  # never devices x devices
+    assert big.bandwidth[0][1] > big.network[0]  # NVLink inside a node beats the network
+    other = Cluster.from_spec("4x8xA100-80GB+ib400")
+    assert other.network == NETWORKS["ib400"] and other.devices[0].kind == "A100-80GB"
+    back = Cluster.from_json(other.to_json())
+    assert (back.nodes, back.network, back.network_name) == (4, other.network, "ib400")
+    assert Cluster.from_spec("2x4xK20c").network_name == "eth10"
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ("32x8xV100+ib999", "network must be one of"),
+        ("0x8xV100", "at least one node"),
+        ("2x8xNOPE", "preset"),
+    ],
+)
+def test_bad_nodes_specs(bad: str, match: str) -> None:
+    with pytest.raises(DeviceError, match=match):
+        Cluster.from_any(bad)
+
+
+def test_a_multi_node_cluster_needs_a_network() -> None:
+    c = Cluster.from_spec("2x2xV100")
+    c.network = (0.0, 0.0)
+    with pytest.raises(DeviceError, match="needs a network"):
+        c.validate()

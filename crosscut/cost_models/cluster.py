@@ -21,7 +21,14 @@ from typing import Any
 import torch
 
 from crosscut.cost_models.devices import DeviceSpec, cpu_spec, preset, preset_names
-from crosscut.cost_models.links import TOPOLOGIES, default_link, measure_link
+from crosscut.cost_models.links import (
+    DEFAULT_NETWORK,
+    NETWORKS,
+    TOPOLOGIES,
+    default_link,
+    measure_link,
+    measure_matmul_flops,
+)
 from crosscut.errors import DeviceError
 
 __all__ = ["DEFAULT_TOPOLOGY", "Cluster", "ClusterLike"]
@@ -29,6 +36,7 @@ __all__ = ["DEFAULT_TOPOLOGY", "Cluster", "ClusterLike"]
 DEFAULT_TOPOLOGY: dict[str, str] = {
     "K20c": "pcie",
     "P40": "pcie",
+    "P100": "nvlink",
     "V100": "nvlink",
     "V100-32GB": "nvlink",
     "A100-40GB": "nvlink",
@@ -38,6 +46,8 @@ DEFAULT_TOPOLOGY: dict[str, str] = {
     "cpu": "cpu",
 }
 _SPEC_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(.+?)\s*$")
+# "NODESxGPUSxKIND[-TOPOLOGY][+NETWORK]", e.g. "32x8xV100", "4x8xA100-80GB+ib400"
+_NODES_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*([^+\s]+?)(?:\+(\w+))?\s*$")
 _GPU_NAME_HINTS = [  # substring of torch.cuda device name -> preset kind (first match wins)
     ("H200", "H200"),
     ("H100", "H100"),
@@ -62,6 +72,17 @@ class Cluster:
     topology: str = "custom"
     meta: dict[str, Any] = field(default_factory=dict)
     name: str = ""  # how plans and reports label the cluster, e.g. the spec string
+    # identical nodes of these devices, joined by ``network`` (bytes/s, latency s) per
+    # node: ``devices`` and the matrices describe ONE node, so a 2,048-GPU cluster is an
+    # 8x8 matrix and a count, never a 2,048x2,048 one
+    nodes: int = 1
+    network: tuple[float, float] = (0.0, 0.0)
+    network_name: str = ""
+
+    @property
+    def total_devices(self) -> int:
+        """Devices in every node together."""
+        return self.nodes * len(self.devices)
 
     # ---- lookups -------------------------------------------------------------------
     def __len__(self) -> int:
@@ -123,6 +144,14 @@ class Cluster:
                     raise DeviceError(f"bandwidth[{i}][{j}] ({pair}) must be positive", value=bw)
                 if not lat >= 0:
                     raise DeviceError(f"latency[{i}][{j}] ({pair}) must be >= 0", value=lat)
+        if not (isinstance(self.nodes, int) and self.nodes >= 1):
+            raise DeviceError("a cluster has at least one node", value=self.nodes)
+        if self.nodes > 1 and not (self.network[0] > 0 and self.network[1] >= 0):
+            raise DeviceError(
+                "a cluster of several nodes needs a network: positive bandwidth, latency >= 0",
+                value=self.network,
+                remedy=f"e.g. Cluster.from_spec('2x8xV100+ib100'); networks: {sorted(NETWORKS)}",
+            )
 
     # ---- builders ------------------------------------------------------------------
     @classmethod
@@ -158,11 +187,50 @@ class Cluster:
         return cluster
 
     @classmethod
-    def from_spec(cls, spec: str) -> Cluster:
-        """Parse ``"NxKIND[-TOPOLOGY]"``.
+    def from_nodes_spec(cls, spec: str) -> Cluster:
+        """Parse ``"NODESxGPUSxKIND[-TOPOLOGY][+NETWORK]"``: identical nodes on a network.
 
-        E.g. ``"4xK20c"``, ``"8xH100-nvlink"``, ``"4xV100-pcie"``, ``"2xcpu"``.
+        ``"32x8xV100"`` is 32 nodes of 8 V100 on NVLink, joined by the kind's
+        usual network (``DEFAULT_NETWORK``: ib100 for V100); ``+ib200``,
+        ``+eth25`` ... name another (``NETWORKS``).
         """
+        m = _NODES_RE.match(spec)
+        if not m:
+            raise DeviceError(
+                "a multi-node cluster spec reads 'NODESxGPUSxKIND[+NETWORK]'",
+                value=spec,
+                remedy=f"e.g. '32x8xV100' or '4x8xA100-80GB+ib400'; networks: {sorted(NETWORKS)}",
+            )
+        nodes, per_node, kind, net = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
+        if nodes < 1 or per_node < 1:
+            raise DeviceError(
+                "a multi-node spec needs at least one node of at least one device",
+                value=spec,
+                remedy="e.g. '2x8xV100'",
+            )
+        node = cls.from_spec(f"{per_node}x{kind}")
+        base_kind = node.devices[0].kind
+        net = net or DEFAULT_NETWORK.get(base_kind, "eth25")
+        if net not in NETWORKS:
+            raise DeviceError(
+                "a network must be one of the known names",
+                value=net,
+                remedy=f"use one of {sorted(NETWORKS)}",
+            )
+        node.nodes, node.network, node.network_name = nodes, NETWORKS[net], net
+        node.name = spec.strip()
+        node.meta["spec"] = spec
+        return node
+
+    @classmethod
+    def from_spec(cls, spec: str) -> Cluster:
+        """Parse ``"NxKIND[-TOPOLOGY]"`` (one node) or ``"NODESxGPUSxKIND[+NETWORK]"``.
+
+        E.g. ``"4xK20c"``, ``"8xH100-nvlink"``, ``"4xV100-pcie"``, ``"2xcpu"``,
+        ``"32x8xV100+ib100"`` (:meth:`from_nodes_spec`).
+        """
+        if _NODES_RE.match(spec):
+            return cls.from_nodes_spec(spec)
         m = _SPEC_RE.match(spec)
         if not m:
             raise DeviceError(
@@ -243,7 +311,9 @@ class Cluster:
             if d.type == "cpu":
                 specs.append(
                     cpu_spec(
-                        f"cpu{cpu_i}", share=n_cpu, peak=_measure_cpu_flops() if measure else None
+                        f"cpu{cpu_i}",
+                        share=n_cpu,
+                        peak=measure_matmul_flops(torch.device("cpu"), n=512) if measure else None,
                     )
                 )
                 cpu_i += 1
@@ -305,6 +375,9 @@ class Cluster:
             "latency": self.latency,
             "meta": self.meta,
             "name": self.name,
+            "nodes": self.nodes,
+            "network": list(self.network),
+            "network_name": self.network_name,
         }
 
     @classmethod
@@ -317,6 +390,9 @@ class Cluster:
                 topology=str(data.get("topology", "custom")),
                 meta=dict(data.get("meta", {})),
                 name=str(data.get("name", "")),
+                nodes=int(data.get("nodes", 1)),
+                network=_pair(data.get("network", (0.0, 0.0))),
+                network_name=str(data.get("network_name", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, DeviceError):
@@ -358,6 +434,11 @@ class Cluster:
 
 
 ClusterLike = Cluster | int | str | Path | Sequence[str | torch.device]
+
+
+def _pair(value: Any) -> tuple[float, float]:
+    bw, lat = (float(v) for v in value)
+    return (bw, lat)
 
 
 def _parse_device(d: str | torch.device) -> torch.device:
@@ -404,28 +485,6 @@ def _cuda_spec(dev: torch.device) -> DeviceSpec:
                 int(props.total_memory),
                 base.launch_overhead_s,
             )
-    peak = _measure_matmul_flops(dev)
+    peak = measure_matmul_flops(dev)
     kind = re.sub(r"[^A-Za-z0-9]+", "-", props.name).strip("-")
     return DeviceSpec(name, kind, name, {"float32": peak}, 500e9, int(props.total_memory), 5e-6)
-
-
-def _measure_matmul_flops(dev: torch.device, n: int = 1024, repeats: int = 5) -> float:
-    """Achieved fp32 GEMM FLOP/s: a quick, honest stand-in for an unknown device's peak."""
-    import time
-
-    a = torch.randn(n, n, device=dev)
-    b = torch.randn(n, n, device=dev)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n**3 / max(best, 1e-9)
-
-
-def _measure_cpu_flops() -> float:
-    return _measure_matmul_flops(torch.device("cpu"), n=512)

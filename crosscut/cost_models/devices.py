@@ -115,6 +115,8 @@ PRESETS: dict[str, DeviceSpec] = {
     "K20c": _gpu("K20c", 3.52, None, 208, 4.8, 10e-6),
     # Tesla P40: 11.76 TFLOPS fp32, 346 GB/s, 24 GB; fp16 runs at 1/64 rate (0.18 TFLOPS).
     "P40": _gpu("P40", 11.76, 0.18, 346, 24, 7e-6),
+    # Tesla P100 SXM2: 10.6 TFLOPS fp32, 21.2 TFLOPS fp16 (no tensor cores), 732 GB/s, 16 GB.
+    "P100": _gpu("P100", 10.6, 21.2, 732, 16, 6e-6),
     # Tesla V100 SXM2: 15.7 TFLOPS fp32, 125 TFLOPS fp16 tensor, 900 GB/s, 16 GB.
     "V100": _gpu("V100", 15.7, 125, 900, 16, 5e-6),
     "V100-32GB": _gpu("V100-32GB", 15.7, 125, 900, 32, 5e-6),
@@ -126,7 +128,7 @@ PRESETS: dict[str, DeviceSpec] = {
     # H200 SXM: H100 compute with 141 GB HBM3e at 4.8 TB/s.
     "H200": _gpu("H200", 67, 989, 4800, 141, 4e-6),
 }
-for _k in ("V100", "V100-32GB", "P40"):
+for _k in ("V100", "V100-32GB", "P40", "P100"):
     _flops = dict(PRESETS[_k].peak_flops)
     _flops.pop("bfloat16", None)
     PRESETS[_k] = replace(PRESETS[_k], peak_flops=_flops)

@@ -16,7 +16,16 @@ import torch
 
 from crosscut.errors import DeviceError
 
-__all__ = ["TOPOLOGIES", "LinkSpec", "default_link", "fit_alpha_beta", "measure_link"]
+__all__ = [
+    "DEFAULT_NETWORK",
+    "NETWORKS",
+    "TOPOLOGIES",
+    "LinkSpec",
+    "default_link",
+    "fit_alpha_beta",
+    "measure_link",
+    "measure_matmul_flops",
+]
 
 TOPOLOGIES = ("nvlink", "pcie", "cpu")
 
@@ -26,6 +35,7 @@ LinkSpec = tuple[float, float]  # (bandwidth bytes/s, latency s)
 # A100 / H100 through NVSwitch (300 / 450 GB/s). PCIe: gen2 x16 for K20c (~6 GB/s
 # measured peer-to-peer), gen3 for P40/V100, gen4 for A100, gen5 for H100/H200.
 _NVLINK: dict[str, LinkSpec] = {
+    "P100": (20e9, 6e-6),
     "V100": (50e9, 5e-6),
     "V100-32GB": (50e9, 5e-6),
     "A100-40GB": (300e9, 4e-6),
@@ -36,12 +46,37 @@ _NVLINK: dict[str, LinkSpec] = {
 _PCIE: dict[str, LinkSpec] = {
     "K20c": (6e9, 10e-6),
     "P40": (12e9, 8e-6),
+    "P100": (12e9, 8e-6),
     "V100": (12e9, 8e-6),
     "V100-32GB": (12e9, 8e-6),
     "A100-40GB": (24e9, 8e-6),
     "A100-80GB": (24e9, 8e-6),
     "H100": (50e9, 6e-6),
     "H200": (50e9, 6e-6),
+}
+# Between nodes: one NIC's worth per node (bytes/s, latency). InfiniBand EDR/HDR/NDR
+# (100/200/400 Gb/s, ~2-5 µs with GPUDirect RDMA); Ethernet with RoCE (~10 µs) or TCP.
+NETWORKS: dict[str, LinkSpec] = {
+    "eth10": (1.25e9, 30e-6),
+    "eth25": (3.125e9, 15e-6),
+    "eth50": (6.25e9, 12e-6),
+    "eth100": (12.5e9, 10e-6),
+    "ib100": (12.5e9, 5e-6),
+    "ib200": (25e9, 4e-6),
+    "ib400": (50e9, 3e-6),
+}
+# what a node of each kind was usually wired with in its time
+DEFAULT_NETWORK: dict[str, str] = {
+    "K20c": "eth10",
+    "P40": "eth25",
+    "P100": "eth50",
+    "V100": "ib100",
+    "V100-32GB": "ib100",
+    "A100-40GB": "ib200",
+    "A100-80GB": "ib200",
+    "H100": "ib400",
+    "H200": "ib400",
+    "cpu": "eth25",
 }
 # Mariana's layout: two PCIe switches, one under each CPU. Peer-to-peer inside a switch
 # runs at the switch rate; across switches traffic is staged through host memory over
@@ -131,3 +166,19 @@ def measure_link(
                 samples.append(time.perf_counter() - t0)
         medians.append(statistics.median(samples))
     return fit_alpha_beta([max(s // 4, 1) * 4 for s in sizes], medians)
+
+
+def measure_matmul_flops(dev: torch.device, n: int = 1024, repeats: int = 5) -> float:
+    """Achieved fp32 GEMM FLOP/s: a quick, honest stand-in for an unknown device's peak."""
+    a = torch.randn(n, n, device=dev)
+    b = torch.randn(n, n, device=dev)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / max(best, 1e-9)

@@ -55,6 +55,9 @@ def plan_cluster(cluster: Any) -> PlanCluster:
         bandwidth=[[float(x) for x in row] for row in cluster.bandwidth],
         latency=[[float(x) for x in row] for row in cluster.latency],
         name=str(getattr(cluster, "name", "")),
+        nodes=int(getattr(cluster, "nodes", 1)),
+        network=[float(v) for v in getattr(cluster, "network", (0.0, 0.0))],
+        network_name=str(getattr(cluster, "network_name", "")),
     )
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "PlanStage",
     "PlanTransfer",
     "Prediction",
+    "Replication",
     "SolverRecord",
     "plan_schema",
 ]
@@ -56,6 +57,10 @@ class PlanCluster:
     bandwidth: list[list[float]]  # [src][dst] bytes/s
     latency: list[list[float]]  # [src][dst] seconds
     name: str = ""
+    # identical nodes of ``devices`` joined by ``network`` (bytes/s, latency s) per node
+    nodes: int = 1
+    network: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    network_name: str = ""
 
     def index(self, name: str) -> int:
         for i, d in enumerate(self.devices):
@@ -166,6 +171,22 @@ class SolverRecord:
 
 
 @dataclass
+class Replication:
+    """Data-parallel copies of the pipeline, chosen by the planner (partitioner/replicas.py).
+
+    Each replica runs the plan's stages on its own devices with ``1/replicas`` of
+    the global batch; after backward every stage position all-reduces its
+    gradients over the replicas, by ``reduction``: ``"ring"`` over all of them,
+    or ``"2d"`` (reduce-scatter inside a node, all-reduce across nodes, all-gather
+    inside). ``allreduce_s`` is that reduction's predicted time per step.
+    """
+
+    replicas: int = 1
+    reduction: str = "none"  # "none" | "ring" | "2d"
+    allreduce_s: float = 0.0
+
+
+@dataclass
 class Plan:
     """A partition of one model over one cluster; see docs/PLAN_FORMAT.md."""
 
@@ -180,6 +201,7 @@ class Plan:
     ties: list[list[str]] = field(default_factory=list)  # nodes sharing a parameter: one stage
     predicted: Prediction = field(default_factory=Prediction)
     solver: SolverRecord = field(default_factory=SolverRecord)
+    replication: Replication = field(default_factory=Replication)
     schema_version: int = SCHEMA_VERSION
     crosscut_version: str = ""
     created_at: str = ""
@@ -255,6 +277,9 @@ class Plan:
                     bandwidth=data["cluster"]["bandwidth"],
                     latency=data["cluster"]["latency"],
                     name=data["cluster"].get("name", ""),
+                    nodes=int(data["cluster"].get("nodes", 1)),
+                    network=[float(v) for v in data["cluster"].get("network", [0.0, 0.0])],
+                    network_name=str(data["cluster"].get("network_name", "")),
                 ),
                 options=PlanOptions(**data["options"]),
                 nodes=[PlanNode(**n) for n in data["nodes"]],
@@ -265,6 +290,7 @@ class Plan:
                 ties=[[str(n) for n in t] for t in data.get("ties", [])],
                 predicted=Prediction(**data.get("predicted", {})),
                 solver=SolverRecord(**data.get("solver", {})),
+                replication=Replication(**data.get("replication", {})),
                 schema_version=int(data["schema_version"]),
                 crosscut_version=str(data.get("crosscut_version", "")),
                 created_at=str(data.get("created_at", "")),

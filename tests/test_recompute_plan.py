@@ -31,6 +31,7 @@ from crosscut.partitioner.plan import Plan
 from crosscut.partitioner.simulate import simulate
 from crosscut.partitioner.stage_recompute import keep_needed
 from crosscut.partitioner.validate import validate_plan
+from crosscut.viz.summary import summary_text
 
 
 class Net(nn.Module):
@@ -199,6 +200,16 @@ def test_the_flag_round_trips_and_old_plans_load(tmp_path: Path) -> None:
         del st["recompute"]
     old = Plan.from_dict(data)  # a plan written before the field existed
     assert not old.options.recompute and not any(s.recompute for s in old.stages)
+
+
+def test_the_summary_marks_the_recomputing_stages(two: Plan) -> None:
+    plan = annotate(_with_flags(two, [True, False]))
+    text = summary_text(plan, width=120)
+    rows = [line for line in text.splitlines() if "gpu0" in line or "gpu1" in line]
+    marked = [line for line in rows if "↻" in line]
+    assert len(marked) == 1 and "gpu" in marked[0], text
+    assert "recomputes its activations in backward" in text
+    assert "↻" not in summary_text(two, width=120)
 
 
 def test_validation_refuses_recompute_in_inference() -> None:

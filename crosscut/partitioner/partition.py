@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from crosscut.errors import InfeasiblePlanError
+from crosscut.errors import InfeasiblePlanError, PartitionError
 from crosscut.graph import OpGraph
 from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.build import CostLookup, plan_nodes, problem_from_parts
@@ -143,19 +143,24 @@ def partition_graph(
 
     try:
         plain = once(False)
-    except InfeasiblePlanError as exc:
+    except PartitionError as exc:  # proved infeasible, or no plan within the time limit
         try:
             plan = per_stage()
-        except InfeasiblePlanError as again:
-            raise InfeasiblePlanError(
+        except PartitionError as again:
+            raise type(again)(
                 f"{again.rule} (tried with and without recomputation)",
                 value=again.value,
                 remedy=again.remedy,
             ) from exc
         which = [k for k, s in enumerate(plan.stages) if s.recompute]
+        why = (
+            "no plan fits the memory caps without recomputation"
+            if isinstance(exc, InfeasiblePlanError)
+            else "no plan without recomputation was found within the time limit"
+        )
         plan.solver.notes.append(
-            "recompute='auto': no plan fits the memory caps without recomputation, so "
-            f"stage(s) {which} keep only their inputs and recompute in backward"
+            f"recompute='auto': {why}, so stage(s) {which} keep only their inputs and "
+            "recompute in backward"
         )
         return plan
     fullest = max(

@@ -9,7 +9,7 @@ of a solver's internal (integer-scaled) values.
 from __future__ import annotations
 
 from crosscut.partitioner.build import plan_groups, plan_to_problem
-from crosscut.partitioner.evaluate import evaluate
+from crosscut.partitioner.evaluate import evaluate, recomputes
 from crosscut.partitioner.plan import Plan, PlanTransfer, Prediction
 from crosscut.partitioner.simulate import simulate
 
@@ -25,7 +25,7 @@ def annotate(plan: Plan) -> Plan:
         stage.compute_s = ev.stage_compute[k]
         stage.comm_s = ev.stage_comm[k]
         stage.time_s = ev.stage_time[k]
-        stage.recompute = problem.recompute  # priced plan-wide (PlanOptions.recompute)
+        stage.recompute = recomputes(problem, k)  # the plan's own choice (training only)
         # a group's busiest device (its leader holds the whole ops and receive buffers)
         stage.memory_bytes = max(ev.device_memory[plan.cluster.index(d)] for d in stage.devices)
     mult = 2 if problem.training else 1

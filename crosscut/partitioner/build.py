@@ -11,6 +11,7 @@ alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Protocol
 
 from crosscut.errors import PlanError
@@ -164,15 +165,34 @@ def plan_groups(plan: Plan) -> list[StageGroup] | None:
 
 
 def plan_to_problem(plan: Plan) -> tuple[PartitionProblem, list[int], list[int]]:
-    """The problem a plan solves, and its solution as (stage_of, stage_device) lists."""
-    problem = problem_from_parts(
-        plan.nodes,
-        plan.cluster,
-        plan.options,
-        training=plan.model.mode == "train",
-        ties=plan.ties,
-        batch=plan.model.batch_size // max(1, plan.options.microbatches),
-    )
+    """The problem a plan solves, and its solution as (stage_of, stage_device) lists.
+
+    Recomputation is priced per stage, as the plan's stages say (not by
+    ``options.recompute``, which records what the solve assumed): all or none
+    gives the solver's own problem; a mix prices the extra forward on the
+    recomputing stages' nodes only (``PartitionProblem.stage_recompute``).
+    """
+    training = plan.model.mode == "train"
+    flags = [stage.recompute and training for stage in plan.stages]
+
+    def build(recompute: bool) -> PartitionProblem:
+        return problem_from_parts(
+            plan.nodes,
+            plan.cluster,
+            replace(plan.options, recompute=recompute),
+            training=training,
+            ties=plan.ties,
+            batch=plan.model.batch_size // max(1, plan.options.microbatches),
+        )
+
+    every = bool(flags) and all(flags)
+    problem = build(every)
     stage_of = [plan.assignment[name] for name in problem.names]
     stage_device = [plan.cluster.index(stage.devices[0]) for stage in plan.stages]
+    if any(flags) and not every:
+        again = build(True)
+        compute = [
+            again.compute[v] if flags[k] else problem.compute[v] for v, k in enumerate(stage_of)
+        ]
+        problem = replace(problem, compute=compute, stage_recompute=tuple(flags))
     return problem, stage_of, stage_device

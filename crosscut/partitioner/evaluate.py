@@ -23,7 +23,11 @@ The model (``PartitionProblem``'s docstring, DESIGN.md "The partition problem"):
   where ``inflight = microbatches`` for GPipe and ``min(microbatches, S - k)``
   for 1F1B (``S`` = number of stages). In inference no activation is kept for
   backward, so the activation term is 0 and each received tensor needs one
-  buffer: ``resident + received bytes``.
+  buffer: ``resident + received bytes``. A recomputing stage (every stage with
+  ``problem.recompute``, or those ``stage_recompute`` names) keeps one
+  micro-batch of activations, the one it re-runs in backward:
+  ``resident + activation + inflight(k) * received bytes``; its extra forward
+  is already in ``compute``.
 * the latency objective is the makespan of one micro-batch: nodes are
   list-scheduled in index (topological) order, each device runs one node at a
   time in that order, a node starts when its device is free and its inputs
@@ -65,6 +69,7 @@ __all__ = [
     "evaluate",
     "in_flight",
     "lower_bound",
+    "recomputes",
     "renumber",
     "single_groups",
     "transfer_time",
@@ -125,9 +130,16 @@ def activation_factor(problem: PartitionProblem, k: int, num_stages: int) -> int
     """
     if not problem.training:
         return 0
-    if problem.recompute:
+    if recomputes(problem, k):
         return 1
     return in_flight(problem, k, num_stages)
+
+
+def recomputes(problem: PartitionProblem, k: int) -> bool:
+    """Whether stage ``k`` recomputes: every stage, or a known solution's own choice."""
+    if problem.stage_recompute:
+        return problem.training and k < len(problem.stage_recompute) and problem.stage_recompute[k]
+    return problem.recompute and problem.training
 
 
 def buffer_factor(problem: PartitionProblem, k: int, num_stages: int) -> int:

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from crosscut.errors import InfeasiblePlanError
+from crosscut.errors import InfeasiblePlanError, PartitionError
 from crosscut.graph import OpGraph
 from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.build import CostLookup, plan_nodes, problem_from_parts
@@ -32,6 +32,7 @@ from crosscut.partitioner.plan import (
 )
 from crosscut.partitioner.solvers import SolveResult, solve
 from crosscut.partitioner.solvers.cross import solve_cross
+from crosscut.partitioner.stage_recompute import keep_needed, plan_objective
 
 __all__ = ["partition_graph", "plan_cluster"]
 
@@ -111,8 +112,12 @@ def partition_graph(
     stage keep only its inputs and one micro-batch of activations, paying one
     more forward in backward; ``"auto"`` solves without, and with recomputation
     only where that could help: when no plan fits without it, or when the
-    plain plan fills a device past 90 % (memory then shaped it); it keeps the
-    faster plan and says why in the solver notes. Inference never recomputes.
+    plain plan fills a device past 90 % (memory then shaped it). The plan
+    solved with recomputation then keeps it only on the stages that do not fit
+    without it (:func:`~crosscut.partitioner.stage_recompute.keep_needed`), and
+    "auto" keeps the faster of the two plans, saying why in the solver notes.
+    Inference never recomputes. ``"never"`` is exactly the plan of a planner
+    that knows nothing of recomputation.
     """
 
     def once(again: bool) -> Plan:
@@ -133,20 +138,32 @@ def partition_graph(
         return once(False)
     if recompute == "always":
         return once(True)
+
+    def per_stage() -> Plan:
+        plan = once(True)
+        keep_needed(plan)
+        return plan
+
     try:
         plain = once(False)
-    except InfeasiblePlanError as exc:
+    except PartitionError as exc:  # proved infeasible, or no plan within the time limit
         try:
-            plan = once(True)
-        except InfeasiblePlanError as again:
-            raise InfeasiblePlanError(
+            plan = per_stage()
+        except PartitionError as again:
+            raise type(again)(
                 f"{again.rule} (tried with and without recomputation)",
                 value=again.value,
                 remedy=again.remedy,
             ) from exc
+        which = [k for k, s in enumerate(plan.stages) if s.recompute]
+        why = (
+            "no plan fits the memory caps without recomputation"
+            if isinstance(exc, InfeasiblePlanError)
+            else "no plan without recomputation was found within the time limit"
+        )
         plan.solver.notes.append(
-            "recompute='auto': no plan fits the memory caps without recomputation, so "
-            "every stage keeps only its inputs and recomputes in backward"
+            f"recompute='auto': {why}, so stage(s) {which} keep only their inputs and "
+            "recompute in backward"
         )
         return plan
     fullest = max(
@@ -159,18 +176,20 @@ def partition_graph(
     if fullest < _MEMORY_BOUND:
         return plain
     try:
-        plan = once(True)
+        plan = per_stage()
     except InfeasiblePlanError:
         return plain
-    if plan.solver.objective < plain.solver.objective * (1 - 1e-9):
+    new, old = plan_objective(plan), plan_objective(plain)
+    if new < old * (1 - 1e-9):
         plan.solver.notes.append(
-            f"recompute='auto': recomputing gives {plan.solver.objective:.6g} s against "
-            f"{plain.solver.objective:.6g} s without (a device was {fullest:.0%} full)"
+            f"recompute='auto': recomputing on stage(s) "
+            f"{[k for k, s in enumerate(plan.stages) if s.recompute]} gives {new:.6g} s "
+            f"against {old:.6g} s without (a device was {fullest:.0%} full)"
         )
         return plan
     plain.solver.notes.append(
         f"recompute='auto': recomputing was tried (a device was {fullest:.0%} full) and "
-        f"is not faster ({plan.solver.objective:.6g} s against {plain.solver.objective:.6g} s)"
+        f"is not faster ({new:.6g} s against {old:.6g} s)"
     )
     return plain
 
@@ -248,7 +267,12 @@ def _partition_once(
         edges=[(src, dst, by_name[src].out_bytes) for src, dst in graph.edges()],
         assignment=assignment,
         stages=[
-            PlanStage(index=k, devices=[pc.devices[d].name for d in group], split=split_of[k])
+            PlanStage(
+                index=k,
+                devices=[pc.devices[d].name for d in group],
+                split=split_of[k],
+                recompute=options.recompute and training,  # every stage, as the solve priced
+            )
             for k, group in enumerate(groups)
         ],
         ties=[list(t) for t in graph.ties],

@@ -65,11 +65,11 @@ def _structure_problems(plan: Plan) -> list[str]:
     used: dict[str, int] = {}
     training = plan.model.mode == "train"
     for i, stage in enumerate(plan.stages):
-        if stage.recompute != (plan.options.recompute and training):
+        if stage.recompute and not training:
+            # nothing is kept for backward in inference, so there is nothing to recompute
             out.append(
-                f"stage {i} says recompute={stage.recompute} but the plan is priced with "
-                f"options.recompute={plan.options.recompute} ({plan.model.mode} mode); "
-                "recomputation is priced for every stage of a plan or none"
+                f"stage {i} says recompute=True in a {plan.model.mode!r} plan; only training "
+                "stages recompute (set it to false)"
             )
         if stage.index != i:
             out.append(f"stage {i} is numbered {stage.index}; stages are numbered 0..S-1 in order")

@@ -52,7 +52,11 @@ def _stages_table(plan: Plan) -> Table:
         caption=(
             "time = compute + comm for one micro-batch; ◀ the bottleneck, the slowest "
             f"stage, sets the pipeline's pace; memory = predicted peak ({cap_note})"
-            + ("; ↻ recomputes its activations in backward" if plan.options.recompute else "")
+            + (
+                "; ↻ recomputes its activations in backward"
+                if any(s.recompute for s in plan.stages)
+                else ""
+            )
         ),
         caption_justify="left",
     )

@@ -170,6 +170,14 @@ def compile(
             },
         )
     cl = Cluster.from_any(devices)
+    if cl.nodes > 1:
+        raise InputError(
+            "compile runs on this machine's devices; a cluster of several nodes is planned "
+            "with partition() and run under torchrun",
+            value=cl.name,
+            remedy="`crosscut partition MODEL --devices 32x8xV100 -o plan.json`, then "
+            "`crosscut run --plan plan.json train.py` on every node",
+        )
     if plan is None:
         check_precision_devices(request.precision, cl.devices)
         graph = trace(

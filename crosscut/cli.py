@@ -161,12 +161,20 @@ def _console() -> Any:
     return Console(stderr=True)
 
 
-def _load(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The model and an example batch for ``args.model`` / ``--batch`` / ``--input-shape``."""
+def _load(args: argparse.Namespace, *, meta: bool = False) -> tuple[Any, Any]:
+    """The model and an example batch for ``args.model`` / ``--batch`` / ``--input-shape``.
+
+    ``meta``: the batch only gives shapes (planning), so nothing is allocated: a
+    global batch of 8,192 images for a cluster of nodes costs no memory.
+    """
+    import torch
+
     from crosscut.models import default_input_shape, example_batch, load_model
 
     model = load_model(args.model, num_classes=args.num_classes)
     shape = args.input_shape or default_input_shape(args.model)
+    if meta:
+        return model, torch.empty((args.batch, *shape), device="meta")
     return model, example_batch(tuple(shape), args.batch)
 
 
@@ -176,7 +184,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
 
     console = _console()
     with console.status(f"tracing {args.model} ...") as status:
-        model, x = _load(args)
+        model, x = _load(args, meta=True)
         t0 = time.perf_counter()
 
         def progress(wall: float, objective: float, bound: float) -> None:

@@ -72,7 +72,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     ap.add_argument("--plan", required=True, help="plan JSON (from `crosscut partition`)")
     ap.add_argument(
-        "--replicas", type=_positive_int, default=1, help="data-parallel pipeline copies"
+        "--replicas",
+        type=_positive_int,
+        default=None,
+        help="data-parallel pipeline copies (default: the plan's, 1 for one-node plans)",
     )
     ap.add_argument(
         "--nnodes", type=_positive_int, default=1, help="number of nodes (launch once each)"
@@ -146,6 +149,8 @@ def run_main(argv: Sequence[str]) -> int:
     try:
         ns = parse_args(argv)
         plan = Plan.load(ns.plan)
+        if ns.replicas is None:  # the layout the planner chose (planning_replicas.py)
+            ns.replicas = plan.replication.replicas
         if ns.port == 0:
             if ns.nnodes > 1:
                 raise InputError(

@@ -355,14 +355,20 @@ def plan_request(
     r = request
     cl = Cluster.from_any(cluster)
     check_precision_devices(r.precision, cl.devices)
-    if cl.nodes > 1:
-        raise InputError(
-            "a cluster of several nodes is planned as replicas of a one-node pipeline, "
-            "which this version cannot do yet",
-            value=cl.name,
-            remedy="plan for one node (e.g. '8xV100') and run replicas with "
-            "`crosscut run --replicas`",
-        )
+    if cl.nodes > 1:  # replicas × a one-node pipeline, the layout chosen (planning_replicas)
+        if isinstance(model_or_graph, OpGraph):
+            raise InputError(
+                "a cluster of several nodes is planned from the model (each layout traces "
+                "its own replica batch), not from a traced graph",
+                value=cl.name,
+                remedy="pass the nn.Module and the global batch",
+            )
+        from crosscut.planning_replicas import plan_replicas
+
+        def one(model: Any, node: Any, inputs: Any, req: PlanRequest) -> Plan:
+            return plan_request(model, node, inputs, req, model_name=model_name)
+
+        return plan_replicas(model_or_graph, cl, example_inputs, r, one)
     group_widths, group_splits = cross_options(r.cross_shaped, r.widths, r.splits, len(cl.devices))
     shapes: list[list[int]] = []
     if isinstance(model_or_graph, OpGraph):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from crosscut.partitioner.build import plan_groups, plan_to_problem
 from crosscut.partitioner.evaluate import evaluate, recomputes
 from crosscut.partitioner.plan import Plan, PlanTransfer, Prediction
+from crosscut.partitioner.replicas import reduction
 from crosscut.partitioner.simulate import simulate
 
 __all__ = ["annotate"]
@@ -41,6 +42,9 @@ def annotate(plan: Plan) -> Plan:
         )
         for u, j, k, t in ev.transfers
     ]
+    rep = plan.replication
+    red = reduction(plan, rep.replicas)  # the replicas' gradient all-reduce (replicas.py)
+    rep.reduction, rep.allreduce_s = red.algorithm, red.seconds
     sim = simulate(plan)
     step = sim.step_time_s
     plan.predicted = Prediction(
@@ -48,7 +52,7 @@ def annotate(plan: Plan) -> Plan:
         bottleneck_s=ev.bottleneck,
         makespan_s=ev.makespan,
         step_time_s=step,
-        throughput=plan.model.batch_size / step if step > 0 else 0.0,
+        throughput=plan.model.batch_size * rep.replicas / step if step > 0 else 0.0,
         bubble_fraction=sim.bubble_fraction,
         device_peak_bytes=dict(sim.device_peak_bytes),
     )

@@ -61,6 +61,9 @@ class PlanCluster:
     nodes: int = 1
     network: list[float] = field(default_factory=lambda: [0.0, 0.0])
     network_name: str = ""
+    # a node's slowest device-to-device link (bytes/s, latency s), for replicas that
+    # share a node; [0, 0]: the plan's own devices are the node
+    node_link: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
     def index(self, name: str) -> int:
         for i, d in enumerate(self.devices):
@@ -280,6 +283,7 @@ class Plan:
                     nodes=int(data["cluster"].get("nodes", 1)),
                     network=[float(v) for v in data["cluster"].get("network", [0.0, 0.0])],
                     network_name=str(data["cluster"].get("network_name", "")),
+                    node_link=[float(v) for v in data["cluster"].get("node_link", [0.0, 0.0])],
                 ),
                 options=PlanOptions(**data["options"]),
                 nodes=[PlanNode(**n) for n in data["nodes"]],

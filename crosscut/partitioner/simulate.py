@@ -41,7 +41,8 @@ __all__ = ["Event", "Simulation", "simulate", "stage_durations"]
 class Event:
     device: str
     stage: int
-    kind: str  # "F" | "B", or "T": the transfer part of the F/B action just before it
+    kind: str  # "F" | "B"; "T": the transfer part of the F/B action just before it;
+    # "R": the replicas' gradient all-reduce after the pipeline (stage -1)
     microbatch: int
     start: float
     end: float
@@ -149,10 +150,15 @@ def simulate(plan: Plan) -> Simulation:
                 remedy="use schedule 'gpipe' or '1f1b'",
             )
     step = max((e.end for e in events), default=0.0)
+    reduce_s = plan.replication.allreduce_s if plan.model.mode == "train" else 0.0
+    if reduce_s > 0:  # replicas all-reduce their gradients after the pipeline's backward
+        for dev in {d for s in plan.stages for d in s.devices}:
+            events.append(Event(dev, -1, "R", 0, step, step + reduce_s))
+        step += reduce_s
     busy: dict[str, float] = {}
     for e in events:
-        if e.kind == "T":
-            continue  # inside an F/B action, already counted
+        if e.kind in ("T", "R"):
+            continue  # inside an F/B action, or the replicas' all-reduce: not compute
         busy[e.device] = busy.get(e.device, 0.0) + (e.end - e.start)
     capacity = step * len({d for s in plan.stages for d in s.devices})
     bubble = 1.0 - sum(busy.values()) / capacity if capacity > 0 else 0.0

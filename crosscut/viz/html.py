@@ -162,6 +162,16 @@ def _kpis(plan: Plan, sim: SimulationLike | None) -> str:
         ("bottleneck stage", human_time(p.bottleneck_s)),
         ("bubble", f"{bubble:.1%}"),
         ("stages / devices", f"{plan.num_stages} / {len(set(plan.used_devices()))}"),
+        *(
+            [
+                (
+                    "replicas (all-reduce)",
+                    f"{plan.replication.replicas} ({plan.replication.reduction})",
+                )
+            ]
+            if plan.replication.replicas > 1
+            else []
+        ),
         ("solver", f'<span class="{status_cls}">{_e(r.status or "-")}</span>'),
         ("optimality gap (at most)", f"{r.gap:.2%}"),
     ]
@@ -171,6 +181,13 @@ def _kpis(plan: Plan, sim: SimulationLike | None) -> str:
         for k, v in items
     )
     return f'<div class="kpis">{cells}</div>'
+
+
+def _replicas_kpi(plan: Plan) -> list[tuple[str, str]]:
+    rep = plan.replication
+    return (
+        [("replicas (all-reduce)", f"{rep.replicas} ({rep.reduction})")] if rep.replicas > 1 else []
+    )
 
 
 def _stages(plan: Plan, colors: dict[str, str]) -> str:

@@ -116,6 +116,7 @@ def _numbers_table(plan: Plan) -> Table:
             "per micro-batch",
         ),
         ("step time", f"{human_time(p.step_time_s)} per training step (predicted)"),
+        *_replication_rows(plan),
         ("throughput", f"{p.throughput:.4g} samples/s"),
         ("bottleneck", f"{human_time(p.bottleneck_s)} per micro-batch (slowest stage)"),
         ("makespan", f"{human_time(p.makespan_s)} (one micro-batch through every stage)"),
@@ -134,6 +135,22 @@ def _numbers_table(plan: Plan) -> Table:
     for what, text in rows:
         table.add_row(escape(what), escape(text))
     return table
+
+
+def _replication_rows(plan: Plan) -> list[tuple[str, str]]:
+    """Replicas chosen for a cluster of nodes (planning_replicas.py), when there are any."""
+    rep = plan.replication
+    if rep.replicas <= 1:
+        return []
+    devices = len(plan.used_devices())
+    return [
+        (
+            "replicas",
+            f"{rep.replicas} × this pipeline ({devices} device(s) each, "
+            f"{rep.replicas * devices} in all, {plan.cluster.nodes} nodes); "
+            f"{rep.reduction} all-reduce {human_time(rep.allreduce_s)} per step",
+        )
+    ]
 
 
 def print_summary(plan: Plan, console: Console | None = None) -> None:

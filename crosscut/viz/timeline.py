@@ -55,7 +55,7 @@ class SimulationLike(Protocol):
     def device_peak_bytes(self) -> Mapping[str, int]: ...
 
 
-_WHAT = {"F": "forward", "B": "backward", "T": "transfer"}
+_WHAT = {"F": "forward", "B": "backward", "T": "transfer", "R": "gradient all-reduce"}
 
 
 def action_color(device_color: str, kind: str) -> str:
@@ -144,6 +144,12 @@ def timeline_svg(plan: Plan, sim: SimulationLike, *, width: int = 1200) -> str:
                 parts.append(
                     f'<rect class="ev ev-T" x="{x0:.1f}" y="{y + row_h + 1}" width="{w:.1f}" '
                     f'height="{lane - 2}" fill="{TRANSFER_COLOR}"><title>{tip}</title></rect>'
+                )
+                continue
+            if e.kind == "R":  # the replicas' all-reduce: communication, not a stage's compute
+                parts.append(
+                    f'<rect class="ev ev-R" x="{x0:.1f}" y="{y + 2}" width="{w:.1f}" '
+                    f'height="{row_h - 4}" fill="#9aa3ab"><title>{tip}</title></rect>'
                 )
                 continue
             fill = action_color(colors.get(dev, "#bab0ac"), e.kind)

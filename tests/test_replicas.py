@@ -1,0 +1,152 @@
+"""Replicas chosen by the planner on clusters of nodes (issue 16): layouts, all-reduce, scale.
+
+The planner's rule (crosscut/planning_replicas.py, partitioner/replicas.py):
+every device is used (replicas × devices per replica = nodes × devices per
+node), stages stay inside a node, the gradient all-reduce is the cheaper of a
+ring and a 2-D reduction, and the layout with the shortest step wins.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+
+import crosscut
+from crosscut.cost_models import Cluster
+from crosscut.errors import InputError
+from crosscut.partitioner.plan import Plan
+from crosscut.partitioner.replicas import layouts, reduction, stage_gradient_bytes
+from crosscut.partitioner.simulate import simulate
+from crosscut.partitioner.validate import validate_plan
+from tests.plan_factory import make_plan
+
+
+def test_layouts_keep_stages_inside_a_node() -> None:
+    assert layouts(8, 32) == [(1, 256), (2, 128), (4, 64), (8, 32)]
+    assert layouts(6, 2) == [(1, 12), (2, 6), (3, 4), (6, 2)]
+    assert all(d * r == 8 * 32 for d, r in layouts(8, 32))
+
+
+def _priced(nodes: int, per_node_link: tuple[float, float], net: tuple[float, float]) -> Plan:
+    plan = make_plan(30, 2, cross_shaped=False)
+    plan.cluster.nodes = nodes
+    plan.cluster.network = list(net)
+    plan.cluster.node_link = list(per_node_link)
+    return plan
+
+
+def test_ring_and_2d_follow_their_formulas() -> None:
+    link, net = (100e9, 2e-6), (10e9, 5e-6)
+    plan = _priced(4, link, net)
+    grads = [4_000_000, 6_000_000]
+    total, largest = sum(grads), max(grads)
+    # 4 nodes, 2 replicas per node = 8 replicas
+    got = reduction(plan, 8, grads)
+    ring = 2 * 7 / 8 * total / net[0] + 2 * 7 * net[1]
+    two_d = (2 * 1 / 2 * largest / link[0] + 2 * 1 * link[1]) + (
+        2 * 3 / 4 * total / net[0] + 2 * 3 * net[1]
+    )
+    assert got.seconds == pytest.approx(min(ring, two_d))
+    assert got.algorithm == ("2d" if two_d < ring else "ring")
+    # one replica per node: the 2-D form has nothing to do inside a node, a ring it is
+    one = reduction(plan, 4, grads)
+    assert one.algorithm == "ring"
+    assert one.seconds == pytest.approx(2 * 3 / 4 * total / net[0] + 2 * 3 * net[1])
+    assert reduction(plan, 1, grads).seconds == 0.0
+
+
+def test_many_replicas_per_node_prefer_2d_and_the_plans_gradients_are_its_parameters() -> None:
+    plan = _priced(32, (50e9, 5e-6), (12.5e9, 5e-6))
+    grads = stage_gradient_bytes(plan)
+    assert sum(grads) == sum(n.param_bytes for n in plan.nodes if n.name in plan.assignment)
+    assert reduction(plan, 256).algorithm == "2d"  # 8 per node: latency and NIC both win
+
+
+@pytest.fixture(scope="module")
+def resnet50_on_256() -> tuple[Plan, float]:
+    model = torchvision.models.resnet50(weights=None)
+    x = torch.empty(8192, 3, 224, 224, device="meta")  # the global batch is never allocated
+    t0 = time.perf_counter()
+    plan = crosscut.partition(model, "32x8xV100", x, time_limit=20)
+    return plan, time.perf_counter() - t0
+
+
+def test_resnet50_uses_all_256_gpus_and_scales(resnet50_on_256: tuple[Plan, float]) -> None:
+    """Issue 16: global batch 8192 on 32x8xV100 with default options."""
+    plan, wall = resnet50_on_256
+    used = plan.replication.replicas * len(plan.used_devices())
+    assert used == 256 and plan.cluster.nodes == 32
+    assert plan.model.batch_size * plan.replication.replicas == 8192
+    assert wall < 20 * 1.1 + 10  # its time limit, plus tracing four layouts
+    one = crosscut.partition(
+        torchvision.models.resnet50(weights=None),
+        "1xV100",
+        torch.empty(32, 3, 224, 224, device="meta"),
+    )
+    # scaling efficiency against 256 independent GPUs at batch 32
+    efficiency = one.predicted.step_time_s / plan.predicted.step_time_s
+    assert 0.7 < efficiency <= 1.0, efficiency
+    assert plan.predicted.throughput == pytest.approx(8192 / plan.predicted.step_time_s)
+    assert any("layouts tried" in n for n in plan.solver.notes)
+
+
+def test_the_simulated_step_includes_the_all_reduce(resnet50_on_256: tuple[Plan, float]) -> None:
+    plan, _ = resnet50_on_256
+    sim = simulate(plan)
+    reduce = [e for e in sim.events if e.kind == "R"]
+    assert reduce and all(
+        e.end - e.start == pytest.approx(plan.replication.allreduce_s) for e in reduce
+    )
+    assert sim.step_time_s == pytest.approx(max(e.end for e in sim.events))
+    assert plan.replication.allreduce_s > 0 and plan.replication.reduction in ("ring", "2d")
+    validate_plan(plan)
+
+
+def test_replication_round_trips(resnet50_on_256: tuple[Plan, float], tmp_path: Path) -> None:
+    plan, _ = resnet50_on_256
+    back = Plan.load(plan.save(tmp_path / "p.json"))
+    assert back.replication == plan.replication and back.cluster.nodes == 32
+    assert back.cluster.node_link == plan.cluster.node_link
+
+
+def test_2048_gpus_plan_within_a_minute() -> None:
+    model = torchvision.models.resnet50(weights=None)
+    t0 = time.perf_counter()
+    plan = crosscut.partition(
+        model, "256x8xV100", torch.empty(65536, 3, 224, 224, device="meta"), time_limit=30
+    )
+    assert time.perf_counter() - t0 < 60
+    assert plan.replication.replicas * len(plan.used_devices()) == 2048
+
+
+def test_weights_too_big_for_one_device_make_a_pipeline() -> None:
+    """Two 1.6 GB layers (6.4 GB with gradients) cannot be replicated per 4.8 GB K20c: the
+    planner pipelines them over devices of a node, and says which layouts did not fit."""
+    with torch.device("meta"):  # nothing of the 3.2 GB of weights is allocated
+        model = torch.nn.Sequential(
+            torch.nn.Linear(20_000, 20_000), torch.nn.ReLU(), torch.nn.Linear(20_000, 20_000)
+        )
+    x = torch.empty(64, 20_000, device="meta")
+    plan = crosscut.partition(model, "2x4xK20c", x, time_limit=10)
+    assert plan.replication.replicas * len(plan.used_devices()) == 8
+    assert len(plan.used_devices()) >= 2, plan.solver.notes[-1]
+    assert "1 devices: no plan fits the memory caps" in plan.solver.notes[-1]
+    caps = {d.name: d.mem_cap for d in plan.cluster.devices}
+    assert all(peak <= caps[d] for d, peak in plan.predicted.device_peak_bytes.items())
+
+
+def test_a_graph_cannot_be_planned_on_several_nodes() -> None:
+    graph = crosscut.trace(torchvision.models.resnet18(weights=None), torch.randn(2, 3, 32, 32))
+    with pytest.raises(InputError, match="planned from the model"):
+        crosscut.partition(graph, Cluster.from_spec("2x2xV100"))
+
+
+def test_compile_refuses_a_multi_node_cluster_with_the_way_to_run_it() -> None:
+    with pytest.raises(InputError, match="crosscut run"):
+        crosscut.compile(
+            torchvision.models.resnet18(weights=None), "2x2xV100", torch.randn(8, 3, 32, 32)
+        )

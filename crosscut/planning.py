@@ -350,9 +350,12 @@ def plan_request(
 ) -> Plan:
     """:func:`partition` for a request whose options were already checked."""
     from crosscut.cost_models import Cluster
+    from crosscut.partitioner.deadline import Deadline
     from crosscut.partitioner.partition import partition_graph
 
     r = request
+    # the time limit covers the whole call, tracing and pricing included
+    deadline = Deadline(float(r.time_limit))
     cl = Cluster.from_any(cluster)
     check_precision_devices(r.precision, cl.devices)
     group_widths, group_splits = cross_options(r.cross_shaped, r.widths, r.splits, len(cl.devices))
@@ -398,6 +401,7 @@ def plan_request(
         progress=progress,
         colocate=r.colocate,
         recompute=r.recompute,
+        deadline=deadline,
     )
 
 

@@ -6,6 +6,12 @@ it, expand the answer to the original nodes, and record everything — the plan 
 reported on the original graph and its predictions are recomputed from the plan
 itself (``annotate``), never copied from the solver, so what a user reads is
 what validation and the simulator check.
+
+One :class:`~crosscut.partitioner.deadline.Deadline` covers the call (the API
+makes it before tracing; ``options.time_limit_s`` otherwise): a cross-shaped
+solve gives the pipeline-only CP-SAT ``PIPELINE_SHARE`` of it and the group DP
+the rest, ``recompute="auto"`` holds ``AUTO_RESERVE`` back for a second solve,
+and ``FINAL_RESERVE`` stays for expanding and annotating the plan.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from crosscut.errors import InfeasiblePlanError
 from crosscut.graph import OpGraph
 from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.build import CostLookup, plan_nodes, problem_from_parts
+from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import lower_bound
 from crosscut.partitioner.plan import (
     ModelInfo,
@@ -30,7 +37,7 @@ from crosscut.partitioner.plan import (
     PlanStage,
     SolverRecord,
 )
-from crosscut.partitioner.solvers import SolveResult, solve
+from crosscut.partitioner.solvers import PIPELINE_SHARE, SolveResult, solve
 from crosscut.partitioner.solvers.cross import solve_cross
 
 __all__ = ["partition_graph", "plan_cluster"]
@@ -86,6 +93,10 @@ def _coarse_nodes(
 # "auto" also tries recomputation when a device of the plain plan is this full: memory
 # then likely shaped the plan, and a plan that recomputes may be faster
 _MEMORY_BOUND = 0.9
+# of the time left, held back by recompute="auto" for the solve with recomputation
+AUTO_RESERVE = 0.25
+# of the time limit, kept for expanding, annotating and simulating the plan
+FINAL_RESERVE = 0.03
 
 
 def partition_graph(
@@ -101,6 +112,7 @@ def partition_graph(
     progress: Progress | None = None,
     colocate: bool = True,
     recompute: str = "never",
+    deadline: Deadline | None = None,
 ) -> Plan:
     """Solve the partition of ``graph`` (traced at micro-batch size) over ``cluster``.
 
@@ -110,9 +122,16 @@ def partition_graph(
     only where that could help: when no plan fits without it, or when the
     plain plan fills a device past 90 % (memory then shaped it); it keeps the
     faster plan and says why in the solver notes. Inference never recomputes.
-    """
 
-    def once(again: bool) -> Plan:
+    ``deadline`` (the caller's, covering tracing too) defaults to
+    ``options.time_limit_s`` from now; the call returns by it (module docstring).
+    """
+    dl = Deadline.of(deadline, options.time_limit_s)
+    auto = graph.mode == "train" and recompute == "auto"
+    # the first solve leaves AUTO_RESERVE for a second one where "auto" may need it
+    first = dl.before(AUTO_RESERVE * dl.left()) if auto else dl
+
+    def once(again: bool, within: Deadline) -> Plan:
         return _partition_once(
             graph,
             costs,
@@ -124,17 +143,18 @@ def partition_graph(
             use_coarsening=use_coarsening,
             progress=progress,
             colocate=colocate,
+            deadline=within,
         )
 
     if graph.mode != "train" or recompute == "never":
-        return once(False)
+        return once(False, dl)
     if recompute == "always":
-        return once(True)
+        return once(True, dl)
     try:
-        plain = once(False)
+        plain = once(False, first)
     except InfeasiblePlanError as exc:
         try:
-            plan = once(True)
+            plan = once(True, dl)
         except InfeasiblePlanError as again:
             raise InfeasiblePlanError(
                 f"{again.rule} (tried with and without recomputation)",
@@ -156,7 +176,7 @@ def partition_graph(
     if fullest < _MEMORY_BOUND:
         return plain
     try:
-        plan = once(True)
+        plan = once(True, dl)
     except InfeasiblePlanError:
         return plain
     if plan.solver.objective < plain.solver.objective * (1 - 1e-9):
@@ -184,8 +204,10 @@ def _partition_once(
     use_coarsening: bool,
     progress: Progress | None,
     colocate: bool,
+    deadline: Deadline,
 ) -> Plan:
-    """One solve, with the recomputation setting in ``options``."""
+    """One solve, with the recomputation setting in ``options``, done by ``deadline``."""
+    work = deadline.before(FINAL_RESERVE * deadline.seconds)
     pc = plan_cluster(cluster)
     training = graph.mode == "train"
     fine = plan_nodes(graph, costs, [d.kind for d in pc.devices])
@@ -199,9 +221,10 @@ def _partition_once(
     nodes = _coarse_nodes(coarse_graph, members, by_name)
     problem = problem_from_parts(nodes, pc, options, training=training, ties=coarse_graph.ties)
     problem = dataclasses.replace(problem, widths=(1,), splits=())  # the pipeline-only solve
+    cross = any(w > 1 for w in options.widths) and bool(options.splits) and not require_all_devices
     result = solve(
         problem,
-        time_limit=options.time_limit_s,
+        deadline=work.share(PIPELINE_SHARE) if cross else work,
         seed=options.seed,
         solver=solver,
         require_all_devices=require_all_devices,
@@ -214,21 +237,25 @@ def _partition_once(
     split_of = ["none"] * len(result.stage_device)
     groups = [[d] for d in result.stage_device]
     lb_problem = problem
-    if any(w > 1 for w in options.widths) and options.splits and not require_all_devices:
+    if cross:
         # cross-shaped: on the fine graph (its nodes know how they split), the
         # pipeline plan above competes with data parallelism and the group DP
         fine_pb = problem_from_parts(
             fine, pc, options, training=training, ties=graph.ties, batch=graph.batch_size
         )
         pipe = ([assignment[n] for n in fine_pb.names], list(result.stage_device))
-        cross = solve_cross(
-            fine_pb, pipe, pipeline_name=f"pipeline_{result.solver}", colocate=colocate
+        found = solve_cross(
+            fine_pb,
+            pipe,
+            pipeline_name=f"pipeline_{result.solver}",
+            colocate=colocate,
+            deadline=work,
         )
-        result = _merge(result, cross)
-        assert cross.groups is not None
-        assignment = dict(zip(fine_pb.names, cross.stage_of))
-        split_of = [g.split for g in cross.groups]
-        groups = [list(g.devices) for g in cross.groups]
+        result = _merge(result, found)
+        assert found.groups is not None
+        assignment = dict(zip(fine_pb.names, found.stage_of))
+        split_of = [g.split for g in found.groups]
+        groups = [list(g.devices) for g in found.groups]
         lb_problem = fine_pb
     plan = Plan(
         model=ModelInfo(

@@ -26,6 +26,11 @@ from crosscut.errors import CrosscutError, InputError, PlanError
 from crosscut.graph import OpGraph
 from crosscut.partitioner.plan import Plan, PlanOptions
 from crosscut.partitioner.problem import OBJECTIVES, RECOMPUTE, SCHEDULES
+from crosscut.partitioner.stage_recompute import (
+    check_recompute,
+    recompute_flags_for,
+    recompute_request,
+)
 from crosscut.precision import check_precision, check_precision_devices
 
 __all__ = [
@@ -141,43 +146,6 @@ def check_options(
             value=time_limit,
             remedy="e.g. time_limit=10",
         )
-
-
-def check_recompute(recompute: Any) -> None:
-    """``recompute`` is a planning choice, one bool, or one bool per stage (checked on the plan)."""
-    if isinstance(recompute, str) and recompute in RECOMPUTE:
-        return
-    flags = [recompute] if isinstance(recompute, bool) else recompute
-    if not isinstance(flags, (list, tuple)) or not all(isinstance(f, bool) for f in flags):
-        raise InputError(
-            f"recompute must be one of {list(RECOMPUTE)}, True/False, or one bool per stage",
-            value=repr(recompute)[:80],
-            remedy="pass recompute='auto' (the planner decides), 'never', 'always' (= True), "
-            "or e.g. [True, False]",
-        )
-
-
-def recompute_request(recompute: Any, bn_mode: str) -> str:
-    """What the planner may do for ``compile(recompute=...)``.
-
-    A list of flags is a run-time choice the planner does not price ("never");
-    with ``bn_mode`` ``"step"``/``"exact"`` "auto" plans without recomputation,
-    since those modes cannot run it (runtime/recompute.py).
-    """
-    if recompute is True or recompute == "always":
-        return "always"
-    if recompute is False or recompute == "never" or not isinstance(recompute, str):
-        return "never"
-    return "never" if bn_mode != "micro" else "auto"
-
-
-def recompute_flags_for(recompute: Any, plan: Plan) -> bool | list[bool]:
-    """The run-time flags: the plan's own per-stage choice unless the caller overrides it."""
-    if recompute == "auto":
-        return [stage.recompute for stage in plan.stages]
-    if isinstance(recompute, str):
-        return recompute == "always"
-    return recompute if isinstance(recompute, bool) else list(recompute)
 
 
 @public_errors
@@ -350,9 +318,12 @@ def plan_request(
 ) -> Plan:
     """:func:`partition` for a request whose options were already checked."""
     from crosscut.cost_models import Cluster
+    from crosscut.partitioner.deadline import Deadline
     from crosscut.partitioner.partition import partition_graph
 
     r = request
+    # the time limit covers the whole call, tracing and pricing included
+    deadline = Deadline(float(r.time_limit))
     cl = Cluster.from_any(cluster)
     check_precision_devices(r.precision, cl.devices)
     if cl.nodes > 1:  # replicas × a one-node pipeline, the layout chosen (planning_replicas)
@@ -368,7 +339,7 @@ def plan_request(
         def one(model: Any, node: Any, inputs: Any, req: PlanRequest) -> Plan:
             return plan_request(model, node, inputs, req, model_name=model_name)
 
-        return plan_replicas(model_or_graph, cl, example_inputs, r, one)
+        return plan_replicas(model_or_graph, cl, as_tuple(example_inputs), r, one)
     group_widths, group_splits = cross_options(r.cross_shaped, r.widths, r.splits, len(cl.devices))
     shapes: list[list[int]] = []
     if isinstance(model_or_graph, OpGraph):
@@ -412,6 +383,7 @@ def plan_request(
         progress=progress,
         colocate=r.colocate,
         recompute=r.recompute,
+        deadline=deadline,
     )
 
 

@@ -30,7 +30,6 @@ from crosscut.partitioner.replicas import layouts
 if TYPE_CHECKING:
     from crosscut.cost_models import Cluster
     from crosscut.partitioner.plan import Plan
-    from crosscut.planning import PlanRequest
 
 __all__ = ["node_cluster", "plan_replicas"]
 
@@ -64,19 +63,19 @@ def _slowest_link(cluster: Cluster) -> tuple[float, float]:
 def plan_replicas(
     model: Any,
     cluster: Cluster,
-    example_inputs: Any,
-    request: PlanRequest,
-    plan_one: Callable[[Any, Cluster, Any, PlanRequest], Plan],
+    inputs: tuple[Any, ...],
+    request: Any,
+    plan_one: Callable[[Any, Cluster, Any, Any], Plan],
 ) -> Plan:
     """The fastest (replicas, pipeline) layout of ``model`` on ``cluster``'s nodes.
 
-    ``plan_one(model, node_cluster, replica_inputs, request)`` partitions one
-    replica (crosscut.planning.plan_request for a one-node cluster).
+    ``inputs`` is the global batch (a tuple of tensors); ``request`` a
+    ``crosscut.planning.PlanRequest``; ``plan_one(model, node_cluster,
+    replica_inputs, request)`` partitions one replica (``plan_request`` for a
+    one-node cluster).
     """
     from crosscut.partitioner.annotate import annotate
-    from crosscut.planning import as_tuple
 
-    inputs = as_tuple(example_inputs)
     batch = int(inputs[0].shape[0])
     per_node = len(cluster.devices)
     options = [

@@ -6,6 +6,12 @@ it, expand the answer to the original nodes, and record everything — the plan 
 reported on the original graph and its predictions are recomputed from the plan
 itself (``annotate``), never copied from the solver, so what a user reads is
 what validation and the simulator check.
+
+One :class:`~crosscut.partitioner.deadline.Deadline` covers the call (the API
+makes it before tracing; ``options.time_limit_s`` otherwise): a cross-shaped
+solve gives the pipeline-only CP-SAT ``PIPELINE_SHARE`` of it and the group DP
+the rest, ``recompute="auto"`` holds ``AUTO_RESERVE`` back for a second solve,
+and ``FINAL_RESERVE`` stays for expanding and annotating the plan.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from crosscut.errors import InfeasiblePlanError, PartitionError
 from crosscut.graph import OpGraph
 from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.build import CostLookup, plan_nodes, problem_from_parts
+from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import lower_bound
 from crosscut.partitioner.plan import (
     ModelInfo,
@@ -30,7 +37,7 @@ from crosscut.partitioner.plan import (
     PlanStage,
     SolverRecord,
 )
-from crosscut.partitioner.solvers import SolveResult, solve
+from crosscut.partitioner.solvers import PIPELINE_SHARE, SolveResult, solve
 from crosscut.partitioner.solvers.cross import solve_cross
 from crosscut.partitioner.stage_recompute import keep_needed, plan_objective
 
@@ -90,6 +97,10 @@ def _coarse_nodes(
 # "auto" also tries recomputation when a device of the plain plan is this full: memory
 # then likely shaped the plan, and a plan that recomputes may be faster
 _MEMORY_BOUND = 0.9
+# of the time left, held back by recompute="auto" for the solve with recomputation
+AUTO_RESERVE = 0.25
+# of the time limit, kept for expanding, annotating and simulating the plan
+FINAL_RESERVE = 0.03
 
 
 def partition_graph(
@@ -105,6 +116,7 @@ def partition_graph(
     progress: Progress | None = None,
     colocate: bool = True,
     recompute: str = "never",
+    deadline: Deadline | None = None,
 ) -> Plan:
     """Solve the partition of ``graph`` (traced at micro-batch size) over ``cluster``.
 
@@ -118,9 +130,16 @@ def partition_graph(
     "auto" keeps the faster of the two plans, saying why in the solver notes.
     Inference never recomputes. ``"never"`` is exactly the plan of a planner
     that knows nothing of recomputation.
-    """
 
-    def once(again: bool) -> Plan:
+    ``deadline`` (the caller's, covering tracing too) defaults to
+    ``options.time_limit_s`` from now; the call returns by it (module docstring).
+    """
+    dl = Deadline.of(deadline, options.time_limit_s)
+    auto = graph.mode == "train" and recompute == "auto"
+    # the first solve leaves AUTO_RESERVE for a second one where "auto" may need it
+    first = dl.before(AUTO_RESERVE * dl.left()) if auto else dl
+
+    def once(again: bool, within: Deadline) -> Plan:
         return _partition_once(
             graph,
             costs,
@@ -132,20 +151,21 @@ def partition_graph(
             use_coarsening=use_coarsening,
             progress=progress,
             colocate=colocate,
+            deadline=within,
         )
 
     if graph.mode != "train" or recompute == "never":
-        return once(False)
+        return once(False, dl)
     if recompute == "always":
-        return once(True)
+        return once(True, dl)
 
     def per_stage() -> Plan:
-        plan = once(True)
+        plan = once(True, dl)
         keep_needed(plan)
         return plan
 
     try:
-        plain = once(False)
+        plain = once(False, first)
     except PartitionError as exc:  # proved infeasible, or no plan within the time limit
         try:
             plan = per_stage()
@@ -206,8 +226,10 @@ def _partition_once(
     use_coarsening: bool,
     progress: Progress | None,
     colocate: bool,
+    deadline: Deadline,
 ) -> Plan:
-    """One solve, with the recomputation setting in ``options``."""
+    """One solve, with the recomputation setting in ``options``, done by ``deadline``."""
+    work = deadline.before(FINAL_RESERVE * deadline.seconds)
     pc = plan_cluster(cluster)
     training = graph.mode == "train"
     fine = plan_nodes(graph, costs, [d.kind for d in pc.devices])
@@ -221,9 +243,10 @@ def _partition_once(
     nodes = _coarse_nodes(coarse_graph, members, by_name)
     problem = problem_from_parts(nodes, pc, options, training=training, ties=coarse_graph.ties)
     problem = dataclasses.replace(problem, widths=(1,), splits=())  # the pipeline-only solve
+    cross = any(w > 1 for w in options.widths) and bool(options.splits) and not require_all_devices
     result = solve(
         problem,
-        time_limit=options.time_limit_s,
+        deadline=work.share(PIPELINE_SHARE) if cross else work,
         seed=options.seed,
         solver=solver,
         require_all_devices=require_all_devices,
@@ -236,21 +259,25 @@ def _partition_once(
     split_of = ["none"] * len(result.stage_device)
     groups = [[d] for d in result.stage_device]
     lb_problem = problem
-    if any(w > 1 for w in options.widths) and options.splits and not require_all_devices:
+    if cross:
         # cross-shaped: on the fine graph (its nodes know how they split), the
         # pipeline plan above competes with data parallelism and the group DP
         fine_pb = problem_from_parts(
             fine, pc, options, training=training, ties=graph.ties, batch=graph.batch_size
         )
         pipe = ([assignment[n] for n in fine_pb.names], list(result.stage_device))
-        cross = solve_cross(
-            fine_pb, pipe, pipeline_name=f"pipeline_{result.solver}", colocate=colocate
+        found = solve_cross(
+            fine_pb,
+            pipe,
+            pipeline_name=f"pipeline_{result.solver}",
+            colocate=colocate,
+            deadline=work,
         )
-        result = _merge(result, cross)
-        assert cross.groups is not None
-        assignment = dict(zip(fine_pb.names, cross.stage_of))
-        split_of = [g.split for g in cross.groups]
-        groups = [list(g.devices) for g in cross.groups]
+        result = _merge(result, found)
+        assert found.groups is not None
+        assignment = dict(zip(fine_pb.names, found.stage_of))
+        split_of = [g.split for g in found.groups]
+        groups = [list(g.devices) for g in found.groups]
         lb_problem = fine_pb
     plan = Plan(
         model=ModelInfo(

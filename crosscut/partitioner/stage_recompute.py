@@ -20,13 +20,23 @@ does not search for (a per-stage choice inside the CP-SAT model would).
 
 from __future__ import annotations
 
+from typing import Any
+
+from crosscut.errors import InputError
 from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.build import plan_to_problem
 from crosscut.partitioner.evaluate import lower_bound
 from crosscut.partitioner.plan import Plan
+from crosscut.partitioner.problem import RECOMPUTE
 from crosscut.partitioner.solvers.result import relative_gap
 
-__all__ = ["keep_needed", "plan_objective"]
+__all__ = [
+    "check_recompute",
+    "keep_needed",
+    "plan_objective",
+    "recompute_flags_for",
+    "recompute_request",
+]
 
 
 def plan_objective(plan: Plan) -> float:
@@ -90,3 +100,40 @@ def keep_needed(plan: Plan) -> list[int]:
         "was solved with every stage recomputing)"
     )
     return sorted(dropped)
+
+
+def check_recompute(recompute: Any) -> None:
+    """``recompute`` is a planning choice, one bool, or one bool per stage (checked on the plan)."""
+    if isinstance(recompute, str) and recompute in RECOMPUTE:
+        return
+    flags = [recompute] if isinstance(recompute, bool) else recompute
+    if not isinstance(flags, (list, tuple)) or not all(isinstance(f, bool) for f in flags):
+        raise InputError(
+            f"recompute must be one of {list(RECOMPUTE)}, True/False, or one bool per stage",
+            value=repr(recompute)[:80],
+            remedy="pass recompute='auto' (the planner decides), 'never', 'always' (= True), "
+            "or e.g. [True, False]",
+        )
+
+
+def recompute_request(recompute: Any, bn_mode: str) -> str:
+    """What the planner may do for ``compile(recompute=...)``.
+
+    A list of flags is a run-time choice the planner does not price ("never");
+    with ``bn_mode`` ``"step"``/``"exact"`` "auto" plans without recomputation,
+    since those modes cannot run it (runtime/recompute.py).
+    """
+    if recompute is True or recompute == "always":
+        return "always"
+    if recompute is False or recompute == "never" or not isinstance(recompute, str):
+        return "never"
+    return "never" if bn_mode != "micro" else "auto"
+
+
+def recompute_flags_for(recompute: Any, plan: Plan) -> bool | list[bool]:
+    """The run-time flags: the plan's own per-stage choice unless the caller overrides it."""
+    if recompute == "auto":
+        return [stage.recompute for stage in plan.stages]
+    if isinstance(recompute, str):
+        return recompute == "always"
+    return recompute if isinstance(recompute, bool) else list(recompute)

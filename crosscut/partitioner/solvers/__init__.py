@@ -12,9 +12,10 @@ import time
 from collections.abc import Callable
 
 from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
+from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import evaluate, lower_bound
 from crosscut.partitioner.problem import PartitionProblem
-from crosscut.partitioner.solvers.baselines import all_baselines, chain_dp, device_order, greedy
+from crosscut.partitioner.solvers.baselines import all_baselines, device_order
 from crosscut.partitioner.solvers.bruteforce import brute_force, brute_force_groups
 from crosscut.partitioner.solvers.cpsat import infeasibility_report, solve_cpsat
 from crosscut.partitioner.solvers.cross import solve_cross
@@ -23,6 +24,9 @@ from crosscut.partitioner.solvers.result import SolveResult, relative_gap
 __all__ = ["SOLVERS", "SolveResult", "brute_force", "solve", "solve_cpsat", "solve_cross"]
 
 SOLVERS = ("cpsat", "dp", "greedy", "brute")
+# of the time limit, what a cross-shaped solve gives the pipeline-only plan; the group DP
+# gets the rest (it stops at the deadline with the plans of the stage counts it finished)
+PIPELINE_SHARE = 0.5
 
 
 def solve(
@@ -35,6 +39,7 @@ def solve(
     require_all_devices: bool = False,
     progress: Callable[[float, float, float], None] | None = None,
     log_callback: Callable[[str], None] | None = None,
+    deadline: Deadline | None = None,
 ) -> SolveResult:
     """Partition ``problem`` with the named solver.
 
@@ -48,17 +53,27 @@ def solve(
     named solver first finds the pipeline-only plan, then :func:`solve_cross`
     weighs it against data parallelism and the cross-shaped group DP
     (``solver="brute"``: brute force over the cross-shaped space).
+
+    ``deadline`` (a :class:`~crosscut.partitioner.deadline.Deadline` shared
+    with the caller) replaces ``time_limit`` when given; either way every
+    solver returns by it with its best plan so far (brute force excepted:
+    it is for tiny problems).
     """
+    dl = Deadline.of(deadline, time_limit)
     if problem.cross_shaped and not require_all_devices:
         if solver == "brute":
             return brute_force_groups(problem)
         plain = dataclasses.replace(problem, widths=(1,), splits=())
         try:
-            pipe = solve(plain, time_limit=time_limit, seed=seed, solver=solver, workers=workers)
+            pipe = solve(
+                plain, seed=seed, solver=solver, workers=workers, deadline=dl.share(PIPELINE_SHARE)
+            )
             pipeline: tuple[list[int], list[int]] | None = (pipe.stage_of, pipe.stage_device)
         except InfeasiblePlanError:
             pipeline = None
-        return solve_cross(problem, pipeline, pipeline_name=f"pipeline_{solver}", seed=seed)
+        return solve_cross(
+            problem, pipeline, pipeline_name=f"pipeline_{solver}", seed=seed, deadline=dl
+        )
     if solver not in SOLVERS:
         raise InputError(f"unknown solver {solver!r}", value=solver, remedy=f"use one of {SOLVERS}")
     if require_all_devices and problem.n < problem.num_devices:
@@ -70,7 +85,7 @@ def solve(
     if solver == "cpsat":
         return solve_cpsat(
             problem,
-            time_limit=time_limit,
+            deadline=dl,
             seed=seed,
             workers=workers,
             progress=progress,
@@ -82,11 +97,12 @@ def solve(
     t0 = time.perf_counter()
     order = device_order(problem)
     min_stages = problem.num_devices if require_all_devices else 1
-    plans = all_baselines(problem, order, min_stages=min_stages)
+    plans = all_baselines(problem, order, min_stages=min_stages, deadline=dl)
     baselines = {name: evaluate(problem, *p).objective for name, p in plans.items()}
-    plan = chain_dp(problem, order, min_stages=min_stages)
-    if solver == "greedy" and plan is not None:
-        plan = greedy(problem, order, start=plan)
+    # the DP's plan (greedy's), or the best linear baseline where the deadline cut it
+    plan = plans.get("greedy" if solver == "greedy" else "chain_dp")
+    if plan is None and plans:
+        plan = plans[min(plans, key=lambda k: baselines[k])]
     if plan is None or len(plan[1]) < min_stages:
         raise InfeasiblePlanError(
             f"{solver} found no contiguous split that fits the memory caps",

@@ -7,6 +7,13 @@ solve reports ("beat chain_dp by 12 %"). All of them cut the fixed node order
 ``balance_by_time``, DeepSpeed's ``partition_balanced`` and PiPPy do; only
 ``greedy`` leaves the chain by moving single nodes.
 
+Deadlines: ``uniform_by_count``, ``param_balanced`` and ``time_balanced`` cost
+a few evaluate() calls (linear in the graph), so they always run and there is
+always a fallback plan. ``chain_dp`` is quadratic in the nodes and ``greedy``
+re-prices the plan hundreds of times, so both take a
+:class:`~crosscut.partitioner.deadline.Deadline` and stop before a step that
+would not fit in it, keeping the best plan found so far.
+
 Each returns ``(stage_of, stage_device)`` or ``None`` when no plan of its kind
 fits the memory caps. Stage ``k`` runs on ``order[k]``: :func:`device_order`
 picks a path through the devices over the fastest links.
@@ -15,9 +22,11 @@ picks a path through the devices over the fastest links.
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 
+from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import (
     activation_factor,
     buffer_factor,
@@ -37,6 +46,7 @@ __all__ = [
     "device_order",
     "greedy",
     "param_balanced",
+    "time_balanced",
     "uniform_by_count",
 ]
 
@@ -146,6 +156,47 @@ def param_balanced(
     return _feasible(problem, _chunks(problem, cuts, order))
 
 
+def time_balanced(problem: PartitionProblem, order: list[int] | None = None) -> Plan | None:
+    """Contiguous chunks balancing compute time (torchgpipe's ``balance_by_time``), linear.
+
+    Stage ``k`` gets a share of the total compute proportional to the speed of
+    ``order[k]``; every stage count up to the device count is tried (powers of two
+    and the count itself above 16 devices) and the best feasible split kept. It
+    costs one evaluate() per stage count, so it is the fallback that always runs.
+    """
+    order = order or device_order(problem)
+    n = problem.n
+    if n == 0:
+        return None
+    comp = np.asarray(problem.compute, dtype=float)
+    ref = comp.min(axis=1)
+    speed = [float(ref.sum() / max(comp[:, d].sum(), 1e-30)) for d in order]
+    prefix = np.concatenate([[0.0], np.cumsum(ref)])
+    top = min(len(order), n)
+    counts = list(range(1, top + 1))
+    if top > 16:
+        counts = sorted({*(1 << i for i in range(top.bit_length())), top})
+    best: Plan | None = None
+    best_key = (np.inf, np.inf)
+    for s in counts:
+        cum = np.cumsum(speed[:s]) / sum(speed[:s])
+        targets = [float(np.searchsorted(prefix, prefix[-1] * c)) for c in cum[:-1]]
+        plan = _feasible(problem, _chunks(problem, _snap(problem, targets), order))
+        if plan is None:
+            continue
+        ev = evaluate(problem, *plan)
+        key = (ev.objective, sum(ev.stage_time))
+        if key < best_key:
+            best, best_key = plan, key
+    return best
+
+
+# seconds per chunk cell (``(n + 1)^2`` of them) to build chain_dp's transfer matrices,
+# measured at about 1e-7 on a loaded 2-core machine: chain_dp is skipped when even these
+# would not fit in the deadline; later steps are timed as they run
+_CELL_S = 1.5e-7
+
+
 def _comm_matrices(problem: PartitionProblem) -> tuple[np.ndarray, ...]:
     """For every chunk ``[a, b)``: count and bytes received from before ``a`` and sent past ``b``.
 
@@ -185,6 +236,8 @@ def chain_dp(
     order: list[int] | None = None,
     max_stages: int | None = None,
     min_stages: int = 1,
+    *,
+    deadline: Deadline | None = None,
 ) -> Plan | None:
     """The best contiguous split of the node order, by dynamic programming over boundaries.
 
@@ -195,12 +248,46 @@ def chain_dp(
     evaluate() and the best kept, so it is never worse than them. The DP is exact
     unless a node feeds two or more later stages (see :func:`_comm_matrices`).
     This is what torchgpipe/PipeDream-style planners reach at best.
+
+    ``deadline``: a DP step (one stage of one stage count, ``O(n^2)``) starts
+    only when the last one would still fit; the stage counts finished by then
+    compete with the naive splits, so a plan comes back whenever one fits.
     """
     order = order or device_order(problem)
     n = problem.n
     smax = min(max_stages or len(order), len(order), n)
+    cands: list[Plan | None] = []
+    if min_stages <= 1:
+        # the naive contiguous splits too: the DP's send cost is a lower bound when a
+        # node feeds several later stages, so one of them can price better exactly
+        cands += [uniform_by_count(problem, None, order), param_balanced(problem, None, order)]
+    if deadline is None or deadline.left() > _CELL_S * (n + 1) ** 2:
+        cands += _chain_dp_plans(problem, order, smax, min_stages, deadline)
+    best_plan: Plan | None = None
+    best_key: tuple[float, float] | None = None
+    for plan in cands:
+        if plan is None or check(problem, *plan):
+            continue
+        ev = evaluate(problem, *plan)
+        key = (ev.objective, sum(ev.stage_time))
+        if best_key is None or key < best_key:
+            best_key, best_plan = key, plan
+    return best_plan
+
+
+def _chain_dp_plans(
+    problem: PartitionProblem,
+    order: list[int],
+    smax: int,
+    min_stages: int,
+    deadline: Deadline | None,
+) -> list[Plan | None]:
+    """chain_dp's plan for every stage count it reaches before ``deadline``."""
+    n = problem.n
+    t0 = time.perf_counter()
     mult = comm_multiplier(problem)
     rc, rb, sc, sb = _comm_matrices(problem)
+    step_s = (time.perf_counter() - t0) / 4  # a DP step costs about a quarter of these
     ok = allowed_cuts(problem)
     comp = np.asarray(problem.compute, dtype=float)
     pre_c = np.vstack([np.zeros(comp.shape[1]), np.cumsum(comp, axis=0)])
@@ -209,14 +296,15 @@ def chain_dp(
     idx = np.arange(n + 1)
     valid = idx[:, None] < idx[None, :]  # chunk [a, b) non-empty
     start_ok = np.asarray(ok)
-    best_plan: Plan | None = None
-    best_key: tuple[float, float] | None = None
     cands: list[Plan | None] = []
     for s in range(min_stages, smax + 1):
+        if deadline is not None and deadline.left() < s * step_s:
+            break  # this stage count's s steps would overrun
         vals = np.full(n + 1, np.inf)
         vals[0] = 0.0
         args: list[np.ndarray] = []
         for k in range(s):
+            t_step = time.perf_counter()
             d = order[k]
             lin = (order[k - 1], d) if k > 0 else (d, d)
             lout = (d, order[k + 1]) if k + 1 < s else (d, d)
@@ -242,6 +330,7 @@ def chain_dp(
             cand = np.where(bad, np.inf, np.maximum(vals[:, None], t))
             args.append(np.argmin(cand, axis=0))
             vals = cand.min(axis=0)
+            step_s = max(step_s, time.perf_counter() - t_step)
         if not np.isfinite(vals[n]):
             continue
         cuts, b = [], n
@@ -249,18 +338,7 @@ def chain_dp(
             b = int(args[k][b])
             cuts.append(b)
         cands.append(_chunks(problem, cuts, order))
-    if min_stages <= 1:
-        # the naive contiguous splits too: the DP's send cost is a lower bound when a
-        # node feeds several later stages, so one of them can price better exactly
-        cands += [uniform_by_count(problem, None, order), param_balanced(problem, None, order)]
-    for plan in cands:
-        if plan is None or check(problem, *plan):
-            continue
-        ev = evaluate(problem, *plan)
-        key = (ev.objective, sum(ev.stage_time))
-        if best_key is None or key < best_key:
-            best_key, best_plan = key, plan
-    return best_plan
+    return cands
 
 
 def _score(problem: PartitionProblem, plan: Plan) -> tuple[float, float] | None:
@@ -282,6 +360,8 @@ def greedy(
     order: list[int] | None = None,
     start: Plan | None = None,
     max_evals: int = 400,
+    *,
+    deadline: Deadline | None = None,
 ) -> Plan | None:
     """chain_dp's split improved by moving single nodes to a neighbouring stage.
 
@@ -289,7 +369,8 @@ def greedy(
     one stage earlier if all its producers are already earlier, so edges stay
     forward; tied nodes stay put. First improvement of (objective, total stage
     time) wins; nodes of the slowest stage are tried first. The budget counts
-    evaluations, not seconds, so the result is deterministic.
+    evaluations, not seconds, so the result is deterministic (unless
+    ``deadline`` ends it first: the best plan so far comes back).
     """
     plan = start or chain_dp(problem, order)
     if plan is None:
@@ -305,6 +386,8 @@ def greedy(
     evals = 0
     improved = True
     while improved and evals < max_evals:
+        if deadline is not None and deadline.expired():
+            break
         improved = False
         stage_of, stage_device = plan
         ev = evaluate(problem, stage_of, stage_device)
@@ -314,6 +397,8 @@ def greedy(
         for v, step in itertools.product(nodes, (1, -1)):
             if v in tied or evals >= max_evals:
                 continue
+            if deadline is not None and evals % 16 == 0 and deadline.expired():
+                break
             k = stage_of[v] + step
             if not 0 <= k < len(stage_device):
                 continue
@@ -333,19 +418,30 @@ def greedy(
 
 
 def all_baselines(
-    problem: PartitionProblem, order: list[int] | None = None, min_stages: int = 1
+    problem: PartitionProblem,
+    order: list[int] | None = None,
+    min_stages: int = 1,
+    *,
+    deadline: Deadline | None = None,
 ) -> dict[str, Plan]:
-    """Every baseline that finds a feasible plan with >= min_stages stages, by name."""
+    """Every baseline that finds a feasible plan with >= min_stages stages, by name.
+
+    The linear ones run first and always (the fallback); ``chain_dp`` and
+    ``greedy`` only as far as ``deadline`` allows (module docstring).
+    """
     order = order or device_order(problem)
     out: dict[str, Plan] = {}
     for name, fn in (("uniform_by_count", uniform_by_count), ("param_balanced", param_balanced)):
         plan = fn(problem, None, order)
         if plan is not None:
             out[name] = plan
-    dp = chain_dp(problem, order, min_stages=min_stages)
+    balanced = time_balanced(problem, order)
+    if balanced is not None:
+        out["time_balanced"] = balanced
+    dp = chain_dp(problem, order, min_stages=min_stages, deadline=deadline)
     if dp is not None:
         out["chain_dp"] = dp
-        g = greedy(problem, order, start=dp)
+        g = greedy(problem, order, start=dp, deadline=deadline)
         if g is not None:
             out["greedy"] = g
     return {k: v for k, v in out.items() if len(v[1]) >= min_stages}

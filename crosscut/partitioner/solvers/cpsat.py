@@ -17,13 +17,21 @@ of the time: its bound is valid here, its plan (each tree in its consumer's
 stage) is an incumbent, and when the two meet the solve stops, optimal.
 
 The time limit covers everything: baselines, the relaxation, building the
-models; a small reserve is kept for re-pricing the answer.
+models; a small reserve is kept for re-pricing the answer. It is a
+:class:`~crosscut.partitioner.deadline.Deadline` shared with the caller (or
+made from ``time_limit``): the linear baselines always run (the fallback),
+``chain_dp`` and ``greedy`` get at most ``BASELINE_SHARE`` of it, the
+relaxation ``RELAX_SHARE``, the device orders the rest in equal parts; a
+model is not built once the deadline is past (an order left unsearched makes
+the status FEASIBLE or FALLBACK, never OPTIMAL).
 
 Determinism: with ``workers=1`` the search is sequential, so a solve that ends
 before its time limit (status OPTIMAL) returns the same plan every run; with
 ``deterministic=True`` the limit is CP-SAT's deterministic time, so time-limited
 solves repeat too. ``workers>1`` runs CP-SAT's parallel portfolio: faster on
-hard instances, but a time-limited answer may differ between runs.
+hard instances, but a time-limited answer may differ between runs. A
+deterministic solve still stops at the wall-clock deadline (its answer then
+depends on the machine's speed).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from collections.abc import Callable
 from ortools.sat.python import cp_model
 
 from crosscut.errors import InfeasiblePlanError, PartitionError
+from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import check, evaluate, lower_bound, renumber
 from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers.baselines import Plan, all_baselines, device_order
@@ -48,6 +57,7 @@ __all__ = ["candidate_orders", "infeasibility_report", "solve_cpsat"]
 
 RESTART_SLICE_S = math.inf  # seconds before rebuilding with a tighter incumbent; inf = never
 RELAX_SHARE = 0.25  # most of the time limit the side-tree relaxation may take
+BASELINE_SHARE = 0.3  # most of it chain_dp and greedy may take (the linear baselines always run)
 RELAX_MIN_REMOVED = 0.03  # ... and only when it removes at least this share of the nodes
 ROUNDING_GAP = 1e-5  # a relative gap this small is the integer model's rounding: optimal
 RESERVE_SHARE = 0.03  # of the time limit, kept for re-pricing and CP-SAT's own overshoot
@@ -154,20 +164,22 @@ def _meets(obj: float, bound: float, om: OrderModel) -> bool:
     return obj - bound <= max(2 * om.slack * om.unit, ROUNDING_GAP * obj)
 
 
-def _solver(workers: int, seed: int, seconds: float, deterministic: bool) -> cp_model.CpSolver:
+def _solver(
+    workers: int, seed: int, seconds: float, deterministic: bool, wall: float
+) -> cp_model.CpSolver:
+    """A CpSolver limited to ``seconds`` (deterministic or wall) and ``wall`` wall seconds."""
     solver = cp_model.CpSolver()
     prm = solver.parameters
     prm.num_workers = workers
     prm.random_seed = seed
     if deterministic:
         prm.max_deterministic_time = seconds
-    else:
-        prm.max_time_in_seconds = seconds
+    prm.max_time_in_seconds = max(wall if deterministic else min(seconds, wall), 0.005)
     return solver
 
 
 def _relaxed_bound(
-    pb: PartitionProblem, t0: float, time_limit: float, seed: int, workers: int
+    pb: PartitionProblem, deadline: Deadline, seed: int, workers: int, hint: Plan | None
 ) -> float:
     d = pb.num_devices
     links = [(a, b) for a in range(d) for b in range(d) if a != b]
@@ -180,10 +192,13 @@ def _relaxed_bound(
         bandwidth=[[bw] * d for _ in range(d)],
         latency=[[lat] * d for _ in range(d)],
     )
-    left = max(time_limit - (time.perf_counter() - t0), 0.005)
+    if deadline.expired():
+        return 0.0  # no time left: the static bound stands
     try:
+        # the best plan is feasible here too (faster devices, more memory): a hint, and
+        # an incumbent that keeps the relaxed model small
         return solve_cpsat(
-            relaxed, time_limit=left, seed=seed, workers=workers, relax=False
+            relaxed, deadline=deadline, seed=seed, workers=workers, relax=False, hint=hint
         ).best_bound
     except PartitionError:
         return 0.0
@@ -191,7 +206,7 @@ def _relaxed_bound(
 
 def _side_tree_phase(
     pb: PartitionProblem,
-    time_limit: float,
+    deadline: Deadline,
     seed: int,
     workers: int,
     deterministic: bool,
@@ -206,7 +221,7 @@ def _side_tree_phase(
     try:
         sub = solve_cpsat(
             relaxation.problem,
-            time_limit=RELAX_SHARE * time_limit,
+            deadline=deadline,
             seed=seed,
             workers=workers,
             deterministic=deterministic,
@@ -238,14 +253,20 @@ def solve_cpsat(
     deterministic: bool = False,
     relax: bool = True,
     floating: float = 0.0,
+    deadline: Deadline | None = None,
 ) -> SolveResult:
     """Solve the partition problem with CP-SAT; see the module docstring.
 
     ``relax=False`` skips the side-tree relaxation (it is itself solved that
     way); ``floating`` (seconds) is compute the problem leaves out that some
     stage must still run (a relaxation's, see ``bounds.tree_relaxation``).
+    ``deadline`` (shared with the caller) replaces ``time_limit`` when given.
     """
     t0 = time.perf_counter()
+    dl = Deadline.of(deadline, time_limit)
+    time_limit = dl.left()  # this solve's budget, for the shares below
+    # everything but re-pricing the answer stops here (also CP-SAT's own overshoot)
+    work = dl.before(RESERVE_SHARE * time_limit)
     pb = problem
     if require_all_devices and pb.n < pb.num_devices:
         raise PartitionError(
@@ -256,7 +277,7 @@ def solve_cpsat(
     _precheck(pb)
     orders, exhaustive = candidate_orders(pb)
     min_stages = pb.num_devices if require_all_devices else 1
-    plans = all_baselines(pb, orders[0], min_stages=min_stages)
+    plans = all_baselines(pb, orders[0], min_stages=min_stages, deadline=work.share(BASELINE_SHARE))
     if hint is not None and not check(pb, *hint) and len(hint[1]) >= min_stages:
         plans["hint"] = hint
     baselines = {name: evaluate(pb, *plan).objective for name, plan in plans.items()}
@@ -268,47 +289,56 @@ def solve_cpsat(
     notes: list[str] = []
     static_lb = max(lower_bound(pb, pb.num_devices), comm_lower_bound(pb))
     if relax:
-        sub_lb, sub_plan, note = _side_tree_phase(pb, time_limit, seed, workers, deterministic)
+        sub_lb, sub_plan, note = _side_tree_phase(
+            pb, work.share(RELAX_SHARE), seed, workers, deterministic
+        )
         static_lb = max(static_lb, sub_lb)
         notes += [note] if note else []
         if sub_plan is not None and len(sub_plan[1]) >= min_stages and not check(pb, *sub_plan):
             obj = evaluate(pb, *sub_plan).objective
             if obj < best_obj:
                 best, best_obj = sub_plan, obj
-    reserve = RESERVE_SHARE * time_limit
     bounds: list[float] = []
     proved = True
     found = False
     runs = len(orders) + (0 if exhaustive else 1)
     met = False  # the incumbent meets the static bound: optimal over every order
+    build_s = 0.0  # the last model build's seconds: a build that would overrun is skipped
     for i, order in enumerate(orders):
         if met:
             bounds.append(static_lb)
             continue
-        left = time_limit - reserve - (time.perf_counter() - t0)
-        deadline = time.perf_counter() + max(left / (runs - i), 0.005)
+        order_dl = work.within(work.left() / (runs - i))
         order_bound = static_lb
         slice_s = RESTART_SLICE_S
         while True:
+            if work.left() <= build_s:  # (the first build always runs, unless time is up)
+                proved = False
+                break
             # restart loop: a better incumbent tightens the stage windows, so a rebuilt
             # model is smaller (off by default: measured slower, it forgets what it learnt)
+            t_build = time.perf_counter()
             om = OrderModel(pb, order, best_obj, require_all=require_all_devices)
-            om.floating = floating
+            om.floating, om.deadline = floating, work
             om.build()
+            build_s = time.perf_counter() - t_build
+            if om.skipped:  # the model would not be built in time
+                proved = False
+                break
             if om.empty:  # no plan in this order beats the incumbent
                 order_bound = max(order_bound, best_obj)
                 break
             if _meets(best_obj, static_lb, om):
                 met = True  # the incumbent meets a proven bound: optimal to the rounding
                 break
-            budget = max(deadline - time.perf_counter(), 0.005)  # after the build: it counts
+            budget = max(order_dl.left(), 0.005)  # after the build: it counts
             last = budget <= 2 * slice_s
             m = om.model
             # (B) objective >= the static lower bound
             m.add(om.objective_var >= max(0, math.floor(static_lb / om.unit) - om.slack))
             if best is not None and best[1] == order[: len(best[1])]:
                 om.add_hint(best[0])
-            solver = _solver(workers, seed, budget if last else slice_s, deterministic)
+            solver = _solver(workers, seed, budget if last else slice_s, deterministic, work.left())
             if log_callback is not None:
                 solver.parameters.log_search_progress = True
                 solver.log_callback = log_callback
@@ -338,10 +368,12 @@ def solve_cpsat(
             if not improved:
                 slice_s *= 2
         bounds.append(order_bound)
+    if not proved and work.expired():
+        notes.append("the deadline came before every device order was searched to the end")
     if not exhaustive and not met:
         # a relaxation valid for every device order: each node on its fastest device,
         # the largest cap everywhere, the fastest link between every pair
-        bounds = [_relaxed_bound(pb, t0, time_limit, seed, workers)]
+        bounds = [_relaxed_bound(pb, work, seed, workers, best)]
     wall = time.perf_counter() - t0
     if best is None:
         if proved:

@@ -21,6 +21,12 @@ DP costs ``O(S · D · W · K · n²)`` numpy operations (about a second for
 inception_v3 on 8 devices; the co-located tail adds ``O(S · D · W · K² · n²)``),
 stays deterministic, and the pipeline-only CP-SAT plan is always a candidate
 too, so a cross-shaped answer is never worse than the plain one.
+
+Deadlines: the DP grows plans one stage at a time (``k`` stages before
+``k + 1``), so stopping it is cheap: it checks its
+:class:`~crosscut.partitioner.deadline.Deadline` before every group shape it
+prices and keeps the plans of every stage count it finished (a note says
+where it stopped). resnet50 on 64 V100s took 28 s of DP alone before.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from crosscut.errors import InfeasiblePlanError
+from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import (
     activation_factor,
     buffer_factor,
@@ -47,7 +54,14 @@ from crosscut.partitioner.solvers.baselines import allowed_cuts, device_order
 from crosscut.partitioner.solvers.cross_tables import ChunkTables, StageShape
 from crosscut.partitioner.solvers.result import SolveResult, relative_gap
 
-__all__ = ["GroupPlan", "cross_dp", "data_parallel", "group_types", "solve_cross"]
+__all__ = [
+    "GroupPlan",
+    "cross_dp",
+    "cross_dp_search",
+    "data_parallel",
+    "group_types",
+    "solve_cross",
+]
 
 GroupPlan = tuple[list[int], list[StageGroup]]  # (stage_of, group of every stage)
 
@@ -76,17 +90,31 @@ def cross_dp(
     max_stages: int | None = None,
     *,
     colocate: bool = True,
+    deadline: Deadline | None = None,
 ) -> GroupPlan | None:
     """The best plan of contiguous chunks on contiguous device groups (module docstring).
 
     ``colocate=False`` leaves out plans whose last two stages share a group (the
-    distributed runtime runs one stage per device).
+    distributed runtime runs one stage per device). ``deadline``: the best plan
+    of the stage counts finished by then (None if not even one stage was).
     """
+    return cross_dp_search(problem, order, max_stages, colocate=colocate, deadline=deadline)[0]
+
+
+def cross_dp_search(
+    problem: PartitionProblem,
+    order: list[int] | None = None,
+    max_stages: int | None = None,
+    *,
+    colocate: bool = True,
+    deadline: Deadline | None = None,
+) -> tuple[GroupPlan | None, bool]:
+    """:func:`cross_dp`, and whether it searched its whole space before ``deadline``."""
     pb = problem
     order = order or device_order(pb)
     n, num = pb.n, len(order)
     if n == 0:
-        return None
+        return None, True
     tb = ChunkTables.build(pb)
     ok = np.asarray(allowed_cuts(pb))
     valid = np.arange(n + 1)[:, None] < np.arange(n + 1)[None, :]
@@ -105,9 +133,15 @@ def cross_dp(
     s_loop = pb.training and pb.schedule == "1f1b" and pb.microbatches > 1
     best: GroupPlan | None = None
     best_key = (math.inf, math.inf)
+    complete = True
     for total in range(1, smax + 1) if s_loop else [smax]:
-        se = _Search(pb, tb, order, total, types, ok, valid, shape)
-        for plan in _dp(se, s_loop, colocate):
+        if deadline is not None and deadline.expired():
+            complete = False
+            break
+        se = _Search(pb, tb, order, total, types, ok, valid, shape, deadline)
+        plans, done = _dp(se, s_loop, colocate)
+        complete = complete and done
+        for plan in plans:
             stage_device = [g.leader for g in plan[1]]
             if check(pb, plan[0], stage_device, plan[1]):
                 continue
@@ -115,7 +149,7 @@ def cross_dp(
             key = (ev.objective, sum(ev.stage_time))
             if key < best_key:
                 best, best_key = plan, key
-    return best
+    return best, complete
 
 
 @dataclass
@@ -130,6 +164,10 @@ class _Search:
     ok: np.ndarray
     valid: np.ndarray
     shape: Callable[[int, int, str], StageShape]
+    deadline: Deadline | None = None
+
+    def expired(self) -> bool:
+        return self.deadline is not None and self.deadline.expired()
 
     def priced(
         self, d: int, w: int, split: str, k: int, link_in: bool, link_out: bool
@@ -176,11 +214,13 @@ class _Search:
 _Back = dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-def _dp(se: _Search, exact_count: bool, colocate: bool = True) -> list[GroupPlan]:
+def _dp(se: _Search, exact_count: bool, colocate: bool = True) -> tuple[list[GroupPlan], bool]:
     """Min-max DP over (stage k, devices used d, boundary b); one plan per stage count.
 
     Besides one plan per stage count it returns, per stage count, the best plan
-    whose last two stages share one device group (:func:`_colocated_tail`).
+    whose last two stages share one device group (:func:`_colocated_tail`), and
+    whether it finished before the deadline (else: the plans of the stage
+    counts it finished).
     """
     pb, order, total = se.pb, se.order, se.total
     n, num = pb.n, len(order)
@@ -199,6 +239,8 @@ def _dp(se: _Search, exact_count: bool, colocate: bool = True) -> list[GroupPlan
             for ti, (w, split) in enumerate(se.types):
                 if d + w > num:
                     continue
+                if se.expired():  # stage k unfinished: the plans of 1..k stages stand
+                    return plans, False
                 t, lead_mem, other_mem = se.priced(d, w, split, k, k > 0, d + w < num)
                 cap_lead, cap_other = se.caps(d, w)
                 bad = bad_cut | (lead_mem > cap_lead) | (other_mem > cap_other)
@@ -225,7 +267,7 @@ def _dp(se: _Search, exact_count: bool, colocate: bool = True) -> list[GroupPlan
             tail = _colocated_tail(se, k, hist[k - 1], back[: k - 1])
             if tail is not None:
                 plans.append(tail)
-    return plans
+    return plans, not se.expired()
 
 
 def _colocated_tail(
@@ -255,6 +297,8 @@ def _colocated_tail(
             if d + w > num:
                 continue
             cap_lead, cap_other = se.caps(d, w)
+            if se.expired():
+                break  # the best tail so far (the caller sees the deadline too)
             for s1 in splits:
                 t1, lm1, om1 = se.priced(d, w, s1, k - 1, k - 1 > 0, False)
                 for s2 in splits:
@@ -309,13 +353,15 @@ def solve_cross(
     pipeline_name: str = "pipeline",
     seed: int = 0,
     colocate: bool = True,
+    deadline: Deadline | None = None,
 ) -> SolveResult:
     """The best of: the group DP, data parallelism, and a given pipeline-only plan.
 
     ``pipeline`` (stage_of, stage_device) is typically the CP-SAT answer on the
     same problem without groups; keeping it as a candidate means allowing
     cross-shaped stages never makes a plan worse. Raises InfeasiblePlanError
-    when no candidate fits the memory caps.
+    when no candidate fits the memory caps. ``deadline`` stops the group DP
+    (its best plan so far competes; a note says so).
     """
     t0 = time.perf_counter()
     order = device_order(problem)
@@ -325,7 +371,7 @@ def solve_cross(
     dp = data_parallel(problem, order)
     if dp is not None:
         cands["data_parallel"] = dp
-    found = cross_dp(problem, order, colocate=colocate)
+    found, complete = cross_dp_search(problem, order, colocate=colocate, deadline=deadline)
     if found is not None:
         cands["cross_dp"] = found
     baselines: dict[str, float] = {}
@@ -363,6 +409,11 @@ def solve_cross(
             f"cross-shaped search (widths {list(problem.widths)}, splits "
             f"{list(problem.splits)}): chose {best_name}; the group DP covers contiguous "
             "chunks on contiguous device groups, so the status is FEASIBLE, not OPTIMAL"
-        ],
+        ]
+        + (
+            []
+            if complete
+            else ["the group DP stopped at the deadline: plans with more stages were not searched"]
+        ),
         groups=list(groups),
     )

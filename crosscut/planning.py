@@ -24,6 +24,7 @@ from torch import nn
 
 from crosscut.errors import CrosscutError, InputError, PlanError
 from crosscut.graph import OpGraph
+from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.plan import Plan, PlanOptions
 from crosscut.partitioner.problem import OBJECTIVES, RECOMPUTE, SCHEDULES
 from crosscut.partitioner.stage_recompute import (
@@ -315,15 +316,14 @@ def plan_request(
     *,
     model_name: str = "",
     progress: Callable[[float, float, float], None] | None = None,
+    deadline: Deadline | None = None,
 ) -> Plan:
-    """:func:`partition` for a request whose options were already checked."""
+    """:func:`partition` for checked options, by ``deadline`` (tracing included)."""
     from crosscut.cost_models import Cluster
-    from crosscut.partitioner.deadline import Deadline
     from crosscut.partitioner.partition import partition_graph
 
     r = request
-    # the time limit covers the whole call, tracing and pricing included
-    deadline = Deadline(float(r.time_limit))
+    deadline = Deadline.of(deadline, float(r.time_limit))
     cl = Cluster.from_any(cluster)
     check_precision_devices(r.precision, cl.devices)
     if cl.nodes > 1:  # replicas × a one-node pipeline, the layout chosen (planning_replicas)
@@ -336,10 +336,10 @@ def plan_request(
             )
         from crosscut.planning_replicas import plan_replicas
 
-        def one(model: Any, node: Any, inputs: Any, req: PlanRequest) -> Plan:
-            return plan_request(model, node, inputs, req, model_name=model_name)
+        def one(model: Any, node: Any, inputs: Any, req: PlanRequest, by: Deadline) -> Plan:
+            return plan_request(model, node, inputs, req, model_name=model_name, deadline=by)
 
-        return plan_replicas(model_or_graph, cl, as_tuple(example_inputs), r, one)
+        return plan_replicas(model_or_graph, cl, as_tuple(example_inputs), r, one, deadline)
     group_widths, group_splits = cross_options(r.cross_shaped, r.widths, r.splits, len(cl.devices))
     shapes: list[list[int]] = []
     if isinstance(model_or_graph, OpGraph):
@@ -400,12 +400,8 @@ def cross_options(
             value=list(splits),
             remedy="e.g. splits=('batch', 'channel')",
         )
-    if widths is None:
-        out, w = [1], 2
-        while w <= devices:
-            out.append(w)
-            w *= 2
-        widths = sorted({*out, devices})
+    if widths is None:  # 1, 2, 4, ... up to the device count, and the count itself
+        widths = sorted({1, devices, *(1 << i for i in range(1, devices.bit_length()))})
     if any(not isinstance(w, int) or w < 1 for w in widths):
         raise InputError("widths must be positive integers", value=list(widths), remedy="(1, 2, 4)")
     return sorted({1, *widths}), sorted(set(splits))

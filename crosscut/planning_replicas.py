@@ -9,7 +9,9 @@ layout it partitions the replica's share of the batch over ``d`` devices of
 one node, prices the gradient all-reduce over ``R`` replicas (ring or 2-D,
 whichever is cheaper: :func:`~crosscut.partitioner.replicas.reduction`), and
 keeps the layout with the shortest step. The time limit is shared among the
-layouts, so the whole search returns within it (plus tracing).
+layouts, so the whole search returns within it, tracing included: each layout
+gets an equal part of what is left of the call's
+:class:`~crosscut.partitioner.deadline.Deadline`.
 
 The plan it returns describes one replica (its stages on ``d`` devices of a
 node, ``model.batch_size`` = the replica's batch) and records ``R``, the
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
+from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.replicas import layouts
 
 if TYPE_CHECKING:
@@ -65,17 +68,19 @@ def plan_replicas(
     cluster: Cluster,
     inputs: tuple[Any, ...],
     request: Any,
-    plan_one: Callable[[Any, Cluster, Any, Any], Plan],
+    plan_one: Callable[[Any, Cluster, Any, Any, Deadline], Plan],
+    deadline: Deadline | None = None,
 ) -> Plan:
     """The fastest (replicas, pipeline) layout of ``model`` on ``cluster``'s nodes.
 
-    ``inputs`` is the global batch (a tuple of tensors); ``request`` a
-    ``crosscut.planning.PlanRequest``; ``plan_one(model, node_cluster,
-    replica_inputs, request)`` partitions one replica (``plan_request`` for a
-    one-node cluster).
+    ``request`` is a ``crosscut.planning.PlanRequest``;
+    ``plan_one(model, node_cluster, replica_inputs, request, deadline)``
+    partitions one replica (crosscut.planning.plan_request for a one-node
+    cluster) by ``deadline``; ``inputs``: the global batch's tensors.
     """
     from crosscut.partitioner.annotate import annotate
 
+    dl = Deadline.of(deadline, request.time_limit)
     batch = int(inputs[0].shape[0])
     per_node = len(cluster.devices)
     options = [
@@ -101,10 +106,11 @@ def plan_replicas(
     best: Plan | None = None
     tried: list[str] = []
     last_error: InfeasiblePlanError | None = None
-    for d, r in options:
+    for i, (d, r) in enumerate(options):
         replica = tuple(t[: batch // r] for t in inputs)
+        within = dl.within(dl.left() / (len(options) - i))  # an equal part of what is left
         try:
-            plan = plan_one(model, node_cluster(cluster, d), replica, share)
+            plan = plan_one(model, node_cluster(cluster, d), replica, share, within)
         except InfeasiblePlanError as exc:
             tried.append(f"{r} replicas × {d} devices: no plan fits the memory caps")
             last_error = exc

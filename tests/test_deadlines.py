@@ -171,6 +171,25 @@ def test_partition_of_a_graph_returns_by_the_limit_with_a_valid_plan() -> None:
     assert plan.solver.status in ("FEASIBLE", "FALLBACK")
 
 
+def test_replica_layouts_on_nodes_share_one_deadline() -> None:
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from crosscut.api import partition
+
+    layers: list[nn.Module] = []
+    for _ in range(20):
+        layers += [nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()]
+    limit = 3.0
+    t0 = time.perf_counter()
+    plan = partition(
+        nn.Sequential(*layers), "4x4xV100", torch.randn(32, 16, 16, 16), time_limit=limit
+    )
+    _within(limit, time.perf_counter() - t0)  # every layout traced and solved within it
+    assert plan.replication.replicas >= 1
+    assert plan.solver.best_bound <= plan.solver.objective * (1 + 1e-9)
+
+
 @pytest.mark.slow
 def test_resnet50_on_64_v100s_cross_shaped_returns_by_30_s() -> None:
     """The issue's measurement (``benchmarks/deadlines.py``); heavy: CROSSCUT_HEAVY=1."""

@@ -191,3 +191,27 @@ def test_a_multi_node_cluster_needs_a_network() -> None:
     c.network = (0.0, 0.0)
     with pytest.raises(DeviceError, match="needs a network"):
         c.validate()
+
+
+def test_transfers_inside_a_node_and_between_nodes_are_priced_apart() -> None:
+    import time
+
+    from crosscut.cost_models.links import NETWORKS
+
+    c = Cluster.from_spec("2x4xV100+ib100")
+    nbytes = 10**8
+    assert c.same_node(0, 3) and not c.same_node(3, 4) and c.same_node(4, 7)
+    assert c.transfer_time(0, 3, nbytes) == pytest.approx(5e-6 + nbytes / 50e9)  # NVLink
+    bw, lat = NETWORKS["ib100"]
+    assert c.transfer_time(3, 4, nbytes) == pytest.approx(lat + nbytes / bw)  # the network
+    assert c.transfer_time(5, 6, nbytes) == c.transfer_time(1, 2, nbytes)  # node 1's own links
+    assert c.transfer_time(6, 6, nbytes) == 0.0
+    slow = Cluster.from_spec("2x4xV100+eth25")  # the suffix changes links between nodes only
+    assert slow.transfer_time(0, 3, nbytes) == c.transfer_time(0, 3, nbytes)
+    assert slow.transfer_time(3, 4, nbytes) > 3 * c.transfer_time(3, 4, nbytes)
+    assert Cluster.from_spec("4xV100").transfer_time(0, 3, nbytes) == c.transfer_time(0, 3, nbytes)
+    t0 = time.perf_counter()
+    big = Cluster.from_spec("256x8xV100")
+    prices = [big.transfer_time(0, j, nbytes) for j in (1, 7, 8, 2047)]
+    assert time.perf_counter() - t0 < 0.5
+    assert prices[0] == prices[1] < prices[2] == prices[3]

@@ -105,11 +105,21 @@ class Cluster:
             "a device name must exist in the cluster", value=name, remedy=f"use one of {self.names}"
         )
 
+    def same_node(self, a: int, b: int) -> bool:
+        """Whether devices ``a`` and ``b`` (indices over every node, node by node) share one."""
+        return a // len(self.devices) == b // len(self.devices)
+
     def transfer_time(self, src: int, dst: int, nbytes: int) -> float:
-        """Seconds to send ``nbytes`` from device ``src`` to ``dst`` (0 on the same device)."""
+        """Seconds to send ``nbytes`` from device ``src`` to ``dst`` (0 on the same device).
+
+        Indices run over every node (``0 .. total_devices - 1``, node by node): one node's
+        devices use its links, two nodes' the network. O(1), no matrix built."""
         if src == dst:
             return 0.0
-        return self.latency[src][dst] + nbytes / self.bandwidth[src][dst]
+        g = len(self.devices)
+        if src // g != dst // g:
+            return self.network[1] + nbytes / self.network[0]
+        return self.latency[src % g][dst % g] + nbytes / self.bandwidth[src % g][dst % g]
 
     # ---- invariants ----------------------------------------------------------------
     def validate(self) -> None:

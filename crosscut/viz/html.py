@@ -280,7 +280,14 @@ def _timeline(plan: Plan, sim: SimulationLike | None, colors: dict[str, str]) ->
         f"bubble {sim.bubble_fraction:.1%} (grey: the device waits) · box colour = device, "
         "light = forward, dark = backward, label = action and micro-batch (F3: forward of "
         f"micro-batch 3) · <span style='color:{TRANSFER_COLOR}'>red lane under a row = the "
-        "transfer part of that action</span></p>"
+        "transfer part of that action</span>"
+        + (
+            f" · dark grey at the end = the {plan.replication.replicas} replicas' gradient "
+            f"all-reduce ({_e(plan.replication.reduction)}), counted in the bubble"
+            if plan.replication.replicas > 1
+            else ""
+        )
+        + "</p>"
         f"<p>{key}</p><div class='scroll'>{timeline_svg(plan, sim)}</div></section>"
     )
 

@@ -150,3 +150,64 @@ def test_compile_refuses_a_multi_node_cluster_with_the_way_to_run_it() -> None:
         crosscut.compile(
             torchvision.models.resnet18(weights=None), "2x2xV100", torch.randn(8, 3, 32, 32)
         )
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("dist")
+def test_two_nodes_run_the_plans_replicas_with_stages_inside_a_node(tmp_path: Path) -> None:
+    """Issue 16: 2 torchrun node groups on 127.0.0.1, 2 ranks each, started by
+    `crosscut run --nnodes 2` from a plan of 2 replicas × 2 stages: replica r is the
+    ranks of node r (its stages share a node), and training equals eager's."""
+    import os
+    import subprocess
+    import sys
+
+    import tests.test_distributed as td
+    from crosscut.launch import free_port
+
+    x, _ = td.batch(8, 32)
+    plan = crosscut.partition(
+        td.build("resnet18"),
+        ["cpu", "cpu"],
+        x[:4],
+        microbatches=2,
+        schedule="1f1b",
+        require_all_devices=True,
+        time_limit=5,
+    )
+    plan.replication.replicas = 2  # as planning_replicas records it for a 2x2 cluster
+    plan.cluster.nodes = 2
+    plan.cluster.network = [1.25e9, 30e-6]
+    path = plan.save(tmp_path / "plan.json")
+    port = str(free_port())
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(td.ROOT))
+
+    def node_cmd(rank: int) -> list[str]:
+        return [sys.executable, "-m", "crosscut.cli", "run", "--plan", str(path),
+                "--nnodes", "2", "--node-rank", str(rank), "--port", port, "--timeout", "60",
+                str(td.SCRIPT), "--replicas", "2", "--schedules", "1f1b",
+                "--microbatches", "2", "--out", str(tmp_path)]  # fmt: skip
+
+    procs = [
+        subprocess.Popen(
+            node_cmd(rank),
+            cwd=td.ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            outs.append((p.communicate(timeout=240)[0], p.returncode))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("the two-node run hung")
+    assert all(rc == 0 for _, rc in outs), [o[-2000:] for o, _ in outs]
+    got = td.merged(tmp_path, "resnet18_1f1b", 4, 2)
+    assert len(got["losses"]) == 2  # each replica's last stage reports the global loss
+    td.compare(got, td.eager("resnet18", 8, 32, 4), buffers=False)

@@ -197,6 +197,7 @@ def compile_distributed(
     partition_options: Mapping[str, Any] | None = None,
     recompute: str | bool | Sequence[bool] = "auto",
     precision: str | None = None,
+    overlap_allreduce: bool = True,
 ) -> DistributedPipeline:
     """This rank's :class:`DistributedPipeline` of ``model`` under ``plan``.
 
@@ -207,6 +208,9 @@ def compile_distributed(
     or GPU stages and broadcast. Every rank must build ``model`` identically
     (same seed) or load a checkpoint; replicas are synchronised from replica 0.
     ``bn_mode``: ``"micro"`` or ``"step"``; ``recompute``: as for :func:`crosscut.compile`.
+    ``overlap_allreduce``: the replicas' gradient all-reduce runs during each
+    stage's last backward (:mod:`crosscut.runtime.overlap`); ``False`` runs it
+    after the backward.
     ``output_merge``: as for :func:`crosscut.compile` (the last stage merges
     its replica's micro-batch outputs in ``forward``). Without a plan, rank 0
     partitions for ``devices`` (one per stage; ``None``: the ranks' own kind)
@@ -281,6 +285,7 @@ def compile_distributed(
         bn_mode=bn_mode,
         output_merge=output_merge,
         recompute=recompute_flags_for(recompute, the_plan),
+        overlap_allreduce=overlap_allreduce,
     )
     if other is not None:  # one program per rank: the other mode is refused, never run wrong
         why = [str(other)] if isinstance(other, Exception) else mode_differences(graph.gm, other)

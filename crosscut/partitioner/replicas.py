@@ -26,8 +26,9 @@ positions' gradients (a node always ships a whole model's gradients, however
 the layout splits it); the NVLink terms on the largest position. A pipeline
 therefore saves no network time, only latency hops and memory: replicas of
 fewer devices each need a whole model per device. The cheaper
-algorithm is chosen. The reduction runs after the pipeline's backward (it is
-not overlapped), so the step is the pipeline's step plus this time.
+algorithm is chosen. It is priced after the pipeline's backward, so the step
+is the pipeline's step plus this time: an upper bound, since the runtime
+starts each bucket during the stage's last backward (runtime/overlap.py).
 """
 
 from __future__ import annotations

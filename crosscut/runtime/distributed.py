@@ -72,6 +72,7 @@ from crosscut.runtime.group_comm import GroupLink
 from crosscut.runtime.group_role import GroupRole
 from crosscut.runtime.members import build_member
 from crosscut.runtime.output_merge import OutputMerge, check_outputs
+from crosscut.runtime.overlap import OverlappedAllReduce
 from crosscut.runtime.p2p import Messenger, build_routes
 from crosscut.runtime.plan_rules import (
     check_bn_mode,
@@ -129,6 +130,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         bn_mode: str = "micro",
         output_merge: Any = None,
         recompute: bool | Sequence[bool] = False,
+        overlap_allreduce: bool = True,
     ) -> None:
         super().__init__()
         check_bn_mode(bn_mode)
@@ -225,10 +227,18 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             install_step_batchnorm(self.stage)
         if self._group is not None:
             self._group.start_identical(self.stage)
+        self._overlap: OverlappedAllReduce | None = None
         if self.replicas > 1:  # replicas start from replica 0's weights, as with DDP
             tensors = [t.data for t in [*self.stage.parameters(), *self.stage.buffers()]]
             ranks = self.rank_layout.position_ranks(self.position)
             broadcast_from_first(tensors, self._position_groups[self.position], ranks, self._msg)
+            if overlap_allreduce and self._group is None:  # a group sums its shares first
+                self._overlap = OverlappedAllReduce(
+                    list(self.stage.parameters()),
+                    self._position_groups[self.position],
+                    ranks,
+                    self._msg,
+                )
 
     # ---- start-up ---------------------------------------------------------------------
     def _build(self, model: nn.Module, gm: fx.GraphModule) -> StagedProgram:
@@ -350,9 +360,13 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
 
             return get
 
+        row = self._schedules[kind][s]
+        last_b = max((i for i, a in enumerate(row) if a.kind == "B"), default=-1)
         try:
-            for a in self._io.start(self._schedules[kind][s]):
+            for i, a in enumerate(self._io.start(row)):
                 if a.kind == "B":
+                    if i == last_b and self._overlap is not None:
+                        self._overlap.arm()  # the replicas' all-reduce runs during it
                     engine.backward(a, self._io)
                 else:
                     m = a.microbatch
@@ -387,7 +401,9 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         """Sum a batch group's shares' gradients, then average the replicas'."""
         if self._group is not None:
             self._group.reduce_grads(self.stage)
-        if self.replicas > 1:
+        if self._overlap is not None:
+            self._overlap.finish()  # started during the last backward (runtime/overlap.py)
+        elif self.replicas > 1:
             ranks = self.rank_layout.position_ranks(self.position)
             params = list(self.stage.parameters())
             allreduce_mean(params, self._position_groups[self.position], ranks, self._msg)

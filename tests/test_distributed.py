@@ -93,6 +93,19 @@ def launch(
     return out
 
 
+def wait_all_ok(procs: list[subprocess.Popen[str]], *, timeout: float) -> None:
+    """Wait for every process (node group) to exit 0; kill them all on a hang."""
+    outs = []
+    for p in procs:
+        try:
+            outs.append((p.communicate(timeout=timeout)[0], p.returncode))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a node group hung")
+    assert all(rc == 0 for _, rc in outs), [o[-2000:] for o, _ in outs]
+
+
 def ok(ranks: list[Rank]) -> None:
     bad = [(i, r.rc, r.output[-2000:]) for i, r in enumerate(ranks) if r.rc != 0]
     assert not bad, bad
@@ -289,15 +302,7 @@ def test_two_node_groups_on_loopback(tmp_path: Path) -> None:
                 cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
         )
-    outs = []
-    for p in procs:
-        try:
-            outs.append((p.communicate(timeout=180)[0], p.returncode))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("the two-node run hung")
-    assert all(rc == 0 for _, rc in outs), [o[-2000:] for o, _ in outs]
+    wait_all_ok(procs, timeout=180)
     compare(merged(tmp_path, "resnet18_gpipe", 2, 2), eager("resnet18", 8, 32, 2))
 
 

@@ -199,15 +199,7 @@ def test_two_nodes_run_the_plans_replicas_with_stages_inside_a_node(tmp_path: Pa
         )
         for rank in range(2)
     ]
-    outs = []
-    for p in procs:
-        try:
-            outs.append((p.communicate(timeout=240)[0], p.returncode))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("the two-node run hung")
-    assert all(rc == 0 for _, rc in outs), [o[-2000:] for o, _ in outs]
+    td.wait_all_ok(procs, timeout=240)
     got = td.merged(tmp_path, "resnet18_1f1b", 4, 2)
     assert len(got["losses"]) == 2  # each replica's last stage reports the global loss
     td.compare(got, td.eager("resnet18", 8, 32, 4), buffers=False)

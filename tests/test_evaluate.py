@@ -108,7 +108,7 @@ def test_check_names_every_broken_rule() -> None:
 def test_renumber_and_lower_bound() -> None:
     assert renumber([0, 2, 2, 3], [5, 6, 7, 8]) == ([0, 1, 1, 2], [5, 7, 8])
     pb = tri()
-    assert lower_bound(pb) == pytest.approx(3.0)  # max(6 / 2, 3)
+    assert lower_bound(pb) == pytest.approx(4.0)  # max(6 s / (1 + 1/2 device speeds), 3)
     assert lower_bound(tri(objective="latency")) == pytest.approx(6.0)  # chain a-b-c
     for stage_of, devs in (([0, 0, 1], [0, 1]), ([0, 1, 1], [1, 0]), ([0, 0, 0], [0])):
         assert evaluate(pb, stage_of, devs).bottleneck >= lower_bound(pb)

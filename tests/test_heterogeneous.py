@@ -9,13 +9,16 @@ while never claiming more than the truth (bound <= optimum).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
+from crosscut.partitioner.evaluate import check
 from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers.bruteforce import brute_force
 from crosscut.partitioner.solvers.cpsat import solve_cpsat
+from crosscut.partitioner.solvers.orders import candidate_orders, count_orders, device_classes
 from crosscut.partitioner.solvers.synthetic import random_dag
 
 
@@ -47,3 +50,110 @@ def test_six_identical_plus_one_slow_is_within_one_percent_and_proved(seed: int)
     assert res.objective <= best * 1.01, (res.objective, best)
     assert res.best_bound <= best * (1 + 1e-6)  # a valid bound
     assert res.gap <= 0.01 and res.best_bound >= res.objective / 1.01  # and it proves 1 %
+
+
+# ---- device orders: classes of interchangeable devices, the class model ---------------
+
+
+def _kinds(seed: int, speeds: list[float], n: int = 6, links: str = "uniform") -> PartitionProblem:
+    """A random DAG on devices of the given speeds; links uniform or depending on the pair."""
+    pb = _six_and_one(seed, n)
+    d = len(speeds)
+    rng = random.Random(seed + 100)
+    base = [row[0] for row in pb.compute]
+    if links == "uniform":
+        bw = [[2e3] * d for _ in range(d)]
+    else:  # every pair its own bandwidth (symmetric)
+        bw = [[0.0] * d for _ in range(d)]
+        for a in range(d):
+            for b in range(a + 1, d):
+                bw[a][b] = bw[b][a] = rng.choice([5e2, 2e3, 8e3])
+    return dataclasses.replace(
+        pb,
+        compute=[[b * s for s in speeds] for b in base],
+        devices=[f"d{i}" for i in range(d)],
+        mem_cap=[10**9] * d,
+        bandwidth=bw,
+        latency=[[0.05] * d for _ in range(d)],
+    )
+
+
+def test_device_classes_follow_compute_memory_and_links() -> None:
+    six_one = _six_and_one(0)
+    assert device_classes(six_one) == [[0, 1, 2, 3, 4, 5], [6]]
+    assert count_orders(device_classes(six_one)) == 7
+    # two nodes of two devices: fast links inside a node, slow between nodes
+    two_nodes = dataclasses.replace(
+        _kinds(0, [1.0] * 4),
+        bandwidth=[[1e4 if a // 2 == b // 2 else 1e2 for b in range(4)] for a in range(4)],
+    )
+    assert device_classes(two_nodes) == [[0, 1], [2, 3]]
+    assert count_orders(device_classes(two_nodes)) == 6
+    # a different memory cap makes a device its own class
+    capped = dataclasses.replace(_kinds(0, [1.0] * 3), mem_cap=[10**9, 10**9, 10**8])
+    assert device_classes(capped) == [[0, 1], [2]]
+    five = _kinds(0, [1.0, 1.5, 2.0, 3.0, 4.0])
+    assert count_orders(device_classes(five)) == 120
+
+
+def test_enumerated_orders_cover_every_class_sequence_once() -> None:
+    orders, exhaustive = candidate_orders(_six_and_one(1))
+    assert exhaustive and len(orders) == 7
+    assert sorted(o.index(6) for o in orders) == list(range(7))  # the slow device everywhere
+
+
+def test_the_slow_device_in_the_middle_of_the_pipeline() -> None:
+    # six fast devices and one 10x slower; a chain H H H L H H H (H = 1 s, L = 0.09 s) and
+    # free transfers. The optimum puts L alone on the slow device, in the middle (0.9 s):
+    # bottleneck 1 s, which the largest node proves. Searching only the orders with the
+    # slow device last (the old heuristic) gives 1.09 s.
+    n, d = 7, 7
+    cost = [1.0, 1.0, 1.0, 0.09, 1.0, 1.0, 1.0]
+    pb = PartitionProblem(
+        names=[f"v{i}" for i in range(n)],
+        compute=[[c] * 6 + [10 * c] for c in cost],
+        resident=[0] * n,
+        activation=[0] * n,
+        out_bytes=[0] * n,
+        edges=[(i, i + 1) for i in range(n - 1)],
+        devices=[f"d{i}" for i in range(d)],
+        mem_cap=[10**9] * d,
+        bandwidth=[[1e9] * d for _ in range(d)],
+        latency=[[0.0] * d for _ in range(d)],
+        training=False,
+    )
+    res = solve_cpsat(pb, time_limit=10.0)
+    assert res.objective == pytest.approx(1.0) and res.status == "OPTIMAL"
+    assert res.stage_device[res.stage_of[3]] == 6 and res.stage_of[3] == 3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_five_device_kinds_on_uniform_links_match_brute_force(seed: int) -> None:
+    pb = _kinds(seed, [1.0, 1.3, 1.7, 2.5, 4.0])  # 120 orders: the class model, exact
+    best = brute_force(pb).objective
+    res = solve_cpsat(pb, time_limit=10.0)
+    assert res.objective == pytest.approx(best, rel=1e-6)
+    assert res.status == "OPTIMAL" and res.gap <= 1e-5
+    assert any("class model over 120 device orders" in note for note in res.notes)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pairwise_links_leave_5040_orders_and_the_class_model_bounds_them(seed: int) -> None:
+    pb = _kinds(seed, [1.0] * 6 + [4.0], links="pairwise")  # no symmetry left: 5,040 orders
+    res = solve_cpsat(pb, time_limit=10.0)
+    best = brute_force(pb).objective
+    assert res.best_bound <= best * (1 + 1e-6) <= res.objective * (1 + 1e-6)
+    assert check(pb, res.stage_of, res.stage_device) == []
+    assert any("a bound" in note for note in res.notes)  # the class model as a relaxation
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_three_kinds_on_two_link_classes_are_enumerated_exactly(seed: int) -> None:
+    # 2 + 2 devices of two speeds on two "nodes": fast links inside, slow between
+    pb = _kinds(seed, [1.0, 1.0, 2.0, 2.0])
+    pb = dataclasses.replace(
+        pb, bandwidth=[[8e3 if a // 2 == b // 2 else 5e2 for b in range(4)] for a in range(4)]
+    )
+    res = solve_cpsat(pb, time_limit=10.0)
+    best = brute_force(pb).objective
+    assert res.objective == pytest.approx(best, rel=1e-6) and res.status == "OPTIMAL"

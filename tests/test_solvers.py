@@ -178,9 +178,9 @@ def test_more_devices_than_useful_and_require_all() -> None:
     assert check(pb2, res2.stage_of, res2.stage_device) == []
 
 
-def test_heterogeneous_many_devices_gets_a_valid_relaxed_bound() -> None:
-    # 5 devices of two speeds: orders are searched heuristically, the bound comes
-    # from the all-fastest relaxation and must stay below the returned objective
+def test_heterogeneous_many_devices_are_searched_by_device_class() -> None:
+    # 5 devices of two speeds on uniform links: 10 distinct orders, all searched at once by
+    # the class model (a stage picks a speed), so the answer is proven optimal
     edges = resnet_like(8)
     pb = make_problem(edges, num_nodes(edges), 5, rng=random.Random(4))
     pb = PartitionProblem(
@@ -188,8 +188,23 @@ def test_heterogeneous_many_devices_gets_a_valid_relaxed_bound() -> None:
     )
     res = solve(pb, time_limit=5.0)
     assert check(pb, res.stage_of, res.stage_device) == []
-    assert 0.0 < res.best_bound <= res.objective
-    assert any("heuristic" in note for note in res.notes)
+    assert res.status == "OPTIMAL" and res.best_bound == pytest.approx(res.objective, rel=1e-5)
+    assert any("class model over 10 device orders" in note for note in res.notes)
+
+
+def test_speed_weighted_lower_bound() -> None:
+    # 2 nodes of 6 s on a fast device; the second device is 3x slower: in B seconds the
+    # pair does at most B + B/3 seconds of fast work, so B >= 12 / (4/3) = 9
+    pb = _chain4(
+        names=["a", "b"],
+        compute=[[6.0, 18.0], [6.0, 18.0]],
+        resident=[0, 0],
+        activation=[0, 0],
+        out_bytes=[0, 0],
+        edges=[(0, 1)],
+    )
+    assert lower_bound(pb) == pytest.approx(9.0)
+    assert brute_force(pb).objective >= lower_bound(pb)
 
 
 # ---- lower bounds beyond lower_bound(): transfers every plan makes, side trees ----------

@@ -70,6 +70,7 @@ __all__ = [
     "in_flight",
     "lower_bound",
     "recomputes",
+    "relative_speeds",
     "renumber",
     "single_groups",
     "transfer_time",
@@ -460,7 +461,24 @@ def lower_bound(problem: PartitionProblem, devices: int | None = None) -> float:
     if problem.cross_shaped:
         # a node may be shared by a group: its floor is its smallest share's time
         largest = max(t * _min_share(problem, v, num) for v, t in enumerate(fastest))
-    return max(sum(fastest) / num, largest)
+    return max(sum(fastest) / sum(sorted(relative_speeds(problem), reverse=True)[:num]), largest)
+
+
+def relative_speeds(problem: PartitionProblem) -> list[float]:
+    """Per device, the most of a fastest device's work it does per second (at most 1).
+
+    ``r_d = max_v fastest[v] / compute[v][d]``: in ``B`` seconds device ``d``
+    runs nodes worth at most ``r_d · B`` seconds of fastest-device compute, so
+    every plan's bottleneck is at least ``Σ fastest / Σ_d r_d`` — the average
+    over devices, weighted by speed (a CPU 10× slower than six GPUs counts as
+    0.1 of a device, not 1).
+    """
+    fastest = [min(row) for row in problem.compute]
+    out = []
+    for d in range(problem.num_devices):
+        ratios = [f / row[d] for f, row in zip(fastest, problem.compute) if row[d] > 0]
+        out.append(min(1.0, max(ratios, default=1.0)))
+    return out
 
 
 def _min_share(problem: PartitionProblem, v: int, num: int) -> float:

@@ -1,20 +1,28 @@
 """CP-SAT partitioner: the exact solver, seeded and bounded by the baselines.
 
-Flow: baselines (chain_dp, greedy, ...) give an incumbent; for every device
-order worth distinguishing, an :class:`OrderModel` searches for a plan at most
-as slow as the incumbent, hinted with it, its stage windows tightened by the
-incumbent's value; every plan is re-priced by evaluate(). Orders: identical
-devices on uniform links need one; otherwise every order up to 4 devices is
-tried (exact), and above that a few sensible ones (heuristic; the bound then
-only comes from :func:`lower_bound`).
+Flow: baselines (chain_dp, greedy, ...) give an incumbent; then CP-SAT
+searches for a plan at most as slow as the incumbent, hinted with it, its stage
+windows tightened by the incumbent's value; every plan is re-priced by
+evaluate(). A plan is a stage→device map, and the device orders to cover come
+from the devices' symmetries (``orders.py``: classes of interchangeable
+devices). Identical devices on uniform links need one order model. Devices of
+several kinds on uniform links (six accelerators and a CPU core; five GPU
+generations) are searched all at once by the class model, where a stage picks
+a class of devices: exact. Otherwise every distinct order up to
+``orders.ORDER_LIMIT`` gets an :class:`OrderModel` of its own (exact), and
+above that the class model with transfers on the fastest link gives a bound
+valid for every order plus an order worth searching beside the first two
+(heuristic plan, proven bound).
 
-Bounds: besides CP-SAT's own, :mod:`crosscut.partitioner.solvers.bounds`
-gives two valid ones. The static bound (B) counts the transfers every plan
-must make; and when small side trees make up a good share of the graph
-(swin's relative-position-bias MLPs), CP-SAT first solves the problem without
-them (a relaxation, their least cost charged to their consumers) for a share
-of the time: its bound is valid here, its plan (each tree in its consumer's
-stage) is an incumbent, and when the two meet the solve stops, optimal.
+Bounds: besides CP-SAT's own and :func:`~crosscut.partitioner.evaluate.lower_bound`
+(the compute averaged over the devices weighted by their speed),
+:mod:`crosscut.partitioner.solvers.bounds` gives two valid ones. The static
+bound (B) counts the transfers every plan must make; and when small side
+trees make up a good share of the graph (swin's relative-position-bias MLPs),
+CP-SAT first solves the problem without them (a relaxation, their least cost
+charged to their consumers) for a share of the time: its bound is valid
+here, its plan (each tree in its consumer's stage) is an incumbent, and when
+the two meet the solve stops, optimal.
 
 The time limit covers everything: baselines, the relaxation, building the
 models; a small reserve is kept for re-pricing the answer. It is a
@@ -37,7 +45,6 @@ depends on the machine's speed).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import time
 from collections.abc import Callable
@@ -48,14 +55,24 @@ from crosscut.errors import InfeasiblePlanError, PartitionError
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import check, evaluate, lower_bound, renumber
 from crosscut.partitioner.problem import PartitionProblem
-from crosscut.partitioner.solvers.baselines import Plan, all_baselines, device_order
+from crosscut.partitioner.solvers.baselines import Plan, all_baselines
 from crosscut.partitioner.solvers.bounds import comm_lower_bound, tree_relaxation
 from crosscut.partitioner.solvers.cpsat_model import OrderModel
+from crosscut.partitioner.solvers.orders import (
+    ORDER_LIMIT,
+    STRATEGIES,
+    candidate_orders,
+    count_orders,
+    device_classes,
+    uniform_links,
+)
 from crosscut.partitioner.solvers.result import SolveResult, relative_gap
 
-__all__ = ["candidate_orders", "infeasibility_report", "solve_cpsat"]
+__all__ = ["infeasibility_report", "solve_cpsat"]
 
-RESTART_SLICE_S = math.inf  # seconds before rebuilding with a tighter incumbent; inf = never
+# the class model replaces enumerating orders from this many distinct orders up (exact
+# prices only: uniform links; measured in benchmarks/heterogeneous.py)
+CLASS_MODEL_ORDERS = 2
 RELAX_SHARE = 0.25  # most of the time limit the side-tree relaxation may take
 BASELINE_SHARE = 0.3  # most of it chain_dp and greedy may take (the linear baselines always run)
 RELAX_MIN_REMOVED = 0.03  # ... and only when it removes at least this share of the nodes
@@ -63,39 +80,6 @@ ROUNDING_GAP = 1e-5  # a relative gap this small is the integer model's rounding
 RESERVE_SHARE = 0.03  # of the time limit, kept for re-pricing and CP-SAT's own overshoot
 
 Progress = Callable[[float, float, float], None]
-
-
-def _interchangeable(pb: PartitionProblem) -> bool:
-    d = pb.num_devices
-    same_dev = all(len(set(row)) == 1 for row in pb.compute) and len(set(pb.mem_cap)) == 1
-    links = {(pb.bandwidth[a][b], pb.latency[a][b]) for a in range(d) for b in range(d) if a != b}
-    return same_dev and len(links) <= 1
-
-
-def candidate_orders(pb: PartitionProblem) -> tuple[list[list[int]], bool]:
-    """Device orders to search, and whether they cover every stage→device map."""
-    primary = device_order(pb)
-    if _interchangeable(pb):
-        return [primary], True
-    d = pb.num_devices
-    if d <= 4:
-        kind = {dev: (tuple(r[dev] for r in pb.compute), pb.mem_cap[dev]) for dev in range(d)}
-        seen: set[tuple[object, ...]] = set()
-        out: list[list[int]] = []
-        for order in [tuple(primary), *itertools.permutations(range(d))]:
-            sig = (
-                tuple(kind[x] for x in order),
-                tuple((pb.bandwidth[a][b], pb.latency[a][b]) for a in order for b in order),
-            )
-            if sig not in seen:
-                seen.add(sig)
-                out.append(list(order))
-        return out, True
-    speed = sorted(range(d), key=lambda x: (sum(r[x] for r in pb.compute), -pb.mem_cap[x], x))
-    out = [primary]
-    if speed != primary:
-        out.append(speed)
-    return out, False
 
 
 def infeasibility_report(pb: PartitionProblem) -> str:
@@ -240,6 +224,89 @@ def _side_tree_phase(
     return max(sub.best_bound, averaged), plan, note
 
 
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """What every CP-SAT search of one solve shares."""
+
+    workers: int
+    seed: int
+    deterministic: bool
+    log_callback: Callable[[str], None] | None
+    progress: Progress | None
+    t0: float
+    floating: float
+
+
+@dataclasses.dataclass
+class _Incumbent:
+    """The best plan so far (baselines first), and whether CP-SAT found any plan."""
+
+    plan: Plan | None
+    objective: float
+    found: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Searched:
+    bound: float  # seconds: valid for every plan the model covers
+    finished: bool  # the model was solved to the end (optimal, infeasible or beaten)
+    met: bool  # the incumbent meets the static bound: optimal over every plan
+    build_s: float  # seconds the model took to build
+
+
+def _search_one(
+    pb: PartitionProblem,
+    om: OrderModel,
+    inc: _Incumbent,
+    static_lb: float,
+    share: Deadline,
+    work: Deadline,
+    cfg: _Settings,
+) -> _Searched:
+    """Build ``om`` (one order, or the class model), solve it by ``share``, update ``inc``."""
+    t_build = time.perf_counter()
+    om.floating, om.deadline = cfg.floating, work
+    om.build()
+    build_s = time.perf_counter() - t_build
+    if om.skipped:  # the model would not be built in time
+        return _Searched(static_lb, False, False, build_s)
+    if om.empty:  # no plan of this model beats the incumbent
+        return _Searched(max(static_lb, inc.objective), True, False, build_s)
+    if _meets(inc.objective, static_lb, om):  # optimal to the rounding
+        return _Searched(static_lb, True, True, build_s)
+    m = om.model
+    # (B) objective >= the static lower bound
+    m.add(om.objective_var >= max(0, math.floor(static_lb / om.unit) - om.slack))
+    if inc.plan is not None:
+        stage_of, stage_device = inc.plan
+        if om.classes:
+            om.add_hint(stage_of, stage_device)
+        elif stage_device == om.order[: len(stage_device)]:
+            om.add_hint(stage_of)
+    budget = max(share.left(), 0.005)  # after the build: it counts
+    solver = _solver(cfg.workers, cfg.seed, budget, cfg.deterministic, work.left())
+    if cfg.log_callback is not None:
+        solver.parameters.log_search_progress = True
+        solver.log_callback = cfg.log_callback
+    target = math.floor(static_lb * (1 + ROUNDING_GAP) / om.unit)
+    status = solver.solve(m, _Callback(cfg.progress, om.unit, cfg.t0, target))
+    if status == cp_model.INFEASIBLE:
+        return _Searched(max(static_lb, inc.objective), True, False, build_s)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return _Searched(static_lb, False, False, build_s)
+    inc.found = True
+    plan = renumber(om.stage_of(solver), om.stage_devices(solver))
+    if not check(pb, *plan):
+        obj = evaluate(pb, *plan).objective
+        if inc.plan is None or obj < inc.objective * (1 - 1e-9):
+            inc.plan, inc.objective = plan, obj
+    bound = max(static_lb, (solver.best_objective_bound - om.slack) * om.unit)
+    if status == cp_model.OPTIMAL:
+        return _Searched(bound, True, False, build_s)
+    met = _meets(inc.objective, static_lb, om)  # stopped by the callback at the bound
+    return _Searched(bound, met, met, build_s)
+
+
 def solve_cpsat(
     problem: PartitionProblem,
     *,
@@ -254,6 +321,7 @@ def solve_cpsat(
     relax: bool = True,
     floating: float = 0.0,
     deadline: Deadline | None = None,
+    orders: str = "auto",
 ) -> SolveResult:
     """Solve the partition problem with CP-SAT; see the module docstring.
 
@@ -261,7 +329,11 @@ def solve_cpsat(
     way); ``floating`` (seconds) is compute the problem leaves out that some
     stage must still run (a relaxation's, see ``bounds.tree_relaxation``).
     ``deadline`` (shared with the caller) replaces ``time_limit`` when given.
+    ``orders``: how device orders are covered (``orders.STRATEGIES``; the
+    others than "auto" are there to measure it, ``benchmarks/heterogeneous.py``).
     """
+    if orders not in STRATEGIES:
+        raise ValueError(f"orders must be one of {STRATEGIES}, got {orders!r}")
     t0 = time.perf_counter()
     dl = Deadline.of(deadline, time_limit)
     time_limit = dl.left()  # this solve's budget, for the shares below
@@ -275,9 +347,12 @@ def solve_cpsat(
             remedy="drop require_all_devices or coarsen the graph less",
         )
     _precheck(pb)
-    orders, exhaustive = candidate_orders(pb)
+    strategy = orders
+    order_list, exhaustive = candidate_orders(pb, 1 if strategy == "heuristic" else ORDER_LIMIT)
     min_stages = pb.num_devices if require_all_devices else 1
-    plans = all_baselines(pb, orders[0], min_stages=min_stages, deadline=work.share(BASELINE_SHARE))
+    plans = all_baselines(
+        pb, order_list[0], min_stages=min_stages, deadline=work.share(BASELINE_SHARE)
+    )
     if hint is not None and not check(pb, *hint) and len(hint[1]) >= min_stages:
         plans["hint"] = hint
     baselines = {name: evaluate(pb, *plan).objective for name, plan in plans.items()}
@@ -298,82 +373,60 @@ def solve_cpsat(
             obj = evaluate(pb, *sub_plan).objective
             if obj < best_obj:
                 best, best_obj = sub_plan, obj
-    bounds: list[float] = []
-    proved = True
-    found = False
-    runs = len(orders) + (0 if exhaustive else 1)
-    met = False  # the incumbent meets the static bound: optimal over every order
+    cfg = _Settings(workers, seed, deterministic, log_callback, progress, t0, floating)
+    inc = _Incumbent(best, best_obj)
+    classes = device_classes(pb)
+    throughput = pb.objective == "throughput" and strategy == "auto"
+    exact_classes = throughput and count_orders(classes) >= CLASS_MODEL_ORDERS and uniform_links(pb)
+    use_classes = exact_classes or (throughput and not exhaustive)
+    proved, met = True, False  # met: the incumbent meets the static bound (optimal)
+    global_bound = static_lb  # valid for every plan
+    bounds: list[float] = []  # one per order searched; their min is valid when exhaustive
+    if use_classes:
+        # every order at once (module orders.py): the whole search when its prices are
+        # exact, else a bound for every order and one more order worth searching
+        om = OrderModel(pb, order_list[0], inc.objective, require_all=require_all_devices)
+        om.classes, om.exact = classes, exact_classes
+        share = work if exact_classes else work.within(work.left() / (len(order_list) + 1))
+        res = _search_one(pb, om, inc, static_lb, share, work, cfg)
+        global_bound, met = max(global_bound, res.bound), res.met
+        if exact_classes:
+            proved, order_list = res.finished, []
+        elif inc.plan is not None and inc.plan[1] not in [
+            o[: len(inc.plan[1])] for o in order_list
+        ]:
+            rest = [d for d in order_list[0] if d not in inc.plan[1]]
+            order_list.append(list(inc.plan[1]) + rest)
+        notes.append(
+            f"class model over {count_orders(classes)} device orders"
+            + ("" if exact_classes else " (transfers on the fastest link: a bound)")
+        )
     build_s = 0.0  # the last model build's seconds: a build that would overrun is skipped
-    for i, order in enumerate(orders):
+    for i, order in enumerate(order_list):
         if met:
             bounds.append(static_lb)
             continue
-        order_dl = work.within(work.left() / (runs - i))
-        order_bound = static_lb
-        slice_s = RESTART_SLICE_S
-        while True:
-            if work.left() <= build_s:  # (the first build always runs, unless time is up)
-                proved = False
-                break
-            # restart loop: a better incumbent tightens the stage windows, so a rebuilt
-            # model is smaller (off by default: measured slower, it forgets what it learnt)
-            t_build = time.perf_counter()
-            om = OrderModel(pb, order, best_obj, require_all=require_all_devices)
-            om.floating, om.deadline = floating, work
-            om.build()
-            build_s = time.perf_counter() - t_build
-            if om.skipped:  # the model would not be built in time
-                proved = False
-                break
-            if om.empty:  # no plan in this order beats the incumbent
-                order_bound = max(order_bound, best_obj)
-                break
-            if _meets(best_obj, static_lb, om):
-                met = True  # the incumbent meets a proven bound: optimal to the rounding
-                break
-            budget = max(order_dl.left(), 0.005)  # after the build: it counts
-            last = budget <= 2 * slice_s
-            m = om.model
-            # (B) objective >= the static lower bound
-            m.add(om.objective_var >= max(0, math.floor(static_lb / om.unit) - om.slack))
-            if best is not None and best[1] == order[: len(best[1])]:
-                om.add_hint(best[0])
-            solver = _solver(workers, seed, budget if last else slice_s, deterministic, work.left())
-            if log_callback is not None:
-                solver.parameters.log_search_progress = True
-                solver.log_callback = log_callback
-            target = math.floor(static_lb * (1 + ROUNDING_GAP) / om.unit)
-            status = solver.solve(m, _Callback(progress, om.unit, t0, target))
-            improved = False
-            if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-                found = True
-                plan = renumber(om.stage_of(solver), order[: min(len(order), pb.n)])
-                if not check(pb, *plan):
-                    obj = evaluate(pb, *plan).objective
-                    if best is None or obj < best_obj * (1 - 1e-9):
-                        best, best_obj, improved = plan, obj, True
-                bnd = (solver.best_objective_bound - om.slack) * om.unit
-                order_bound = max(order_bound, bnd)
-                if status == cp_model.OPTIMAL:
-                    break
-                if _meets(best_obj, static_lb, om):
-                    met = True  # stopped by the callback at the proven bound
-                    break
-            elif status == cp_model.INFEASIBLE:
-                order_bound = max(order_bound, best_obj)
-                break
-            if last:
-                proved = False
-                break
-            if not improved:
-                slice_s *= 2
-        bounds.append(order_bound)
+        if work.left() <= build_s:  # (the first build always runs, unless time is up)
+            proved = False
+            bounds.append(static_lb)
+            continue
+        om = OrderModel(pb, order, inc.objective, require_all=require_all_devices)
+        res = _search_one(
+            pb, om, inc, static_lb, work.within(work.left() / (len(order_list) - i)), work, cfg
+        )
+        build_s, met = res.build_s, res.met
+        proved = proved and res.finished
+        bounds.append(res.bound)
+    best, best_obj, found = inc.plan, inc.objective, inc.found
     if not proved and work.expired():
         notes.append("the deadline came before every device order was searched to the end")
-    if not exhaustive and not met:
+    if exhaustive and order_list:
+        global_bound = max(global_bound, min(bounds, default=static_lb))
+    elif not exhaustive and not use_classes and not met:
         # a relaxation valid for every device order: each node on its fastest device,
         # the largest cap everywhere, the fastest link between every pair
-        bounds = [_relaxed_bound(pb, work, seed, workers, best)]
+        global_bound = max(global_bound, _relaxed_bound(pb, work, seed, workers, best))
+    exhaustive = exhaustive or exact_classes
     wall = time.perf_counter() - t0
     if best is None:
         if proved:
@@ -387,9 +440,8 @@ def solve_cpsat(
             value=infeasibility_report(pb),
             remedy="raise the time limit; " + _REMEDY,
         )
-    bound = max(static_lb, min(bounds, default=static_lb))
-    bound = min(bound, best_obj)
-    if proved and (exhaustive or met):
+    bound = min(global_bound, best_obj)
+    if (proved and (exhaustive or met)) or best_obj <= global_bound * (1 + ROUNDING_GAP):
         status_s = "OPTIMAL"
     elif found:
         status_s = "FEASIBLE"
@@ -397,7 +449,7 @@ def solve_cpsat(
         status_s = "FALLBACK"
         notes.append("CP-SAT found no plan within the time limit: returning the best baseline")
     if not exhaustive:
-        notes.append(f"searched {len(orders)} device orders of {pb.num_devices}! (heuristic)")
+        notes.append(f"searched {len(order_list)} device orders of {pb.num_devices}! (heuristic)")
     stage_of, stage_device = best
     if len(stage_device) < pb.num_devices:
         notes.append(

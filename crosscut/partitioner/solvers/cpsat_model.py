@@ -18,6 +18,14 @@ Variables (throughput and latency):
   (only lower-bounded; both objective and memory push it down).
 * ``used[k]``: stage ``k`` non-empty; used stages form a prefix; ``e[s]``: exactly
   ``s`` stages (needed by 1F1B in-flight counts).
+
+The class model (``classes`` given, throughput only) searches every device
+order at once: ``classes`` are the interchangeable devices
+(``orders.device_classes``), and ``z[k,c]`` says stage ``k`` runs on a device
+of class ``c``; a stage's compute and memory are written once per class, each
+enforced by its ``z``. Transfers are priced on the fastest link between two
+different devices: exact when every link is the same (``exact``), a
+relaxation (a valid bound, a class sequence worth searching) otherwise.
 """
 
 from __future__ import annotations
@@ -99,6 +107,11 @@ class OrderModel:
     # deadline between variable/constraint families (a model is built in Python: seconds)
     deadline: Deadline | None = None
     skipped: bool = False
+    # the class model (module docstring): interchangeable devices, and whether its
+    # transfer prices are exact (every link the same)
+    classes: list[list[int]] = field(default_factory=list)
+    z: dict[tuple[int, int], Any] = field(default_factory=dict)
+    exact: bool = True
 
     def _late(self, estimate_s: float = 0.0) -> bool:
         """Whether to stop building: past the deadline, or ``estimate_s`` would not fit."""
@@ -119,6 +132,12 @@ class OrderModel:
         pb, m = self.problem, self.model
         # ---- data -------------------------------------------------------------
         n, slots = pb.n, min(len(self.order), pb.n)
+        if self.classes:
+            assert pb.objective == "throughput", "the class model prices throughput only"
+            slots = min(pb.num_devices, n)
+        # the device of each class a stage may run on (one per stage in an order model)
+        choices = [[c[0] for c in self.classes] or [self.order[k]] for k in range(slots)]
+        link_s = self._fastest_links()
         mult = comm_multiplier(pb)
         cons = consumers(pb)
         horizon = self.upper if math.isfinite(self.upper) else self._trivial_upper()
@@ -134,11 +153,14 @@ class OrderModel:
         false = true.negated()
 
         def t_units(u: int, j: int, k: int) -> int:
-            sec = mult * transfer_time(pb, u, self.order[j], self.order[k])
+            if self.classes:
+                sec = mult * (link_s[0] + pb.out_bytes[u] / link_s[1])
+            else:
+                sec = mult * transfer_time(pb, u, self.order[j], self.order[k])
             return round(sec / self.unit)
 
-        def c_units(v: int, k: int) -> int:
-            return round(pb.compute[v][self.order[k]] / self.unit)
+        def c_units(v: int, dev: int) -> int:
+            return round(pb.compute[v][dev] / self.unit)
 
         # ---- variables ----------------------------------------------------------
         def ylit(v: int, k: int) -> Any:
@@ -163,6 +185,9 @@ class OrderModel:
                 m.add(xv == ylit(v, k) - prev)
                 self.x[(v, k)] = xv
         self.used = [true] + [m.new_bool_var(f"used{k}") for k in range(1, slots)]
+        for k in range(slots):
+            for i in range(len(choices[k])):
+                self.z[(k, i)] = m.new_bool_var(f"z{k}_{i}") if self.classes else true
         for u, v in pb.edges:
             if self._late():
                 return
@@ -208,9 +233,28 @@ class OrderModel:
                     m.add_bool_or(
                         [self.x[(u, j)].negated(), self.x[(v, k)].negated(), self.p[(u, j, k)]]
                     )
+        if self.classes:
+            for k in range(slots):
+                # (C11) a used stage runs on exactly one class of devices
+                m.add(sum(self.z[(k, i)] for i in range(len(choices[k]))) == self.used[k])
+            for i, cls in enumerate(self.classes):
+                # (C12) no more stages on a class than it has devices
+                m.add(sum(self.z[(k, i)] for k in range(slots)) <= len(cls))
         exactly = self.stage_count = self._stage_count_literals(slots)
+        # comp[k][i]: stage k's compute on its i-th choice of device
         comp = [
-            sum(c_units(v, k) * self.x[(v, k)] for v in range(n) if (v, k) in self.x)
+            [
+                sum(c_units(v, dev) * self.x[(v, k)] for v in range(n) if (v, k) in self.x)
+                for dev in choices[k]
+            ]
+            for k in range(slots)
+        ]
+        comp_fastest = [
+            sum(
+                round(min(pb.compute[v]) / self.unit) * self.x[(v, k)]
+                for v in range(n)
+                if (v, k) in self.x
+            )
             for k in range(slots)
         ]
         comm: list[Any] = [0] * slots
@@ -229,16 +273,16 @@ class OrderModel:
         for k in range(slots):
             if self._late():
                 return
-            d = self.order[k]
             res = sum(pb.resident[v] * self.x[(v, k)] for v in range(n) if (v, k) in self.x)
             act = sum(pb.activation[v] * self.x[(v, k)] for v in range(n) if (v, k) in self.x)
             for s in range(k + 1, slots + 1):
                 af, bf = activation_factor(pb, k, s), buffer_factor(pb, k, s)
-                # (C8) memory of stage k's device when there are s stages:
-                #      resident + inflight(k,s) * (activation + received bytes) <= cap
-                m.add(res + af * act + bf * recv_bytes[k] <= pb.mem_cap[d]).only_enforce_if(
-                    exactly[s]
-                )
+                for i, d in enumerate(choices[k]):
+                    # (C8) memory of stage k's device when there are s stages:
+                    #      resident + inflight(k,s) * (activation + received bytes) <= cap
+                    m.add(res + af * act + bf * recv_bytes[k] <= pb.mem_cap[d]).only_enforce_if(
+                        [exactly[s], self.z[(k, i)]]
+                    )
         # rounding: at most 1/2 unit per summed term (a stage sum, or a path for latency)
         paths = 2 * n if pb.objective == "latency" else self.terms
         self.slack = paths // 2 + 1
@@ -248,18 +292,22 @@ class OrderModel:
         else:
             bvar = m.new_int_var(0, cap, "bottleneck")
             for k in range(slots):
-                if pb.overlap_comm:
-                    # (C7') stage time = max(compute, comm) <= B
-                    m.add(comp[k] <= bvar)
-                    m.add(comm[k] <= bvar)
-                else:
-                    # (C7) stage time = compute + comm (sent and received) <= B
-                    m.add(comp[k] + comm[k] <= bvar)
+                for i in range(len(choices[k])):
+                    on = self.z[(k, i)]  # the stage's class (always true in an order model)
+                    if pb.overlap_comm:
+                        # (C7') stage time = max(compute, comm) <= B
+                        m.add(comp[k][i] <= bvar).only_enforce_if(on)
+                        m.add(comm[k] <= bvar)
+                    else:
+                        # (C7) stage time = compute + comm (sent and received) <= B
+                        m.add(comp[k][i] + comm[k] <= bvar).only_enforce_if(on)
             if self.floating > 0 and not pb.overlap_comm:
                 # (C10) the devices' summed time holds every stage and the floating work:
                 #       Σ_k (compute + comm) + floating <= slots * B  (at most `slots` stages)
+                #       (a class model counts every node on its fastest device: a relaxation)
                 lost = math.floor(self.floating / self.unit) - self.slack * slots
-                m.add(sum(comp[k] + comm[k] for k in range(slots)) + max(0, lost) <= slots * bvar)
+                least = comp_fastest if self.classes else [c[0] for c in comp]
+                m.add(sum(least[k] + comm[k] for k in range(slots)) + max(0, lost) <= slots * bvar)
             self.objective_var = bvar
         # ---- objective --------------------------------------------------------
         # (O) minimise the bottleneck stage time (throughput) or the makespan (latency)
@@ -289,7 +337,10 @@ class OrderModel:
         start = [m.new_int_var(0, cap, f"start{v}") for v in range(n)]
         end = [m.new_int_var(0, cap, f"end{v}") for v in range(n)]
         for v in range(n):
-            dur = sum(c_units(v, k) * self.x[(v, k)] for k in range(self.lo[v], self.hi[v] + 1))
+            dur = sum(
+                c_units(v, self.order[k]) * self.x[(v, k)]
+                for k in range(self.lo[v], self.hi[v] + 1)
+            )
             # (L1) end = start + compute on the stage's device
             m.add(end[v] == start[v] + dur)
         for u, v in pb.edges:
@@ -318,22 +369,40 @@ class OrderModel:
             m.add(span >= end[v])
         return span
 
+    def _fastest_links(self) -> tuple[float, float]:
+        """(latency, bandwidth) of the cheapest link between two different devices."""
+        pb = self.problem
+        d = pb.num_devices
+        pairs = [(a, b) for a in range(d) for b in range(d) if a != b]
+        if not pairs:
+            return (0.0, 1.0)
+        return (min(pb.latency[a][b] for a, b in pairs), max(pb.bandwidth[a][b] for a, b in pairs))
+
     def _trivial_upper(self) -> float:
         """Every node on its slowest device plus every output sent to every stage."""
         pb = self.problem
         mult = comm_multiplier(pb)
-        pairs = [(a, b) for a in self.order for b in self.order if a != b]
+        devs = range(pb.num_devices) if self.classes else self.order
+        pairs = [(a, b) for a in devs for b in devs if a != b]
         total = sum(max(row) for row in pb.compute)
         for u in range(pb.n):
             worst = max((transfer_time(pb, u, a, b) for a, b in pairs), default=0.0)
             total += 2 * mult * len(self.order) * worst
         return max(total, 1e-9)
 
-    def add_hint(self, stage_of: list[int]) -> None:
-        """Hint a plan given as stages of this order (all hinted values consistent)."""
+    def add_hint(self, stage_of: list[int], stage_device: list[int] | None = None) -> None:
+        """Hint a plan given as stages of this order (all hinted values consistent).
+
+        The class model also needs the plan's ``stage_device`` (its classes).
+        """
         if self.empty:
             return
         m = self.model
+        if self.classes:
+            assert stage_device is not None, "the class model hints a plan's devices too"
+            label = {dev: c for c, cls in enumerate(self.classes) for dev in cls}
+            for (k, i), var in self.z.items():
+                m.add_hint(var, int(k < len(stage_device) and label[stage_device[k]] == i))
         for (v, k), var in self.y.items():
             m.add_hint(var, int(stage_of[v] <= k))
         for (v, k), var in self.x.items():
@@ -347,6 +416,22 @@ class OrderModel:
             m.add_hint(self.used[k], int(k <= top))
         for s, var in self.stage_count.items():
             m.add_hint(var, int(s == top + 1))
+
+    def stage_devices(self, solver: cp_model.CpSolver) -> list[int]:
+        """The device of every slot: this order, or the class model's choice per used stage."""
+        if not self.classes:
+            return list(self.order[: len(self.used)])
+        nxt = [0] * len(self.classes)
+        out = []
+        for k in range(len(self.used)):
+            for i, cls in enumerate(self.classes):
+                if solver.boolean_value(self.z[(k, i)]):
+                    out.append(cls[nxt[i]])
+                    nxt[i] += 1
+                    break
+            else:  # an unused trailing slot: any device left (renumber drops it)
+                out.append(-1)
+        return out
 
     def stage_of(self, solver: cp_model.CpSolver) -> list[int]:
         """The solved stage of every node."""

@@ -449,7 +449,10 @@ def solve_cpsat(
         status_s = "FALLBACK"
         notes.append("CP-SAT found no plan within the time limit: returning the best baseline")
     if not exhaustive:
-        notes.append(f"searched {len(order_list)} device orders of {pb.num_devices}! (heuristic)")
+        notes.append(
+            f"searched {len(order_list)} of {count_orders(classes)} distinct device orders "
+            "one by one (heuristic)"
+        )
     stage_of, stage_device = best
     if len(stage_device) < pb.num_devices:
         notes.append(

@@ -14,6 +14,7 @@ import random
 
 import pytest
 
+from crosscut.errors import InfeasiblePlanError, PartitionError
 from crosscut.partitioner.evaluate import check
 from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers.bruteforce import brute_force
@@ -157,3 +158,37 @@ def test_three_kinds_on_two_link_classes_are_enumerated_exactly(seed: int) -> No
     res = solve_cpsat(pb, time_limit=10.0)
     best = brute_force(pb).objective
     assert res.objective == pytest.approx(best, rel=1e-6) and res.status == "OPTIMAL"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_class_model_with_binding_memory_caps_and_every_device_used(seed: int) -> None:
+    # five devices, three speeds, two of them short of memory: caps bind, and every device
+    # must get a stage (what the replica planner asks)
+    pb = _kinds(seed, [1.0, 1.0, 2.0, 2.0, 3.0], n=7)
+    pb = dataclasses.replace(pb, mem_cap=[2500, 10**9, 2500, 10**9, 10**9], microbatches=2)
+    assert len(device_classes(pb)) == 5  # the caps split the speed pairs
+    for require_all in (False, True):
+        try:
+            best = brute_force(pb, require_all_devices=require_all).objective
+        except InfeasiblePlanError:
+            with pytest.raises(InfeasiblePlanError):
+                solve_cpsat(pb, time_limit=10.0, require_all_devices=require_all)
+            continue
+        res = solve_cpsat(pb, time_limit=10.0, require_all_devices=require_all)
+        assert res.objective == pytest.approx(best, rel=1e-6), require_all
+        assert check(pb, res.stage_of, res.stage_device) == []
+        assert res.status == "OPTIMAL"
+        if require_all:
+            assert sorted(res.stage_device) == list(range(5))
+        # two heuristic orders, one model each, when no baseline fits: CP-SAT runs (an
+        # infinite incumbent once "met" every bound, so it never did) and either finds a
+        # plan or says it found none, never that none exists (those orders are not all)
+        try:
+            heur = solve_cpsat(
+                pb, time_limit=10.0, require_all_devices=require_all, orders="heuristic"
+            )
+        except PartitionError as exc:
+            assert not isinstance(exc, InfeasiblePlanError)
+        else:
+            assert check(pb, heur.stage_of, heur.stage_device) == []
+            assert heur.objective >= best * (1 - 1e-9)

@@ -144,7 +144,14 @@ class _Callback(cp_model.CpSolverSolutionCallback):  # type: ignore[misc]
 
 
 def _meets(obj: float, bound: float, om: OrderModel) -> bool:
-    """Whether ``obj`` is within the integer model's rounding of a proven ``bound``."""
+    """Whether ``obj`` is within the integer model's rounding of a proven ``bound``.
+
+    No incumbent (``obj`` infinite: no baseline fits memory) meets nothing; it
+    used to "meet" every bound (inf <= inf), so CP-SAT never ran and a problem
+    with a plan was reported infeasible.
+    """
+    if not math.isfinite(obj):
+        return False
     return obj - bound <= max(2 * om.slack * om.unit, ROUNDING_GAP * obj)
 
 
@@ -380,6 +387,7 @@ def solve_cpsat(
     exact_classes = throughput and count_orders(classes) >= CLASS_MODEL_ORDERS and uniform_links(pb)
     use_classes = exact_classes or (throughput and not exhaustive)
     proved, met = True, False  # met: the incumbent meets the static bound (optimal)
+    no_plan = False
     global_bound = static_lb  # valid for every plan
     bounds: list[float] = []  # one per order searched; their min is valid when exhaustive
     if use_classes:
@@ -390,7 +398,10 @@ def solve_cpsat(
         share = work if exact_classes else work.within(work.left() / (len(order_list) + 1))
         res = _search_one(pb, om, inc, static_lb, share, work, cfg)
         global_bound, met = max(global_bound, res.bound), res.met
-        if exact_classes:
+        # no plan at all in a model that covers every order (exact, or a relaxation:
+        # cheaper links, the same memory): infeasibility proven
+        no_plan = res.finished and inc.plan is None
+        if exact_classes or no_plan:
             proved, order_list = res.finished, []
         elif inc.plan is not None and inc.plan[1] not in [
             o[: len(inc.plan[1])] for o in order_list
@@ -426,10 +437,10 @@ def solve_cpsat(
         # a relaxation valid for every device order: each node on its fastest device,
         # the largest cap everywhere, the fastest link between every pair
         global_bound = max(global_bound, _relaxed_bound(pb, work, seed, workers, best))
-    exhaustive = exhaustive or exact_classes
+    exhaustive = exhaustive or exact_classes or (use_classes and no_plan)
     wall = time.perf_counter() - t0
     if best is None:
-        if proved:
+        if proved and exhaustive:
             raise InfeasiblePlanError(
                 "no assignment of the graph to the devices fits the memory caps",
                 value=infeasibility_report(pb),

@@ -244,36 +244,51 @@ def _partition_once(
     problem = problem_from_parts(nodes, pc, options, training=training, ties=coarse_graph.ties)
     problem = dataclasses.replace(problem, widths=(1,), splits=())  # the pipeline-only solve
     cross = any(w > 1 for w in options.widths) and bool(options.splits) and not require_all_devices
-    result = solve(
-        problem,
-        deadline=work.share(PIPELINE_SHARE) if cross else work,
-        seed=options.seed,
-        solver=solver,
-        require_all_devices=require_all_devices,
-        progress=progress,
-    )
+    try:
+        piped: SolveResult | None = solve(
+            problem,
+            deadline=work.share(PIPELINE_SHARE) if cross else work,
+            seed=options.seed,
+            solver=solver,
+            require_all_devices=require_all_devices,
+            progress=progress,
+        )
+    except PartitionError as exc:
+        if not cross:
+            raise
+        # no pipeline fits (or none was found in time): groups may still fit, e.g. data
+        # parallelism holding 1/256 of the batch's activations per device
+        piped, pipe_error = None, exc
     assignment: dict[str, int] = {}
-    for cname, stage in zip(problem.names, result.stage_of):
+    stage_device = [] if piped is None else piped.stage_device
+    for cname, stage in zip(problem.names, [] if piped is None else piped.stage_of):
         for member in members.get(cname, [cname]):
             assignment[member] = stage
-    split_of = ["none"] * len(result.stage_device)
-    groups = [[d] for d in result.stage_device]
+    split_of = ["none"] * len(stage_device)
+    groups = [[d] for d in stage_device]
     lb_problem = problem
-    if cross:
+    if not cross:
+        assert piped is not None
+        result = piped
+    else:
         # cross-shaped: on the fine graph (its nodes know how they split), the
         # pipeline plan above competes with data parallelism and the group DP
         fine_pb = problem_from_parts(
             fine, pc, options, training=training, ties=graph.ties, batch=graph.batch_size
         )
-        pipe = ([assignment[n] for n in fine_pb.names], list(result.stage_device))
+        pipe = None if piped is None else ([assignment[n] for n in fine_pb.names], stage_device)
         found = solve_cross(
             fine_pb,
             pipe,
-            pipeline_name=f"pipeline_{result.solver}",
+            pipeline_name=f"pipeline_{solver}",
             colocate=colocate,
             deadline=work,
         )
-        result = _merge(result, found)
+        if piped is None:
+            found.notes.insert(0, f"no pipeline-only plan: {pipe_error}")
+            result = found
+        else:
+            result = _merge(piped, found)
         assert found.groups is not None
         assignment = dict(zip(fine_pb.names, found.stage_of))
         split_of = [g.split for g in found.groups]

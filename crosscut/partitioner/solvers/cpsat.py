@@ -68,7 +68,7 @@ from crosscut.partitioner.solvers.orders import (
 )
 from crosscut.partitioner.solvers.result import SolveResult, relative_gap
 
-__all__ = ["infeasibility_report", "solve_cpsat"]
+__all__ = ["caps_summary", "infeasibility_report", "solve_cpsat"]
 
 # the class model replaces enumerating orders from this many distinct orders up (exact
 # prices only: uniform links; measured in benchmarks/heterogeneous.py)
@@ -82,13 +82,25 @@ RESERVE_SHARE = 0.03  # of the time limit, kept for re-pricing and CP-SAT's own 
 Progress = Callable[[float, float, float], None]
 
 
+def caps_summary(names: list[str], caps: list[int]) -> str:
+    """Memory caps in a line that stays short at 2,048 devices: devices grouped by cap."""
+    by_cap: dict[int, list[str]] = {}
+    for name, cap in zip(names, caps):
+        by_cap.setdefault(cap, []).append(name)
+    parts = []
+    for cap, devs in sorted(by_cap.items(), key=lambda kv: -kv[0]):
+        who = ", ".join(devs) if len(devs) <= 4 else f"{devs[0]} .. {devs[-1]}"
+        parts.append(f"{len(devs)} x {cap} ({who})")
+    return "; ".join(parts)
+
+
 def infeasibility_report(pb: PartitionProblem) -> str:
     """The numbers that make the problem infeasible (or look most like it)."""
     least = _least_in_flight(pb)
     need = [pb.resident[v] + least * pb.activation[v] for v in range(pb.n)]
     big = max(range(pb.n), key=lambda v: need[v]) if pb.n else 0
     total = sum(pb.resident) + least * sum(pb.activation)
-    caps = ", ".join(f"{name}={cap}" for name, cap in zip(pb.devices, pb.mem_cap))
+    caps = caps_summary(pb.devices, pb.mem_cap)
     return (
         f"{pb.n} nodes need at least {total} bytes in all (resident {sum(pb.resident)} + "
         f"activations {sum(pb.activation)} x {least} in flight) vs device caps {caps} "

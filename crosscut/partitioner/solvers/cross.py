@@ -51,6 +51,7 @@ from crosscut.partitioner.evaluate import (
 )
 from crosscut.partitioner.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.solvers.baselines import allowed_cuts, device_order
+from crosscut.partitioner.solvers.cpsat import caps_summary
 from crosscut.partitioner.solvers.cross_tables import ChunkTables, StageShape
 from crosscut.partitioner.solvers.result import SolveResult, relative_gap
 
@@ -388,7 +389,8 @@ def solve_cross(
     if not best_name:
         raise InfeasiblePlanError(
             "no pipeline, data-parallel or cross-shaped plan fits the memory caps",
-            value=f"caps {problem.mem_cap}, widths {problem.widths}, splits {problem.splits}",
+            value=f"caps {caps_summary(problem.devices, problem.mem_cap)}, widths "
+            f"{list(problem.widths)}, splits {list(problem.splits)}",
             remedy="allow wider groups or channel splits, add devices, or use more micro-batches",
         )
     stage_of, groups = cands[best_name]

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--devices",
         required=True,
-        help="preset spec (4xK20c, 8xH100-nvlink), device list (cpu,cpu) or cluster JSON",
+        help="preset spec (4xK20c, 8xH100-nvlink, 32x8xV100), device list (cpu,cpu), cluster "
+        "JSON, or torchrun[+NETWORK] (the nodes of the torchrun job this runs in)",
     )
     p.add_argument("--mode", choices=["train", "infer"], default="train")
     p.add_argument("--objective", choices=["throughput", "latency"], default="throughput")

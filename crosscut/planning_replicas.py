@@ -13,6 +13,18 @@ layouts, so the whole search returns within it, tracing included: each layout
 gets an equal part of what is left of the call's
 :class:`~crosscut.partitioner.deadline.Deadline`.
 
+Micro-batches: a pipeline of ``d`` stages fed one micro-batch runs one stage
+at a time, so unless the caller fixed ``microbatches`` each layout is also
+planned for more (:func:`microbatch_candidates`: 1, 2, 4, ... dividing the
+replica's batch, up to :data:`MAX_MICROBATCHES`), each attempt an equal part
+of what is left of the layout's share, and keeps the count with the shortest
+step. Counts are tried in increasing order and the search stops once the step
+grows again (the bubble shrinks as ``1/M``, the per-micro-batch overheads
+grow with ``M``), when a plan has one stage (nothing to overlap), or when
+less time is left than the quickest attempt so far took (its tracing cannot
+be interrupted); a count whose plan does not fit the memory caps does not stop
+it (smaller micro-batches keep fewer activations).
+
 The plan it returns describes one replica (its stages on ``d`` devices of a
 node, ``model.batch_size`` = the replica's batch) and records ``R``, the
 reduction and its time in ``Plan.replication``; ``crosscut run --replicas R``
@@ -23,6 +35,8 @@ node by node).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +48,11 @@ if TYPE_CHECKING:
     from crosscut.cost_models import Cluster
     from crosscut.partitioner.plan import Plan
 
-__all__ = ["node_cluster", "plan_replicas"]
+__all__ = ["MAX_MICROBATCHES", "microbatch_candidates", "node_cluster", "plan_replicas"]
+
+# the largest micro-batch count tried per layout: with 1F1B a pipeline of S stages idles
+# (S-1)/(M+S-1) of its step, under 20 % at M = 4S for the 8 stages of a node
+MAX_MICROBATCHES = 32
 
 
 def node_cluster(cluster: Cluster, devices: int) -> Cluster:
@@ -63,6 +81,124 @@ def _slowest_link(cluster: Cluster) -> tuple[float, float]:
     )
 
 
+def microbatch_candidates(batch: int, cap: int = MAX_MICROBATCHES) -> list[int]:
+    """1, then each time the smallest divisor of ``batch`` at least twice the last, up to ``cap``.
+
+    Powers of two where the batch allows (64: 1, 2, 4, ..., 32), a geometric
+    ladder of divisors where it does not (24: 1, 2, 4, 8, 24).
+    """
+    out = [1]
+    top = min(batch, cap)
+    while True:
+        nxt = next((m for m in range(2 * out[-1], top + 1) if batch % m == 0), None)
+        if nxt is None:
+            return out
+        out.append(nxt)
+
+
+def _as_replicas(plan: Plan, cluster: Cluster, replicas: int) -> Plan:
+    """``plan`` (one replica) priced as ``replicas`` copies on ``cluster``'s nodes."""
+    from crosscut.partitioner.annotate import annotate
+
+    plan.cluster.nodes = cluster.nodes
+    plan.cluster.network = list(cluster.network)
+    plan.cluster.network_name = cluster.network_name
+    plan.cluster.name = cluster.name
+    plan.cluster.node_link = list(_slowest_link(cluster))
+    plan.replication.replicas = replicas
+    return annotate(plan)  # prices the all-reduce and the step from the plan's own numbers
+
+
+def _attempt(
+    plan_one: Callable[[Any, Cluster, Any, Any, Deadline], Plan],
+    model: Any,
+    node: Cluster,
+    replica: tuple[Any, ...],
+    request: Any,
+    cluster: Cluster,
+    replicas: int,
+    microbatches: int,
+    by: Deadline,
+) -> Plan:
+    """One replica on ``node`` with ``microbatches``, priced as ``replicas`` on ``cluster``."""
+    req = dataclasses.replace(request, microbatches=microbatches)
+    return _as_replicas(plan_one(model, node, replica, req, by), cluster, replicas)
+
+
+class _Search:
+    """The layouts' attempts so far: the best plan, what was tried, the quickest attempt."""
+
+    def __init__(self, deadline: Deadline) -> None:
+        self.deadline = deadline
+        self.best: Plan | None = None
+        self.tried: list[str] = []
+        self.quickest = 0.0  # seconds of the quickest attempt (trace + solve) so far
+        self.last_error: InfeasiblePlanError | None = None
+
+    def affordable(self, left: float) -> bool:
+        """Whether another attempt fits in ``left`` seconds (always, before any plan)."""
+        return self.best is None or (left > 0.0 and left >= self.quickest)
+
+    def keep(self, plan: Plan) -> None:
+        if self.best is None or plan.predicted.step_time_s < self.best.predicted.step_time_s:
+            self.best = plan
+
+
+def _layout(
+    search: _Search,
+    attempt: Callable[[int, Deadline], Plan],
+    layout: tuple[int, int],
+    counts: list[int],
+    within: Deadline,
+) -> None:
+    """Plan one (devices, replicas) layout for each micro-batch count worth trying."""
+    d, r = layout
+    if not search.affordable(search.deadline.left()):
+        search.tried.append(f"{r} replicas × {d} devices: not tried (time limit)")
+        return
+    steps: list[str] = []
+    layout_best: Plan | None = None
+    infeasible = False
+    for j, m in enumerate(counts):
+        if j and not search.affordable(within.left()):
+            steps.append(f"{m}: not tried (time limit)")
+            break
+        t0 = time.monotonic()
+        try:
+            plan = attempt(m, within.within(within.left() / (len(counts) - j)))
+        except InfeasiblePlanError as exc:
+            steps.append(f"{m}: no plan fits the memory caps")
+            search.last_error, infeasible = exc, True
+            continue
+        except PartitionError as exc:  # e.g. fewer nodes than devices to fill
+            steps.append(f"{m}: {exc.rule}")
+            break
+        finally:
+            wall = time.monotonic() - t0
+            search.quickest = wall if search.quickest == 0.0 else min(search.quickest, wall)
+        step = plan.predicted.step_time_s
+        steps.append(f"{m}: step {step:.6g} s")
+        search.keep(plan)
+        if layout_best is not None and step >= layout_best.predicted.step_time_s:
+            break  # past the shortest step
+        layout_best = plan
+        if plan.num_stages == 1:
+            break  # no pipeline: more micro-batches only add overhead
+    if layout_best is None:
+        fits = "no plan fits the memory caps" if infeasible else "no plan"
+        search.tried.append(
+            f"{r} replicas × {d} devices: {fits} (micro-batches {', '.join(steps)})"
+        )
+        return
+    rep = layout_best.replication
+    search.tried.append(
+        f"{r} replicas × {layout_best.num_stages} stages on {d} devices: step "
+        f"{layout_best.predicted.step_time_s:.6g} s with {layout_best.options.microbatches} "
+        f"micro-batches ({rep.reduction} all-reduce {rep.allreduce_s:.3g} s; micro-batches "
+        f"{', '.join(steps)})"
+    )
+
+
 def plan_replicas(
     model: Any,
     cluster: Cluster,
@@ -71,30 +207,26 @@ def plan_replicas(
     plan_one: Callable[[Any, Cluster, Any, Any, Deadline], Plan],
     deadline: Deadline | None = None,
 ) -> Plan:
-    """The fastest (replicas, pipeline) layout of ``model`` on ``cluster``'s nodes.
+    """The fastest (replicas, pipeline, micro-batches) layout of ``model`` on ``cluster``'s nodes.
 
-    ``request`` is a ``crosscut.planning.PlanRequest``;
-    ``plan_one(model, node_cluster, replica_inputs, request, deadline)``
-    partitions one replica (crosscut.planning.plan_request for a one-node
-    cluster) by ``deadline``; ``inputs``: the global batch's tensors.
+    ``request`` is a ``crosscut.planning.PlanRequest`` (``microbatches=None``:
+    chosen per layout); ``plan_one(model, node_cluster, replica_inputs,
+    request, deadline)`` partitions one replica (crosscut.planning.plan_request
+    for a one-node cluster) by ``deadline``; ``inputs``: the global batch's tensors.
     """
-    from crosscut.partitioner.annotate import annotate
-
     dl = Deadline.of(deadline, request.time_limit)
     batch = int(inputs[0].shape[0])
     per_node = len(cluster.devices)
+    fixed: int | None = request.microbatches
     options = [
-        (d, r)
-        for d, r in layouts(per_node, cluster.nodes)
-        if batch % (r * request.microbatches) == 0
+        (d, r) for d, r in layouts(per_node, cluster.nodes) if batch % (r * (fixed or 1)) == 0
     ]
     if not options:
         raise InputError(
             f"the global batch ({batch}) must split into replicas × micro-batches for some "
             f"layout of {cluster.total_devices} devices",
             value={"batch": batch, "replicas": [r for _, r in layouts(per_node, cluster.nodes)]},
-            remedy="use a batch that is a multiple of "
-            f"{cluster.total_devices * request.microbatches}",
+            remedy=f"use a batch that is a multiple of {cluster.total_devices * (fixed or 1)}",
         )
     # every device of a layout is used (fewer stages is the next layout's business), and
     # the layouts share the time limit
@@ -103,40 +235,21 @@ def plan_replicas(
         time_limit=max(1.0, request.time_limit / len(options)),
         require_all_devices=True,
     )
-    best: Plan | None = None
-    tried: list[str] = []
-    last_error: InfeasiblePlanError | None = None
+    search = _Search(dl)
     for i, (d, r) in enumerate(options):
         replica = tuple(t[: batch // r] for t in inputs)
+        node = node_cluster(cluster, d)
+        attempt = functools.partial(_attempt, plan_one, model, node, replica, share, cluster, r)
+        counts = [fixed] if fixed else microbatch_candidates(batch // r)
         within = dl.within(dl.left() / (len(options) - i))  # an equal part of what is left
-        try:
-            plan = plan_one(model, node_cluster(cluster, d), replica, share, within)
-        except InfeasiblePlanError as exc:
-            tried.append(f"{r} replicas × {d} devices: no plan fits the memory caps")
-            last_error = exc
-            continue
-        except PartitionError as exc:  # e.g. fewer nodes than devices to fill
-            tried.append(f"{r} replicas × {d} devices: {exc.rule}")
-            continue
-        plan.cluster.nodes = cluster.nodes
-        plan.cluster.network = list(cluster.network)
-        plan.cluster.network_name = cluster.network_name
-        plan.cluster.name = cluster.name
-        plan.cluster.node_link = list(_slowest_link(cluster))
-        plan.replication.replicas = r
-        annotate(plan)  # prices the all-reduce and the step from the plan's own numbers
-        tried.append(
-            f"{r} replicas × {plan.num_stages} stages on {d} devices: step "
-            f"{plan.predicted.step_time_s:.6g} s ({plan.replication.reduction} all-reduce "
-            f"{plan.replication.allreduce_s:.3g} s)"
-        )
-        if best is None or plan.predicted.step_time_s < best.predicted.step_time_s:
-            best = plan
+        _layout(search, attempt, (d, r), counts, within)
+    best = search.best
     if best is None:
+        err = search.last_error
         raise InfeasiblePlanError(
-            f"no layout of replicas × pipeline fits the memory caps: {'; '.join(tried)}",
-            value=None if last_error is None else last_error.value,
-            remedy=None if last_error is None else last_error.remedy,
-        ) from last_error
-    best.solver.notes.append("replicas × pipeline layouts tried: " + "; ".join(tried))
+            f"no layout of replicas × pipeline fits the memory caps: {'; '.join(search.tried)}",
+            value=None if err is None else err.value,
+            remedy=None if err is None else err.remedy,
+        ) from err
+    best.solver.notes.append("replicas × pipeline layouts tried: " + "; ".join(search.tried))
     return best

@@ -128,12 +128,13 @@ def _attempt(
 class _Search:
     """The layouts' attempts so far: the best plan, what was tried, the quickest attempt."""
 
-    def __init__(self, deadline: Deadline) -> None:
-        self.deadline = deadline
+    def __init__(self, deadline: Deadline, batch: int) -> None:
+        self.deadline, self.batch = deadline, batch
         self.best: Plan | None = None
         self.tried: list[str] = []
         self.quickest = 0.0  # seconds of the quickest attempt (trace + solve) so far
         self.last_error: InfeasiblePlanError | None = None
+        self.rejected: InputError | None = None  # the model refused a micro-batch size
 
     def affordable(self, left: float) -> bool:
         """Whether another attempt fits in ``left`` seconds (always, before any plan)."""
@@ -152,7 +153,7 @@ def _layout(
     within: Deadline,
 ) -> None:
     """Plan one (devices, replicas) layout for each micro-batch count worth trying."""
-    d, r = layout
+    (d, r), batch = layout, search.batch
     if not search.affordable(search.deadline.left()):
         search.tried.append(f"{r} replicas × {d} devices: not tried (time limit)")
         return
@@ -172,6 +173,10 @@ def _layout(
             continue
         except PartitionError as exc:  # e.g. fewer nodes than devices to fill
             steps.append(f"{m}: {exc.rule}")
+            break
+        except InputError as exc:  # e.g. batch norm refuses a micro-batch of one sample
+            steps.append(f"{m}: the model rejects a micro-batch of {batch // r // m}")
+            search.rejected = exc
             break
         finally:
             wall = time.monotonic() - t0
@@ -235,7 +240,7 @@ def plan_replicas(
         time_limit=max(1.0, request.time_limit / len(options)),
         require_all_devices=True,
     )
-    search = _Search(dl)
+    search = _Search(dl, batch)
     for i, (d, r) in enumerate(options):
         replica = tuple(t[: batch // r] for t in inputs)
         node = node_cluster(cluster, d)
@@ -244,6 +249,8 @@ def plan_replicas(
         within = dl.within(dl.left() / (len(options) - i))  # an equal part of what is left
         _layout(search, attempt, (d, r), counts, within)
     best = search.best
+    if best is None and search.rejected is not None and search.last_error is None:
+        raise search.rejected  # every layout's batch share was refused by the model
     if best is None:
         err = search.last_error
         raise InfeasiblePlanError(

@@ -183,6 +183,25 @@ def test_the_planner_chooses_micro_batches_for_a_pipeline_layout() -> None:
     validate_plan(chosen)
 
 
+def test_a_micro_batch_the_model_refuses_skips_that_count_only() -> None:
+    """Batch norm refuses a micro-batch of one sample in training: the layouts whose
+    share comes to one sample are skipped (named in the notes), the others planned; a
+    model that refuses every layout's inputs raises its own error."""
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Flatten(),
+    )  # fmt: skip
+    x = torch.randn(4, 3, 5, 5)  # the second batch norm sees 1x1 maps: one value a sample
+    plan = crosscut.partition(model, "2x2xcpu", x, time_limit=4)
+    notes = plan.solver.notes[-1]
+    refused = "4 replicas × 1 devices: no plan (micro-batches 1: the model rejects a micro-batch"
+    assert f"{refused} of 1)" in notes, notes
+    assert "2: the model rejects a micro-batch of 1" in notes, notes  # 2 replicas × 2 devices
+    assert plan.model.batch_size // plan.options.microbatches >= 2
+    with pytest.raises(InputError, match="rejected the example inputs"):
+        crosscut.partition(model, "2x2xcpu", torch.randn(4, 5, 5, 5), time_limit=4)
+
+
 def test_a_graph_cannot_be_planned_on_several_nodes() -> None:
     graph = crosscut.trace(torchvision.models.resnet18(weights=None), torch.randn(2, 3, 32, 32))
     with pytest.raises(InputError, match="planned from the model"):

@@ -3,12 +3,17 @@
 ``crosscut.partition(model, "32x8xV100", global_batch)`` cannot solve one
 partition problem over 256 devices (nor should it: a ResNet-50 pipeline of
 256 stages would be all bubble). It chooses, jointly, the number of replicas
-``R`` and the devices per replica ``d`` (``R × d`` = every device, stages
-inside a node: :func:`crosscut.partitioner.replicas.layouts`): for each
-layout it partitions the replica's share of the batch over ``d`` devices of
-one node, prices the gradient all-reduce over ``R`` replicas (ring or 2-D,
-whichever is cheaper: :func:`~crosscut.partitioner.replicas.reduction`), and
-keeps the layout with the shortest step. The time limit is shared among the
+``R`` and the devices per replica ``d`` (``R × d`` = every device): stages
+inside a node (:func:`crosscut.partitioner.replicas.layouts`), or a replica
+on ``k`` whole nodes (:func:`~crosscut.partitioner.replicas.spanning_layouts`,
+up to 16 devices), where a model does not fit one node or its gradients
+cost the network more than its activations do. For each layout it partitions
+the replica's share of the batch over its ``d`` devices
+(:func:`replica_cluster`: a node's links inside a node, the network between
+nodes, as ``Cluster.transfer_time`` prices them), prices the gradient
+all-reduce over ``R`` replicas (ring or 2-D, whichever is cheaper:
+:func:`~crosscut.partitioner.replicas.reduction`), and keeps the layout with
+the shortest step. The time limit is shared among the
 layouts, so the whole search returns within it, tracing included: each layout
 gets an equal part of what is left of the call's
 :class:`~crosscut.partitioner.deadline.Deadline`.
@@ -26,10 +31,13 @@ be interrupted); a count whose plan does not fit the memory caps does not stop
 it (smaller micro-batches keep fewer activations).
 
 The plan it returns describes one replica (its stages on ``d`` devices of a
-node, ``model.batch_size`` = the replica's batch) and records ``R``, the
-reduction and its time in ``Plan.replication``; ``crosscut run --replicas R``
-starts that layout (replica ``r`` on global ranks ``r·d .. r·d + d − 1``,
-node by node).
+node, or of ``k`` nodes, named ``n<node>.<device>``; ``model.batch_size`` = the
+replica's batch) and records ``R``, the reduction and its time in
+``Plan.replication``; ``crosscut run --replicas R`` starts that layout
+(replica ``r`` on global ranks ``r·d .. r·d + d − 1``, node by node, its
+stage ``s`` on its ``s``-th rank: a spanning plan whose solver put stages on
+other nodes than those ranks is not kept,
+:func:`~crosscut.partitioner.replicas.runs_in_rank_order`).
 """
 
 from __future__ import annotations
@@ -42,13 +50,25 @@ from typing import TYPE_CHECKING, Any
 
 from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
 from crosscut.partitioner.deadline import Deadline
-from crosscut.partitioner.replicas import layouts
+from crosscut.partitioner.replicas import (
+    layouts,
+    replica_span,
+    runs_in_rank_order,
+    spanning_layouts,
+    stage_nodes,
+)
 
 if TYPE_CHECKING:
     from crosscut.cost_models import Cluster
     from crosscut.partitioner.plan import Plan
 
-__all__ = ["MAX_MICROBATCHES", "microbatch_candidates", "node_cluster", "plan_replicas"]
+__all__ = [
+    "MAX_MICROBATCHES",
+    "microbatch_candidates",
+    "node_cluster",
+    "plan_replicas",
+    "replica_cluster",
+]
 
 # the largest micro-batch count tried per layout: with 1F1B a pipeline of S stages idles
 # (S-1)/(M+S-1) of its step, under 20 % at M = 4S for the 8 stages of a node
@@ -67,6 +87,41 @@ def node_cluster(cluster: Cluster, devices: int) -> Cluster:
         meta=dict(cluster.meta),
         name=f"{devices}x{cluster.devices[0].kind} of {cluster.name}",
     )
+
+
+def replica_cluster(cluster: Cluster, devices: int) -> Cluster:
+    """One replica's ``devices`` as a one-node cluster the partitioner can solve.
+
+    Inside a node: its first ``devices`` (:func:`node_cluster`). Over
+    ``devices / g`` whole nodes of ``g``: their devices node by node, named
+    ``n<node>.<name>``, each pair priced as :meth:`Cluster.transfer_time`
+    prices it (``same_node``: the node's link; else the network). A
+    ``devices²`` matrix, so spans stay small (``replicas.MAX_SPAN_DEVICES``).
+    """
+    g = len(cluster.devices)
+    if devices <= g:
+        return node_cluster(cluster, devices)
+
+    def link(a: int, b: int) -> tuple[float, float]:
+        if cluster.same_node(a, b):
+            return cluster.bandwidth[a % g][b % g], cluster.latency[a % g][b % g]
+        return cluster.network
+
+    links = [[link(a, b) for b in range(devices)] for a in range(devices)]
+    out = dataclasses.replace(
+        cluster,
+        devices=[
+            cluster.devices[i % g].renamed(f"n{i // g}.{cluster.devices[i % g].name}")
+            for i in range(devices)
+        ],
+        bandwidth=[[bw for bw, _ in row] for row in links],
+        latency=[[lat for _, lat in row] for row in links],
+        nodes=1,
+        meta=dict(cluster.meta),
+        name=f"{devices // g} nodes of {g}x{cluster.devices[0].kind} of {cluster.name}",
+    )
+    out.validate()
+    return out
 
 
 def _slowest_link(cluster: Cluster) -> tuple[float, float]:
@@ -122,7 +177,16 @@ def _attempt(
 ) -> Plan:
     """One replica on ``node`` with ``microbatches``, priced as ``replicas`` on ``cluster``."""
     req = dataclasses.replace(request, microbatches=microbatches)
-    return _as_replicas(plan_one(model, node, replica, req, by), cluster, replicas)
+    plan = _as_replicas(plan_one(model, node, replica, req, by), cluster, replicas)
+    span = replica_span(plan, replicas)
+    if span > 1 and not runs_in_rank_order(plan, span):
+        raise PartitionError(
+            "a replica spanning nodes runs stage s on its s-th rank, node by node; this "
+            "plan's stages sit on other nodes",
+            value={"stage nodes": stage_nodes(plan, span)},
+            remedy="a fixed device order would avoid it; the layout is skipped",
+        )
+    return plan
 
 
 class _Search:
@@ -223,14 +287,13 @@ def plan_replicas(
     batch = int(inputs[0].shape[0])
     per_node = len(cluster.devices)
     fixed: int | None = request.microbatches
-    options = [
-        (d, r) for d, r in layouts(per_node, cluster.nodes) if batch % (r * (fixed or 1)) == 0
-    ]
+    every = layouts(per_node, cluster.nodes) + spanning_layouts(per_node, cluster.nodes)
+    options = [(d, r) for d, r in every if batch % (r * (fixed or 1)) == 0]
     if not options:
         raise InputError(
             f"the global batch ({batch}) must split into replicas × micro-batches for some "
             f"layout of {cluster.total_devices} devices",
-            value={"batch": batch, "replicas": [r for _, r in layouts(per_node, cluster.nodes)]},
+            value={"batch": batch, "replicas": [r for _, r in every]},
             remedy=f"use a batch that is a multiple of {cluster.total_devices * (fixed or 1)}",
         )
     # every device of a layout is used (fewer stages is the next layout's business), and
@@ -243,7 +306,7 @@ def plan_replicas(
     search = _Search(dl, batch)
     for i, (d, r) in enumerate(options):
         replica = tuple(t[: batch // r] for t in inputs)
-        node = node_cluster(cluster, d)
+        node = replica_cluster(cluster, d)
         attempt = functools.partial(_attempt, plan_one, model, node, replica, share, cluster, r)
         counts = [fixed] if fixed else microbatch_candidates(batch // r)
         within = dl.within(dl.left() / (len(options) - i))  # an equal part of what is left

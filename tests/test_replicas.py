@@ -2,7 +2,8 @@
 
 The planner's rule (crosscut/planning_replicas.py, partitioner/replicas.py):
 every device is used (replicas × devices per replica = nodes × devices per
-node), stages stay inside a node, the gradient all-reduce is the cheaper of a
+node), stages stay inside a node (or a replica spans whole nodes:
+tests/test_node_spanning.py), the gradient all-reduce is the cheaper of a
 ring and a 2-D reduction, and the layout with the shortest step wins, each
 with the micro-batch count that gives it the shortest step.
 """

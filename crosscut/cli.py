@@ -50,12 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--devices",
         required=True,
-        help="preset spec (4xK20c, 8xH100-nvlink), device list (cpu,cpu) or cluster JSON",
+        help="preset spec (4xK20c, 8xH100-nvlink, 32x8xV100), device list (cpu,cpu), cluster "
+        "JSON, or torchrun[+NETWORK] (the nodes of the torchrun job this runs in)",
     )
     p.add_argument("--mode", choices=["train", "infer"], default="train")
     p.add_argument("--objective", choices=["throughput", "latency"], default="throughput")
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
-    p.add_argument("--microbatches", type=_positive_int, default=1)
+    p.add_argument(
+        "--microbatches",
+        type=_positive_int,
+        default=None,
+        help="micro-batches per step (default: 1 on one node; chosen per replica layout on "
+        "a cluster of nodes)",
+    )
     p.add_argument("--time-limit", type=_positive_float, default=10.0, help="solver seconds")
     p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="sgd")
     p.add_argument("--cost", choices=["analytic", "profiled"], default="analytic")

@@ -164,12 +164,21 @@ def _plan_cluster(devices: Any, stages: int, device: torch.device) -> Any:
             return ["cpu"] * stages
         # GPUs on other ranks (other nodes) are not visible here: price this rank's own
         # GPU for every stage instead of naming cuda:i devices rank 0 may not have
-        from crosscut.cost_models.cluster import _cuda_spec
+        from crosscut.cost_models.detect import cuda_spec
 
-        base = _cuda_spec(device)
+        base = cuda_spec(device)
         specs = [base.renamed(f"gpu{i}", f"cuda:{i}") for i in range(stages)]
         return Cluster.from_specs(specs, "pcie")
     cluster = Cluster.from_any(devices)
+    if cluster.nodes > 1:  # e.g. devices="torchrun" on a job of several nodes
+        raise InputError(
+            "under torchrun, compile plans one replica's stages; a cluster of several nodes "
+            "is planned as replicas × pipeline by partition()",
+            value=cluster.name,
+            remedy="`crosscut partition MODEL --devices ... -o plan.json` (or "
+            "crosscut.partition(model, cluster, global_batch)), then `crosscut run --plan "
+            "plan.json` on every node; or pass devices=None",
+        )
     if len(cluster.devices) != stages:
         raise InputError(
             f"under torchrun, devices must list one device per pipeline stage: "

@@ -121,7 +121,7 @@ def check_options(
     mode: str,
     objective: str,
     schedule: str,
-    microbatches: int,
+    microbatches: int | None,
     time_limit: float,
     optimizer: str = "sgd",
     cost: str = "analytic",
@@ -135,11 +135,13 @@ def check_options(
     ):
         if value not in allowed:
             raise InputError(f"{label} must be one of {list(allowed)}", value=value)
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+    if microbatches is not None and (
+        not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1
+    ):
         raise InputError(
             "microbatches must be a positive integer",
             value=microbatches,
-            remedy="use 1 for no pipelining, or e.g. 4 or 8",
+            remedy="use 1 for no pipelining, e.g. 4 or 8, or None (partition: the planner's)",
         )
     if not isinstance(time_limit, (int, float)) or not time_limit > 0:
         raise InputError(
@@ -187,12 +189,16 @@ class PlanRequest:
     ``crosscut.compile`` builds one before it decides between the local and
     the torchrun path (so every rank checks the same options the same way),
     and :func:`plan_request` consumes it without checking again.
+
+    ``microbatches=None`` leaves the count to the planner: on a cluster of
+    nodes each replica layout gets its own (:mod:`crosscut.planning_replicas`);
+    on one node it is 1. A number is kept as given.
     """
 
     mode: str = "train"
     objective: str = "throughput"
     schedule: str = "1f1b"
-    microbatches: int = 1
+    microbatches: int | None = None
     time_limit: float = 10.0
     optimizer: str = "sgd"
     cost: str = "analytic"
@@ -244,7 +250,7 @@ def partition(
     mode: str = "train",
     objective: str = "throughput",
     schedule: str = "1f1b",
-    microbatches: int = 1,
+    microbatches: int | None = None,
     time_limit: float = 10.0,
     optimizer: str = "sgd",
     cost: str = "analytic",
@@ -266,6 +272,10 @@ def partition(
     ``cluster`` is anything :meth:`crosscut.Cluster.from_any` accepts: a spec
     string (``"4xV100"``), a list of devices (``["cpu", "cpu"]``), an int, a
     cluster JSON path or a Cluster.
+
+    ``microbatches``: the pipeline's micro-batches per step; ``None`` (default)
+    lets the planner choose: on a cluster of nodes, per replica layout, the
+    count with the shortest predicted step; on one node, 1.
 
     ``cross_shaped=True`` lets a stage run on a group of devices split by
     ``splits`` (``"batch"``: data parallel inside the stage; ``"channel"``:
@@ -353,7 +363,7 @@ def plan_request(
         shapes = [list(t.shape) for t in as_tuple(example_inputs)]
         graph = trace(
             model_or_graph,
-            micro_inputs(example_inputs, r.microbatches),
+            micro_inputs(example_inputs, r.microbatches or 1),
             mode=r.mode,
             precision=r.precision,
         )
@@ -361,7 +371,7 @@ def plan_request(
     options = PlanOptions(
         objective=r.objective,
         schedule=r.schedule,
-        microbatches=r.microbatches,
+        microbatches=r.microbatches or 1,
         overlap_comm=r.overlap_comm,
         optimizer=r.optimizer,
         time_limit_s=float(r.time_limit),

@@ -2,8 +2,10 @@
 
 The planner's rule (crosscut/planning_replicas.py, partitioner/replicas.py):
 every device is used (replicas × devices per replica = nodes × devices per
-node), stages stay inside a node, the gradient all-reduce is the cheaper of a
-ring and a 2-D reduction, and the layout with the shortest step wins.
+node), stages stay inside a node (or a replica spans whole nodes:
+tests/test_node_spanning.py), the gradient all-reduce is the cheaper of a
+ring and a 2-D reduction, and the layout with the shortest step wins, each
+with the micro-batch count that gives it the shortest step.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from crosscut.partitioner.plan import Plan
 from crosscut.partitioner.replicas import layouts, reduction, stage_gradient_bytes
 from crosscut.partitioner.simulate import simulate
 from crosscut.partitioner.validate import validate_plan
+from crosscut.planning_replicas import microbatch_candidates
 from tests.plan_factory import make_plan
 
 
@@ -137,6 +140,67 @@ def test_weights_too_big_for_one_device_make_a_pipeline() -> None:
     assert "1 devices: no plan fits the memory caps" in plan.solver.notes[-1]
     caps = {d.name: d.mem_cap for d in plan.cluster.devices}
     assert all(peak <= caps[d] for d, peak in plan.predicted.device_peak_bytes.items())
+
+
+def test_microbatch_candidates_are_a_ladder_of_divisors() -> None:
+    assert microbatch_candidates(64) == [1, 2, 4, 8, 16, 32]  # MAX_MICROBATCHES = 32
+    assert microbatch_candidates(24) == [1, 2, 4, 8, 24]
+    assert microbatch_candidates(30) == [1, 2, 5, 10, 30]
+    assert microbatch_candidates(7) == [1, 7]
+    assert microbatch_candidates(1) == [1]
+    assert microbatch_candidates(64, cap=8) == [1, 2, 4, 8]
+
+
+def _two_big_layers(batch: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """Two 1.6 GB layers (6.4 GB with gradients): no 4.8 GB K20c holds the model alone."""
+    with torch.device("meta"):  # nothing of the 3.2 GB of weights is allocated
+        model = torch.nn.Sequential(
+            torch.nn.Linear(20_000, 20_000), torch.nn.ReLU(), torch.nn.Linear(20_000, 20_000)
+        )
+    return model, torch.empty(batch, 20_000, device="meta")
+
+
+def test_the_planner_chooses_micro_batches_for_a_pipeline_layout() -> None:
+    """Only pipelines fit, and a pipeline fed one micro-batch runs one stage at a time:
+    left to the planner, the layout gets more micro-batches and a shorter step; a count
+    the caller gives is kept; the whole search stays within the time limit."""
+    model, x = _two_big_layers(2048)
+    limit = 4.0
+    t0 = time.perf_counter()
+    chosen = crosscut.partition(model, "2x2xK20c+ib400", x, time_limit=limit)
+    wall = time.perf_counter() - t0
+    assert wall <= limit * 1.1 + 0.75, wall
+    one = crosscut.partition(model, "2x2xK20c+ib400", x, time_limit=limit, microbatches=1)
+    assert chosen.num_stages == len(chosen.used_devices()) == 2, chosen.solver.notes[-1]
+    assert chosen.options.microbatches > 1 and one.options.microbatches == 1
+    assert chosen.predicted.step_time_s < one.predicted.step_time_s
+    assert chosen.model.batch_size == 2048 // chosen.replication.replicas
+    notes = chosen.solver.notes[-1]
+    assert "micro-batches 1: step" in notes and f"{chosen.options.microbatches}: step" in notes
+    fixed = crosscut.partition(model, "2x2xK20c+ib400", x, time_limit=limit, microbatches=2)
+    assert fixed.options.microbatches == 2
+    assert "micro-batches 2: step" in fixed.solver.notes[-1]
+    assert "1: step" not in fixed.solver.notes[-1]  # the given count alone is tried
+    validate_plan(chosen)
+
+
+def test_a_micro_batch_the_model_refuses_skips_that_count_only() -> None:
+    """Batch norm refuses a micro-batch of one sample in training: the layouts whose
+    share comes to one sample are skipped (named in the notes), the others planned; a
+    model that refuses every layout's inputs raises its own error."""
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Flatten(),
+    )  # fmt: skip
+    x = torch.randn(4, 3, 5, 5)  # the second batch norm sees 1x1 maps: one value a sample
+    plan = crosscut.partition(model, "2x2xcpu", x, time_limit=4)
+    notes = plan.solver.notes[-1]
+    refused = "4 replicas × 1 devices: no plan (micro-batches 1: the model rejects a micro-batch"
+    assert f"{refused} of 1)" in notes, notes
+    assert "2: the model rejects a micro-batch of 1" in notes, notes  # 2 replicas × 2 devices
+    assert plan.model.batch_size // plan.options.microbatches >= 2
+    with pytest.raises(InputError, match="rejected the example inputs"):
+        crosscut.partition(model, "2x2xcpu", torch.randn(4, 5, 5, 5), time_limit=4)
 
 
 def test_a_graph_cannot_be_planned_on_several_nodes() -> None:

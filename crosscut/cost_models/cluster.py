@@ -2,7 +2,8 @@
 
 A cluster is plain data, built from a spec string (``"4xK20c"``,
 ``"8xH100-nvlink"``), a list of real devices (``["cuda:0", "cuda:1"]``,
-``["cpu", "cpu"]``), an int (the first N GPUs), or a JSON file. Default
+``["cpu", "cpu"]``), an int (the first N GPUs), a JSON file, or a torchrun
+job's environment (``"torchrun"``: :meth:`Cluster.detect`). Default
 topology per kind: K20c and P40 sit on PCIe in Mariana's two-switch layout (they
 have no NVLink); V100, A100, H100 and H200 default to NVLink, the way those
 parts ship in DGX/HGX boards; ``cpu`` uses shared-memory copies.
@@ -13,13 +14,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from crosscut.cost_models.detect import cuda_spec, parse_device, torchrun_env
 from crosscut.cost_models.devices import DeviceSpec, cpu_spec, preset, preset_names
 from crosscut.cost_models.links import (
     DEFAULT_NETWORK,
@@ -48,14 +50,7 @@ DEFAULT_TOPOLOGY: dict[str, str] = {
 _SPEC_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(.+?)\s*$")
 # "NODESxGPUSxKIND[-TOPOLOGY][+NETWORK]", e.g. "32x8xV100", "4x8xA100-80GB+ib400"
 _NODES_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*([^+\s]+?)(?:\+(\w+))?\s*$")
-_GPU_NAME_HINTS = [  # substring of torch.cuda device name -> preset kind (first match wins)
-    ("H200", "H200"),
-    ("H100", "H100"),
-    ("A100", "A100-80GB"),
-    ("V100", "V100"),
-    ("P40", "P40"),
-    ("K20", "K20c"),
-]
+_TORCHRUN_RE = re.compile(r"^\s*torchrun(?:\+(\w+))?\s*$", re.I)  # "torchrun[+NETWORK]"
 
 
 @dataclass
@@ -305,7 +300,7 @@ class Cluster:
                 value=[],
                 remedy="e.g. ['cuda:0', 'cuda:1'] or ['cpu', 'cpu']",
             )
-        torch_devs = [_parse_device(d) for d in devices]
+        torch_devs = [parse_device(d) for d in devices]
         cuda_ids = [d.index for d in torch_devs if d.type == "cuda"]
         dup = sorted({i for i in cuda_ids if cuda_ids.count(i) > 1 and i is not None})
         if dup:
@@ -328,7 +323,7 @@ class Cluster:
                 )
                 cpu_i += 1
             else:
-                specs.append(_cuda_spec(d))
+                specs.append(cuda_spec(d))
         topo = "cpu" if n_cpu == len(specs) else DEFAULT_TOPOLOGY.get(specs[0].kind, "pcie")
         if n_cpu and n_cpu != len(specs):
             topo = "pcie"
@@ -342,6 +337,57 @@ class Cluster:
         cluster.name = ",".join(cluster.meta["detected"])
         return cluster
 
+    @classmethod
+    def detect(
+        cls,
+        network: str | None = None,
+        *,
+        device: str | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> Cluster:
+        """The cluster of the torchrun job this process runs in: nodes × local ranks.
+
+        Nodes and ranks per node come from torchrun's variables
+        (:func:`~crosscut.cost_models.detect.torchrun_env`), one device per
+        rank; the kind from this rank's device (``device``: ``"cuda"`` or
+        ``"cpu"``; default CUDA when available, as ``crosscut.distributed.init``
+        picks), a GPU matched to a preset by name with its real memory; the
+        network from ``network``, else ``CROSSCUT_NETWORK``, else the kind's
+        default (``links.DEFAULT_NETWORK``). ``"torchrun[+NETWORK]"`` in
+        :meth:`from_any` (and ``--devices``) calls this.
+        """
+        env = os.environ if environ is None else environ
+        job = torchrun_env(env)
+        use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
+        if device not in (None, "cuda", "cpu") or (use_cuda and not torch.cuda.is_available()):
+            raise DeviceError(
+                "Cluster.detect's device is 'cuda' (needs a GPU here) or 'cpu'",
+                value=device,
+                remedy="leave device out to use CUDA where it is available",
+            )
+        if use_cuda:  # this rank's GPU (cuda:LOCAL_RANK) names the kind of every device
+            n_gpu = torch.cuda.device_count()
+            spec = cuda_spec(torch.device("cuda", job.local_rank if job.local_rank < n_gpu else 0))
+            local = [spec.renamed(f"gpu{i}", f"cuda:{i}") for i in range(job.local_world_size)]
+            try:
+                node = cls.from_specs(local, DEFAULT_TOPOLOGY.get(spec.kind, "pcie"))
+            except DeviceError:  # a GPU with no NVLink preset
+                node = cls.from_specs(local, "pcie")
+        else:
+            node = cls.from_spec(f"{job.local_world_size}xcpu")
+        kind = node.devices[0].kind
+        net = network or env.get("CROSSCUT_NETWORK") or DEFAULT_NETWORK.get(kind, "eth25")
+        if net not in NETWORKS:
+            raise DeviceError(
+                "a network must be one of the known names",
+                value=net,
+                remedy=f"use one of {sorted(NETWORKS)}",
+            )
+        node.nodes, node.network, node.network_name = job.nodes, NETWORKS[net], net
+        node.name = f"{job.nodes}x{job.local_world_size}x{kind}+{net}"
+        node.meta = {"spec": node.name, "detected": "torchrun"}
+        return node
+
     def measure_links(self) -> None:
         """Replace every off-diagonal link by a measured (bandwidth, latency)."""
         for i, a in enumerate(self.devices):
@@ -352,7 +398,7 @@ class Cluster:
 
     @classmethod
     def from_any(cls, x: ClusterLike) -> Cluster:
-        """Dispatch: Cluster, int, list of devices, "a,b" device string, JSON path, spec string."""
+        """Dispatch: Cluster, int, device list, "a,b" string, JSON path, spec, "torchrun"."""
         if isinstance(x, Cluster):
             x.validate()
             return x
@@ -365,6 +411,8 @@ class Cluster:
         ):
             return cls.load(x)
         if isinstance(x, str):
+            if m := _TORCHRUN_RE.match(x):  # the job's own cluster, under torchrun
+                return cls.detect(m.group(1))
             if _SPEC_RE.match(x):
                 return cls.from_spec(x)
             # "cuda:0,cuda:1" / "cpu,cpu": the CLI's device-list form
@@ -449,52 +497,3 @@ ClusterLike = Cluster | int | str | Path | Sequence[str | torch.device]
 def _pair(value: Any) -> tuple[float, float]:
     bw, lat = (float(v) for v in value)
     return (bw, lat)
-
-
-def _parse_device(d: str | torch.device) -> torch.device:
-    """A torch.device that exists here, or DeviceError with the devices that do."""
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    avail = ["cpu"] + [f"cuda:{i}" for i in range(n_gpu)]
-    try:
-        dev = torch.device(d)
-    except (RuntimeError, TypeError, ValueError):
-        raise DeviceError(
-            "a device is 'cpu' or 'cuda:<index>'", value=d, remedy=f"available here: {avail}"
-        ) from None
-    if dev.type == "cpu":
-        return torch.device("cpu")
-    if dev.type != "cuda":
-        raise DeviceError(
-            "only 'cpu' and 'cuda:<index>' devices are supported",
-            value=str(d),
-            remedy=f"available here: {avail}",
-        )
-    index = dev.index if dev.index is not None else (torch.cuda.current_device() if n_gpu else 0)
-    if index >= n_gpu:
-        raise DeviceError(
-            "the device must exist on this machine", value=str(d), remedy=f"available here: {avail}"
-        )
-    return torch.device("cuda", index)
-
-
-def _cuda_spec(dev: torch.device) -> DeviceSpec:
-    """A preset matched by GPU name with the real memory size; unknown GPUs get a measured peak."""
-    props = torch.cuda.get_device_properties(dev)
-    name = f"cuda:{dev.index}"
-    for hint, kind in _GPU_NAME_HINTS:
-        if hint in props.name:
-            if kind == "A100-80GB" and props.total_memory < 60 * 10**9:
-                kind = "A100-40GB"
-            base = preset(kind, name, name)
-            return DeviceSpec(
-                base.name,
-                base.kind,
-                name,
-                dict(base.peak_flops),
-                base.mem_bw,
-                int(props.total_memory),
-                base.launch_overhead_s,
-            )
-    peak = measure_matmul_flops(dev)
-    kind = re.sub(r"[^A-Za-z0-9]+", "-", props.name).strip("-")
-    return DeviceSpec(name, kind, name, {"float32": peak}, 500e9, int(props.total_memory), 5e-6)

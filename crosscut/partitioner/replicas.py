@@ -1,11 +1,17 @@
 """Data-parallel replicas of a pipeline across nodes: the layouts and their gradient reduction.
 
 A cluster of ``N`` identical nodes of ``g`` devices (``"32x8xV100"``) runs
-``R`` replicas of a pipeline of ``d`` devices, ``R × d = N × g``. Stages stay
-inside a node (their activations cross NVLink every micro-batch), so ``d``
-divides ``g`` and each node holds ``p = g / d`` replicas; replica ``r`` is
-the ``d`` devices ``r·d .. r·d + d − 1`` of the global rank order (node by
-node), which is the layout ``crosscut run --replicas R`` starts.
+``R`` replicas of a pipeline of ``d`` devices, ``R × d = N × g``. Either the
+stages stay inside a node (their activations cross NVLink every micro-batch):
+``d`` divides ``g`` and each node holds ``p = g / d`` replicas
+(:func:`layouts`); or a replica spans ``k`` whole nodes, ``d = k × g`` and
+``R = N / k``, its activations crossing the network ``k − 1`` times per
+micro-batch (:func:`spanning_layouts`: a model too big for one node, or
+gradients too big for the network). Replica ``r`` is the ``d`` devices
+``r·d .. r·d + d − 1`` of the global rank order (node by node), which is the
+layout ``crosscut run --replicas R`` starts; stage ``s`` of a replica runs on
+its ``s``-th rank (:func:`runs_in_rank_order` checks that a spanning plan's
+stages sit on the nodes those ranks do).
 
 After backward, stage position ``k`` all-reduces its gradients (``G_k``
 bytes) over the ``R`` replicas. Two algorithms, both priced with the
@@ -26,7 +32,11 @@ positions' gradients (a node always ships a whole model's gradients, however
 the layout splits it); the NVLink terms on the largest position. A pipeline
 therefore saves no network time, only latency hops and memory: replicas of
 fewer devices each need a whole model per device. The cheaper
-algorithm is chosen. It is priced after the pipeline's backward, so the step
+algorithm is chosen. A replica spanning ``k`` nodes has no partner inside a
+node (each stage position has one device per replica, on ``R`` different
+nodes): a ring over the ``R`` replicas, each node's NIC carrying the
+gradients of the positions on that node, ``2(R−1)/R · max_node G_node / B_net
++ 2(R−1) · α_net``. It is priced after the pipeline's backward, so the step
 is the pipeline's step plus this time: an upper bound, since the runtime
 starts each bucket during the stage's last backward (runtime/overlap.py).
 """
@@ -38,7 +48,21 @@ from dataclasses import dataclass
 
 from crosscut.partitioner.plan import Plan
 
-__all__ = ["Reduction", "layouts", "reduction", "stage_gradient_bytes"]
+__all__ = [
+    "MAX_SPAN_DEVICES",
+    "Reduction",
+    "layouts",
+    "reduction",
+    "replica_span",
+    "runs_in_rank_order",
+    "spanning_layouts",
+    "stage_gradient_bytes",
+    "stage_nodes",
+]
+
+# the largest replica spanning nodes: a CNN pipeline of more stages is mostly bubble,
+# and its partition problem (one device per stage) slower to solve
+MAX_SPAN_DEVICES = 16
 
 
 @dataclass(frozen=True)
@@ -52,6 +76,50 @@ class Reduction:
 def layouts(per_node: int, nodes: int) -> list[tuple[int, int]]:
     """Every (devices per replica ``d``, replicas ``R``) with stages inside a node."""
     return [(d, nodes * per_node // d) for d in range(1, per_node + 1) if per_node % d == 0]
+
+
+def spanning_layouts(
+    per_node: int, nodes: int, max_devices: int = MAX_SPAN_DEVICES
+) -> list[tuple[int, int]]:
+    """Every (``d = k × per_node``, ``R = nodes / k``), a replica on ``k >= 2`` whole nodes."""
+    return [
+        (k * per_node, nodes // k)
+        for k in range(2, nodes + 1)
+        if nodes % k == 0 and k * per_node <= max_devices
+    ]
+
+
+def replica_span(plan: Plan, replicas: int) -> int:
+    """Whole nodes one of ``replicas`` replicas of ``plan`` spans (1: it sits inside a node)."""
+    nodes = max(1, plan.cluster.nodes)
+    if 1 <= replicas < nodes and nodes % replicas == 0:
+        return nodes // replicas
+    return 1
+
+
+def stage_nodes(plan: Plan, span: int) -> list[int]:
+    """The node of the replica (``0 .. span − 1``) each stage's leading device is on.
+
+    A spanning plan's devices are its ``span`` nodes' devices, node by node."""
+    per_node = max(1, len(plan.cluster.devices) // span)
+    return [plan.cluster.index(st.devices[0]) // per_node for st in plan.stages]
+
+
+def runs_in_rank_order(plan: Plan, span: int) -> bool:
+    """Whether every stage's devices are on the node its ranks are on under torchrun.
+
+    The runtime gives stage ``s`` (member ``m`` of its group) the replica's rank
+    ``offset(s) + m`` (``runtime/world.py``), node by node; the solver picks
+    devices by its own device order. Inside a node any device will do; across
+    nodes the plan is priced as run only if the nodes agree."""
+    per_node = max(1, len(plan.cluster.devices) // span)
+    rank = 0
+    for st in plan.stages:  # a group has a rank per device, a plain stage one (launch.py)
+        for name in st.devices if st.split in ("channel", "batch") else st.devices[:1]:
+            if plan.cluster.index(name) // per_node != rank // per_node:
+                return False
+            rank += 1
+    return True
 
 
 def stage_gradient_bytes(plan: Plan) -> list[int]:
@@ -81,12 +149,21 @@ def _intra_link(plan: Plan) -> tuple[float, float]:
 def reduction(plan: Plan, replicas: int, grads: Sequence[int] | None = None) -> Reduction:
     """The cheaper of ring and 2-D all-reduce for ``replicas`` copies of ``plan``.
 
-    ``plan.cluster`` describes one node (``nodes`` of them); the replica's
-    ``len(plan.used_devices())`` devices sit inside a node, ``p`` replicas per node.
+    ``plan.cluster`` describes the replica's devices: inside one node (``nodes``
+    of them, ``p`` replicas per node), or, with fewer replicas than nodes, the
+    devices of ``nodes / replicas`` whole nodes, node by node.
     """
     if replicas <= 1:
         return Reduction("none", 0.0)
     g = list(grads) if grads is not None else stage_gradient_bytes(plan)
+    span = replica_span(plan, replicas)
+    if span > 1:  # one device per position per replica, every replica on its own nodes
+        on_node = [0.0] * span
+        for k, node in enumerate(stage_nodes(plan, span)):
+            on_node[node] += g[k]
+        bw, lat = plan.cluster.network
+        hops = 2 * (replicas - 1)
+        return Reduction("ring", hops / replicas * max(on_node) / bw + hops * lat)
     total, largest = float(sum(g)), float(max(g, default=0))
     nodes = max(1, plan.cluster.nodes)
     per_node = max(1, replicas // nodes)  # replicas inside one node

@@ -1,0 +1,187 @@
+"""Replicas that span whole nodes (issue 16: "replicas mapped across nodes and stages
+inside a node where that is cheaper").
+
+A layout may put one replica's pipeline on ``k`` whole nodes (``d = k × g``
+devices, ``R = nodes / k`` replicas), its devices priced as
+``Cluster.transfer_time`` prices them (a node's links inside, the network
+between nodes; crosscut/planning_replicas.py ``replica_cluster``), and its
+all-reduce as a ring over the replicas in which each node ships the gradients
+of its own stages (crosscut/partitioner/replicas.py). The planner takes it
+where only it fits the memory caps or where it is faster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import crosscut
+from crosscut.cost_models import Cluster
+from crosscut.launch import build_command, parse_args
+from crosscut.partitioner.plan import Plan
+from crosscut.partitioner.replicas import (
+    reduction,
+    replica_span,
+    runs_in_rank_order,
+    spanning_layouts,
+    stage_nodes,
+)
+from crosscut.partitioner.validate import validate_plan
+from crosscut.planning_replicas import replica_cluster
+from crosscut.runtime.world import RankLayout
+from tests.plan_factory import make_plan
+
+STEP = re.compile(r"(\d+) replicas × (\d+) stages on (\d+) devices: step ([0-9.e+-]+) s")
+
+
+def _linears(n: int, width: int) -> torch.nn.Module:
+    """``n`` square layers of ``width`` on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        layers: list[torch.nn.Module] = []
+        for i in range(n):
+            layers += [torch.nn.Linear(width, width)] + ([torch.nn.ReLU()] if i < n - 1 else [])
+        return torch.nn.Sequential(*layers)
+
+
+def test_spanning_layouts_are_whole_nodes_up_to_16_devices() -> None:
+    assert spanning_layouts(2, 4) == [(4, 2), (8, 1)]
+    assert spanning_layouts(1, 6) == [(2, 3), (3, 2), (6, 1)]
+    assert spanning_layouts(8, 32) == [(16, 16)]  # 32 devices: too long a pipeline
+    assert spanning_layouts(8, 1) == []
+
+
+def test_a_replica_cluster_prices_its_pairs_like_the_cluster() -> None:
+    cluster = Cluster.from_spec("4x4xK20c+eth25")
+    rc = replica_cluster(cluster, 8)  # two whole nodes
+    assert rc.nodes == 1 and len(rc) == 8
+    assert rc.names[:5] == ["n0.gpu0", "n0.gpu1", "n0.gpu2", "n0.gpu3", "n1.gpu0"]
+    for a in range(8):
+        for b in range(8):
+            assert rc.transfer_time(a, b, 10**6) == pytest.approx(
+                cluster.transfer_time(a, b, 10**6)
+            )
+    assert rc.bandwidth[3][4] == cluster.network[0]  # across the two nodes: the network
+    assert rc.bandwidth[0][1] == cluster.bandwidth[0][1]  # inside a node: its PCIe switch
+    assert replica_cluster(cluster, 2).names == ["gpu0", "gpu1"]  # inside a node, as before
+
+
+def test_a_spanning_replica_all_reduces_each_nodes_own_gradients_over_the_network() -> None:
+    plan = make_plan(30, 4, cross_shaped=False)  # 4 stages on 4 devices
+    plan.cluster.nodes = 4  # 2 replicas of 2 nodes of 2 devices each
+    net = (10e9, 5e-6)
+    plan.cluster.network = list(net)
+    assert replica_span(plan, 2) == 2 and replica_span(plan, 4) == 1
+    assert stage_nodes(plan, 2) == [0, 0, 1, 1]
+    grads = [1_000_000, 2_000_000, 4_000_000, 8_000_000]
+    got = reduction(plan, 2, grads)
+    on_node = max(1_000_000 + 2_000_000, 4_000_000 + 8_000_000)
+    assert got.algorithm == "ring"
+    assert got.seconds == pytest.approx(2 * 1 / 2 * on_node / net[0] + 2 * 1 * net[1])
+
+
+def test_a_plan_across_nodes_out_of_rank_order_is_recognised() -> None:
+    plan = make_plan(30, 4, cross_shaped=False)
+    assert runs_in_rank_order(plan, 2)
+    plan.stages[1].devices, plan.stages[2].devices = plan.stages[2].devices, plan.stages[1].devices
+    assert stage_nodes(plan, 2) == [0, 1, 0, 1]
+    assert not runs_in_rank_order(plan, 2)
+
+
+def _layout_steps(plan: Plan) -> dict[tuple[int, int], float]:
+    """(replicas, devices) -> predicted step, from the planner's notes."""
+    return {(int(r), int(d)): float(s) for r, _, d, s in STEP.findall(plan.solver.notes[-1])}
+
+
+def test_a_model_too_big_for_a_node_spans_two_nodes_with_network_transfers() -> None:
+    """Four 1.6 GB layers (12.8 GB with gradients) on nodes of two 4.8 GB K20c (9.6 GB):
+    no replica inside a node fits; one replica over both nodes does, and the activation
+    that crosses between the nodes is priced at the network's speed (eth10)."""
+    cluster = Cluster.from_spec("2x2xK20c")
+    plan = crosscut.partition(
+        _linears(4, 20_000), cluster, torch.empty(64, 20_000, device="meta"), time_limit=5
+    )
+    notes = plan.solver.notes[-1]
+    assert "2 replicas × 2 devices: no plan fits the memory caps" in notes, notes
+    assert "4 replicas × 1 devices: no plan fits the memory caps" in notes, notes
+    assert plan.replication.replicas == 1 and plan.cluster.nodes == 2
+    assert [s.devices for s in plan.stages] == [["n0.gpu0"], ["n0.gpu1"], ["n1.gpu0"], ["n1.gpu1"]]
+    caps = {d.name: d.mem_cap for d in plan.cluster.devices}
+    assert all(peak <= caps[d] for d, peak in plan.predicted.device_peak_bytes.items())
+    index = {d.name: i for i, d in enumerate(plan.cluster.devices)}
+    crossing = 0
+    for t in plan.transfers:
+        a, b = index[t.src_device], index[t.dst_device]
+        assert t.time_s == pytest.approx(cluster.transfer_time(a, b, t.bytes))
+        if not cluster.same_node(a, b):
+            crossing += 1
+            assert t.time_s == pytest.approx(30e-6 + t.bytes / 1.25e9)  # eth10
+    assert crossing == 1
+    validate_plan(plan)
+    # `crosscut run --nnodes 2` starts 2 ranks per node; replica 0's stage s is rank s
+    ns = parse_args(["--plan", "p.json", "--nnodes", "2", "script.py"])
+    ns.replicas, ns.log_dir = plan.replication.replicas, "logs"
+    cmd = build_command(ns, plan.num_stages)
+    per_node = int(cmd[cmd.index("--nproc-per-node") + 1])
+    ranks = RankLayout(tuple(1 for _ in plan.stages), plan.replication.replicas)
+    assert [ranks.rank(0, s) // per_node for s in range(4)] == stage_nodes(plan, 2)
+
+
+def test_spanning_nodes_wins_where_gradients_cost_the_network_more() -> None:
+    """Four 0.4 GB layers fit one node, but replicas inside nodes ship 1.6 GB of
+    gradients over 10 GbE every step; one replica over both nodes ships none and
+    sends a 1.3 MB activation across once per micro-batch: the planner takes it."""
+    plan = crosscut.partition(
+        _linears(4, 10_000), "2x2xK20c", torch.empty(64, 10_000, device="meta"), time_limit=5
+    )
+    steps = _layout_steps(plan)
+    assert set(steps) == {(4, 1), (2, 2), (1, 4)}, plan.solver.notes[-1]
+    assert plan.replication.replicas == 1 and len(plan.used_devices()) == 4
+    assert plan.predicted.step_time_s == pytest.approx(steps[(1, 4)])
+    assert steps[(1, 4)] < min(steps[(4, 1)], steps[(2, 2)]) / 10
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("dist")
+def test_two_node_groups_run_a_replica_spanning_both(tmp_path: Path) -> None:
+    """A planner-made plan of 1 replica × 4 stages over 2 nodes of 2 CPU devices (caps
+    too small for one node to hold resnet18), run by `crosscut run --nnodes 2` as 2
+    torchrun node groups on 127.0.0.1: stages 0-1 on node 0, 2-3 on node 1, training
+    equal to eager's."""
+    import tests.test_distributed as td
+    from crosscut.launch import free_port
+
+    x, _ = td.batch(8, 32)
+    base = Cluster.from_spec("2x2xcpu")
+    small = [dataclasses.replace(d, mem_cap=40 * 10**6) for d in base.devices]
+    cluster = dataclasses.replace(base, devices=small)  # 80 MB a node < resnet18's 94 MB
+    plan = crosscut.partition(td.build("resnet18"), cluster, x, microbatches=2, time_limit=10)
+    assert plan.replication.replicas == 1 and plan.num_stages == 4, plan.solver.notes[-1]
+    assert stage_nodes(plan, 2) == [0, 0, 1, 1]
+    path = plan.save(tmp_path / "plan.json")
+    port = str(free_port())
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(td.ROOT))
+
+    def node_cmd(rank: int) -> list[str]:
+        return [sys.executable, "-m", "crosscut.cli", "run", "--plan", str(path),
+                "--nnodes", "2", "--node-rank", str(rank), "--port", port, "--timeout", "60",
+                str(td.SCRIPT), "--schedules", "1f1b", "--microbatches", "2",
+                "--out", str(tmp_path)]  # fmt: skip
+
+    procs = [
+        subprocess.Popen(
+            node_cmd(rank), cwd=td.ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in range(2)
+    ]  # fmt: skip
+    td.wait_all_ok(procs, timeout=240)
+    got = td.merged(tmp_path, "resnet18_1f1b", 4, 4)
+    assert len(got["losses"]) == 1  # one replica, its last stage reports the loss
+    td.compare(got, td.eager("resnet18", 8, 32, 2), buffers=False)

@@ -101,8 +101,8 @@ def test_plan_problem_knows_the_model_inputs_and_outputs() -> None:
 
 def test_cross_shaped_plans_where_no_pipeline_fits() -> None:
     # one conv's activations at batch 512 (6.6 GB) exceed a K20c (5 GB): no pipeline can
-    # hold them, shares of a group can (of the batch or of the channels). The pipeline-only solve's refusal used to end the
-    # search (issue 16: resnet50 at 8,192 on 256xV100 was refused in 0.8 s)
+    # hold them, shares of a group can (of the batch or of the channels). The pipeline-only
+    # solve's refusal used to end the search (issue 16: resnet50 at 8,192 on 256xV100)
     with torch.device("meta"):
         model = nn.Sequential(
             nn.Conv2d(3, 64, 3, padding=1),

@@ -2,8 +2,9 @@
 
 4 gloo ranks on this machine: 2 replicas × 2 stages of resnet50 at 128×128
 (global batch 32, 4 micro-batches per replica, 1F1B). One pipeline times its
-training step with the overlapped all-reduce (runtime/overlap.py) and with the
-after-backward one (the same pipeline, its overlap switched off), in
+training step with the replicas' all-reduce run by DDP's reducer during each
+stage's last backward (runtime/overlap.py) and with the after-backward one
+(the same pipeline, its reducer switched off), in
 interleaved rounds so both see the same machine; a step's time is the slowest
 rank's. Gradients are compared too: the two ways must give the same numbers up
 to the all-reduce's summation order.
@@ -40,13 +41,13 @@ def worker(ns: argparse.Namespace) -> int:
     pipe = cd.compile_distributed(
         model, x, replicas=2, microbatches=ns.microbatches, schedule="1f1b", timeout_s=600
     )
-    overlap = pipe._overlap
-    assert overlap is not None, "the overlapped all-reduce is not in use"
+    reducer = pipe._reducer
+    assert reducer is not None, "DDP's reducer is not in use"
     times: dict[str, list[float]] = {"overlapped": [], "after backward": []}
     grads: dict[str, list[torch.Tensor]] = {}
     for r in range(ns.rounds + 1):  # round 0 warms up
         for mode in ("overlapped", "after backward"):
-            pipe._overlap = overlap if mode == "overlapped" else None
+            pipe._reducer = reducer if mode == "overlapped" else None
             for _ in range(ns.steps):
                 pipe.zero_grad()
                 dist.barrier()

@@ -218,8 +218,8 @@ def compile_distributed(
     (same seed) or load a checkpoint; replicas are synchronised from replica 0.
     ``bn_mode``: ``"micro"`` or ``"step"``; ``recompute``: as for :func:`crosscut.compile`.
     ``overlap_allreduce``: the replicas' gradient all-reduce runs during each
-    stage's last backward (:mod:`crosscut.runtime.overlap`); ``False`` runs it
-    after the backward.
+    stage's last backward, by DDP's reducer (:mod:`crosscut.runtime.overlap`);
+    ``False`` runs it after the backward.
     ``output_merge``: as for :func:`crosscut.compile` (the last stage merges
     its replica's micro-batch outputs in ``forward``). Without a plan, rank 0
     partitions for ``devices`` (one per stage; ``None``: the ranks' own kind)

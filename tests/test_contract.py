@@ -31,7 +31,9 @@ def test_local_runtime_keeps_the_contract(k: int, m: int, tmp_path: Path) -> Non
 
 @pytest.mark.distributed
 @pytest.mark.xdist_group("dist")
-@pytest.mark.parametrize(("world", "case"), [(2, "pipeline"), (4, "pipeline"), (4, "cross")])
+@pytest.mark.parametrize(
+    ("world", "case"), [(2, "pipeline"), (4, "pipeline"), (4, "replicas"), (4, "cross")]
+)
 def test_torchrun_ranks_keep_the_contract(world: int, case: str, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     done = subprocess.run(

@@ -52,8 +52,9 @@ def launch(
     timeout: float = 240,
     env: dict[str, str] | None = None,
     rank_env: dict[int, dict[str, str]] | None = None,
+    script: Path = SCRIPT,
 ) -> list[Rank]:
-    """Start ``n`` ranks of the script on a fresh loopback port; never hangs past ``timeout``."""
+    """Start ``n`` ranks of ``script`` on a fresh loopback port; never hangs past ``timeout``."""
     port = free_port()
     procs = []
     start = time.monotonic()
@@ -71,7 +72,7 @@ def launch(
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(SCRIPT), *args],
+                [sys.executable, str(script), *args],
                 env=e,
                 cwd=ROOT,
                 stdout=subprocess.PIPE,

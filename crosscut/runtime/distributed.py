@@ -20,8 +20,10 @@ replica's micro-batches of the global batch) is :mod:`crosscut.runtime.stage_io`
 which plans and options ranks accept is :mod:`crosscut.runtime.plan_rules`;
 the once-per-step batch-norm commit is :mod:`crosscut.runtime.bn_commit`.
 
-After the schedule, each rank's gradients are averaged over its ``R``
-replicas with one flattened all-reduce on a per-position process group.
+Each rank's gradients are averaged over its ``R`` replicas on a per-position
+process group: by DDP's reducer during the stage's last backward of the step
+(:mod:`crosscut.runtime.overlap`), or, with ``overlap_allreduce=False`` and on
+cross-shaped stages, by one flattened all-reduce after the schedule.
 
 **Cross-shaped stages** (a stage on a device group split by channel or by
 batch) get one rank per device of the group. Member 0, the leader, is the
@@ -72,7 +74,7 @@ from crosscut.runtime.group_comm import GroupLink
 from crosscut.runtime.group_role import GroupRole
 from crosscut.runtime.members import build_member
 from crosscut.runtime.output_merge import OutputMerge, check_outputs
-from crosscut.runtime.overlap import OverlappedAllReduce
+from crosscut.runtime.overlap import ReplicaReducer
 from crosscut.runtime.p2p import Messenger, build_routes
 from crosscut.runtime.plan_rules import (
     check_bn_mode,
@@ -227,18 +229,16 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             install_step_batchnorm(self.stage)
         if self._group is not None:
             self._group.start_identical(self.stage)
-        self._overlap: OverlappedAllReduce | None = None
+        self._reducer: ReplicaReducer | None = None
         if self.replicas > 1:  # replicas start from replica 0's weights, as with DDP
             tensors = [t.data for t in [*self.stage.parameters(), *self.stage.buffers()]]
             ranks = self.rank_layout.position_ranks(self.position)
-            broadcast_from_first(tensors, self._position_groups[self.position], ranks, self._msg)
-            if overlap_allreduce and self._group is None:  # a group sums its shares first
-                self._overlap = OverlappedAllReduce(
-                    list(self.stage.parameters()),
-                    self._position_groups[self.position],
-                    ranks,
-                    self._msg,
-                )
+            group = self._position_groups[self.position]
+            broadcast_from_first(tensors, group, ranks, self._msg)
+            # DDP's reducer during the stage's last backward (runtime/overlap.py); a
+            # cross-shaped group sums its shares first, after the schedule
+            if overlap_allreduce and self._group is None and ReplicaReducer.wanted(self.stage):
+                self._reducer = ReplicaReducer(self.stage, group, ranks, self._msg)
 
     # ---- start-up ---------------------------------------------------------------------
     def _build(self, model: nn.Module, gm: fx.GraphModule) -> StagedProgram:
@@ -364,10 +364,9 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         last_b = max((i for i, a in enumerate(row) if a.kind == "B"), default=-1)
         try:
             for i, a in enumerate(self._io.start(row)):
-                if a.kind == "B":
-                    if i == last_b and self._overlap is not None:
-                        self._overlap.arm()  # the replicas' all-reduce runs during it
-                    engine.backward(a, self._io)
+                if a.kind == "B":  # the last one reduces the replicas' gradients as it runs
+                    armed = self._reducer if i == last_b else None
+                    engine.backward(a, self._io, armed.backward if armed is not None else None)
                 else:
                     m = a.microbatch
                     out, loss = engine.forward(
@@ -401,11 +400,11 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         """Sum a batch group's shares' gradients, then average the replicas'."""
         if self._group is not None:
             self._group.reduce_grads(self.stage)
-        if self._overlap is not None:
-            self._overlap.finish()  # started during the last backward (runtime/overlap.py)
-        elif self.replicas > 1:
+        if self.replicas > 1 and self._reducer is None:  # else done in the last backward
             ranks = self.rank_layout.position_ranks(self.position)
-            params = list(self.stage.parameters())
+            # the same parameters on every replica (one stage graph); those backward never
+            # reached keep grad None, as in eager training and under DDP
+            params = [p for p in self.stage.parameters() if p.grad is not None]
             allreduce_mean(params, self._position_groups[self.position], ranks, self._msg)
 
     def _autocast(self) -> AbstractContextManager[Any]:
@@ -426,6 +425,8 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         ``optimizer.zero_grad()`` before and ``optimizer.step()`` after.
         """
         self._rng.start(enabled=True)
+        if self._reducer is not None:  # rebuilt after a dtype change (runtime/overlap.py)
+            self._reducer = self._reducer.current()
         with self._autocast():
             losses, _ = self._bn.run(
                 self.stage, lambda: self._run("train", inputs, targets, loss_fn)

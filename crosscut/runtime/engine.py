@@ -44,10 +44,11 @@ from crosscut.codegen.split import StagedProgram, ValueRef, map_structure
 from crosscut.codegen.transfers import INPUT
 from crosscut.schedule import Action
 
-__all__ = ["RunStage", "Saved", "StageEngine", "Transport", "consumers", "sum_leaves"]
+__all__ = ["Autograd", "RunStage", "Saved", "StageEngine", "Transport", "consumers", "sum_leaves"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 RunStage = Callable[[list[Any], int, bool], tuple[Sequence[Any], torch.Tensor | None]]
+Autograd = Callable[[list[torch.Tensor], list[torch.Tensor | None]], None]
 
 
 class Transport(Protocol):
@@ -195,8 +196,13 @@ class StageEngine:
             self.saved[m] = Saved(received, outs, loss, token)
         return out, loss
 
-    def backward(self, a: Action, transport: Transport) -> None:
-        """Run ``B(stage, m)``: backpropagate the loss and the readers' gradients."""
+    def backward(self, a: Action, transport: Transport, autograd: Autograd | None = None) -> None:
+        """Run ``B(stage, m)``: backpropagate the loss and the readers' gradients.
+
+        ``autograd(roots, grads)`` runs the backward itself (default
+        ``torch.autograd.backward``): the torchrun runtime's last backward of a
+        step arms DDP's reducer on exactly these roots (runtime/overlap.py).
+        """
         saved = self.saved.pop(a.microbatch)
         grads_in = transport.receive_grads(a)
         roots: list[torch.Tensor] = []
@@ -216,7 +222,7 @@ class StageEngine:
             roots.append(saved.token)
             grads.append(torch.zeros_like(saved.token))
         if roots:
-            torch.autograd.backward(roots, grads)
+            (autograd or torch.autograd.backward)(roots, grads)
         transport.send_grads(a, saved.received)
 
 

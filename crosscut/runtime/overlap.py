@@ -1,104 +1,146 @@
-"""The replicas' gradient all-reduce, overlapped with a stage's last backward.
+"""The replicas' gradient all-reduce during a stage's last backward: DDP's own reducer.
 
-Why not ``DistributedDataParallel``: DDP decides at forward time which
-backward reduces (``no_sync`` around the others), and its reducer then fires
-on the very next backward of the module. A pipeline stage runs its micro-batches'
-backwards in the schedule's order, interleaved with other forwards (1F1B) or
-in reverse (GPipe), so the backward that follows the synced forward is not the
-last one and DDP would reduce before every micro-batch's gradient had
-arrived. What DDP does inside that backward is kept: gradients are bucketed
-(about 25 MB, in the reverse order of the parameters, the order backward
-produces them) and each bucket's all-reduce starts, asynchronously, as soon as
-its last gradient lands — here during the stage's **last** backward action of
-the step, when every other micro-batch has already accumulated.
+Each stage module (under torchrun, with replicas, outside a cross-shaped
+group) is wrapped in ``torch.nn.parallel.DistributedDataParallel`` over its
+replica process group (the ranks holding the same stage in every replica),
+the way ``torch.distributed.pipelining`` does it
+(``PipelineStage.backward_maybe_with_nosync``): every backward of the step
+but the stage's last accumulates into ``.grad`` with the reducer idle, and
+right before the last one ``reducer.prepare_for_backward`` is called on that
+backward's roots. DDP then does what it does in data-parallel training:
+gradients in buckets (25 MB, the first 1 MB; reverse parameter order), each
+bucket's all-reduce started asynchronously as its last gradient lands
+(holding the sum over the step's micro-batches), waited for and copied back
+into ``.grad`` at the end of that backward.
 
-Numbers: the sum over replicas is the same, then divided by their count, so
-the gradients equal the after-backward all-reduce's (:func:`allreduce_mean`)
-up to the summation order inside the collective.
+Details (``tests/test_overlap.py`` checks when buckets start, the unused
+parameters, the gradients against eager training, the dtype rebuild and a
+replica lost mid-reduction):
+
+* **Forwards do not go through DDP.** The stage runs as the bare module; DDP
+  only contributes its reducer (hooks on the parameters' gradient
+  accumulators, which do nothing until armed). Under ``no_sync`` — what
+  pipelining wraps its forwards in — DDP's forward would arm nothing either,
+  but with ``find_unused_parameters`` it copies every output (its
+  ``_DDPSink``), one more activation per micro-batch in flight.
+* **The roots are the backward's own** (the loss, and each output a reader
+  sent a gradient for), not every output of the stage: with
+  ``find_unused_parameters=True`` DDP marks what those roots do not reach as
+  unused, so a parameter that gets no gradient (an output no loss reads, a
+  parameter only compared with) neither hangs the reduction nor is given one:
+  it stays ``None``, as in eager training. Pipelining passes every output;
+  with one that no loss reads, torch 2.14's reducer then starts no bucket at
+  all and the step goes unreduced without an error (tried in one process).
+  DDP prints once per process that it found nothing unused when every
+  parameter is used; its graph traversal runs once per step here.
+* **Averaging:** DDP divides each bucket by the group size (the replicas)
+  and sums; every micro-batch loss is already divided by ``M`` (the engine),
+  so the gradients are those of the global batch's mean loss, as eager.
+* **No broadcast at start:** replicas are copied from replica 0 by the
+  executor (parameters and buffers) before this wrapper exists, so DDP's
+  own start-up broadcast is switched off where torch has the switch
+  (``init_sync``; older torch broadcasts the same weights again), and it
+  never touches buffers (``bn_mode`` handles batch norm).
+* **A dtype change** (``.to(torch.float64)``, even there and back) gives the
+  parameters new gradient accumulators that DDP never hooked: the next
+  ``train_step`` wraps the stage again (:meth:`ReplicaReducer.current`).
+* **Timeouts:** the group is made with ``timeout_s``; a replica lost during
+  the reduction fails that backward with a :class:`~crosscut.errors.DistributedError`
+  naming the group.
+
+The reduction's tail (the bucket launched last) is waited for inside that
+backward, before its input gradients go upstream: DDP's finalize runs at the
+end of the autograd pass. ``overlap_allreduce=False`` keeps the executor's
+one flattened all-reduce after the schedule instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+from torch.nn.parallel import DistributedDataParallel
 
-from crosscut.runtime.p2p import Messenger
+from crosscut.runtime.p2p import Messenger, describe_failure
 
-__all__ = ["BUCKET_BYTES", "OverlappedAllReduce"]
+__all__ = ["BUCKET_CAP_MB", "ReplicaReducer"]
 
-BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
+BUCKET_CAP_MB: float | None = None  # DDP's default: 25 MB buckets, the first 1 MB (tests: smaller)
 
 
-class OverlappedAllReduce:
-    """Average ``params``' gradients over ``group`` while the armed backward runs."""
+def _ddp_options() -> dict[str, Any]:
+    """No start-up broadcast and no buffer sync, in the installed torch's words."""
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    out: dict[str, Any] = {}
+    if "init_sync" in params:
+        out["init_sync"] = False
+    if "forward_sync_buffers" in params:  # newer torch's name for broadcast_buffers
+        out["forward_sync_buffers"] = False
+    else:
+        out["broadcast_buffers"] = False
+    return out
+
+
+def _accumulators(stage: nn.Module) -> list[Any]:
+    """The autograd nodes the parameters' gradients accumulate in (DDP hooks these)."""
+    return [get_gradient_edge(p).node for p in stage.parameters() if p.requires_grad]
+
+
+class ReplicaReducer:
+    """``stage`` under DDP over ``group``: armed for one backward per step (module docstring).
+
+    The wrapper stays inside the executor: the stage module keeps its own
+    parameter names, and nothing here is an ``nn.Module`` attribute of it.
+    """
 
     def __init__(
         self,
-        params: Sequence[torch.nn.Parameter],
+        stage: nn.Module,
         group: Any,
         ranks: list[int],
         msg: Messenger,
-        bucket_bytes: int = BUCKET_BYTES,
+        bucket_cap_mb: float | None = None,
     ) -> None:
-        self.params = [p for p in params if p.requires_grad]
         self.group, self.ranks, self.msg = group, ranks, msg
-        self.buckets: list[list[torch.nn.Parameter]] = []
-        size = bucket_bytes  # start a new bucket at once
-        for p in reversed(self.params):  # backward reaches the last parameters first
-            nbytes = p.numel() * p.element_size()
-            if size + nbytes > bucket_bytes and (not self.buckets or self.buckets[-1]):
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += nbytes
-        self._bucket_of = {id(p): b for b, ps in enumerate(self.buckets) for p in ps}
-        self._left: list[int] = []
-        self._works: dict[int, tuple[torch.Tensor, Any]] = {}
-        self._armed = False
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._landed)  # type: ignore[no-untyped-call]
+        self.bucket_cap_mb = BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+        options = _ddp_options()
+        if self.bucket_cap_mb is not None:  # else DDP's own default
+            options["bucket_cap_mb"] = self.bucket_cap_mb
+        self.ddp = DistributedDataParallel(
+            stage, process_group=group, find_unused_parameters=True, **options
+        )
+        self._hooked = _accumulators(stage)
 
-    def arm(self) -> None:
-        """The next backward is the step's last on this stage: reduce as gradients land."""
-        self._left = [len(ps) for ps in self.buckets]
-        self._works = {}
-        self._armed = True
+    def current(self) -> ReplicaReducer:
+        """This reducer, or a new one (collective) if a dtype change replaced its hooks.
 
-    def _landed(self, p: torch.Tensor) -> None:
-        if not self._armed:
-            return
-        b = self._bucket_of[id(p)]
-        self._left[b] -= 1
-        if self._left[b] == 0:
-            self._launch(b)
+        ``.to(dtype)`` (even there and back) gives each parameter new data
+        and autograd a new gradient accumulator, so the hooks DDP put on the
+        old ones would never fire and the step would go unreduced. Every
+        replica changes alike, so the group's ranks rebuild at the same step.
+        """
+        stage: nn.Module = self.ddp.module
+        now = _accumulators(stage)
+        if len(now) == len(self._hooked) and all(a is b for a, b in zip(now, self._hooked)):
+            return self
+        return ReplicaReducer(stage, self.group, self.ranks, self.msg, self.bucket_cap_mb)
 
-    def _launch(self, b: int) -> None:
-        grads = []
-        for p in self.buckets[b]:
-            if p.grad is None:  # unused this step: contributes zeros, as allreduce_mean does
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self._works[b] = (flat, dist.all_reduce(flat, group=self.group, async_op=True))
+    @staticmethod
+    def wanted(stage: nn.Module) -> bool:
+        """DDP refuses a module without a trainable parameter: nothing to reduce there."""
+        return any(p.requires_grad for p in stage.parameters())
 
-    def finish(self) -> None:
-        """Start what backward did not (parameters it never reached), wait, average."""
-        if not self._armed:
-            return
-        self._armed = False
-        for b in range(len(self.buckets)):
-            if b not in self._works:
-                self._launch(b)
-        for b, (flat, work) in sorted(self._works.items()):
-            self.msg.wait_collective(work, self.ranks, "the overlapped gradient all-reduce")
-            flat /= len(self.ranks)
-            offset = 0
-            for p in self.buckets[b]:
-                assert p.grad is not None
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                offset += n
-        self._works = {}
+    def backward(self, roots: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+        """The step's last backward on this stage, its all-reduce running during it."""
+        self.ddp.reducer.prepare_for_backward(roots)
+        try:
+            torch.autograd.backward(roots, grads)
+        except RuntimeError as exc:
+            if describe_failure(exc, self.msg.timeout_s).startswith("failed"):
+                raise  # not the collective: the backward's own error
+            others = [r for r in self.ranks if r != self.msg.rank]
+            what = f"the replicas' gradient all-reduce (DDP, group ranks {self.ranks})"
+            raise self.msg.lost(others[0] if len(others) == 1 else None, what, exc) from exc

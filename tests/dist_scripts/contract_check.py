@@ -1,12 +1,15 @@
 """One rank of the contract check (``tests/contract.py``) under torchrun.
 
-argv: ``pipeline`` (rank 0 plans for world-size CPU stages) or ``cross`` (a
-cross-shaped plan: 2 devices split by channel, then 2 by batch), and a directory.
+argv: ``pipeline`` (rank 0 plans for world-size CPU stages), ``replicas`` (2
+replicas of a pipeline over half the world: each stage under DDP, kept inside
+the executor) or ``cross`` (a cross-shaped plan: 2 devices split by channel,
+then 2 by batch), and a directory.
 Prints ``OK <rank>`` and, on the rank that computes the loss, ``LOSS <value>``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +23,20 @@ from contract import Small, batch, check_contract
 
 import crosscut
 import crosscut.distributed as cd
+
+
+def replicas_still_reduce(pipe: cd.DistributedPipeline) -> None:
+    """After a dtype change the next step is reduced all the same: both replicas of a
+    stage hold the same gradients (each saw its own half of the batch)."""
+    for p in pipe.parameters():
+        p.grad = None
+    pipe.train_step(*batch(), torch.nn.functional.cross_entropy)
+    mine = [p.grad.clone() for p in pipe.parameters() if p.grad is not None]
+    every: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (pipe.position, mine))
+    peers = [g for pos, g in every if pos == pipe.position]  # type: ignore[misc]
+    assert len(peers) == 2 and mine
+    assert all(torch.equal(a, b) for a, b in zip(*peers, strict=True))
 
 
 def main() -> None:
@@ -41,8 +58,14 @@ def main() -> None:
             box[0] = widen(base, ((2, "channel"), (2, "batch"))).to_json()
         dist.broadcast_object_list(box, src=0)
         plan = Plan.from_json(str(box[0]))
+    if case == "replicas":
+        os.environ["CROSSCUT_REPLICAS"] = "2"
     pipe = crosscut.compile(model, None, x, microbatches=2, plan=plan)
-    loss = check_contract(pipe, model, 2, out)
+    if case == "replicas":
+        assert pipe.replicas == 2 and pipe._reducer is not None
+    loss = check_contract(pipe, model, 2, out)  # it ends with .to(float64) and back
+    if case == "replicas":
+        replicas_still_reduce(pipe)
     if loss is not None:
         print(f"LOSS {loss:.8f}", flush=True)
     print(f"OK {rank}", flush=True)

@@ -13,6 +13,8 @@ import dataclasses
 import random
 
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from crosscut.errors import InfeasiblePlanError, PartitionError
 from crosscut.partitioner.evaluate import check
@@ -192,3 +194,53 @@ def test_class_model_with_binding_memory_caps_and_every_device_used(seed: int) -
         else:
             assert check(pb, heur.stage_of, heur.stage_device) == []
             assert heur.objective >= best * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_latency_objective_on_five_kinds_matches_brute_force(seed: int) -> None:
+    pb = dataclasses.replace(_kinds(seed, [1.0, 1.3, 1.7, 2.5, 4.0]), objective="latency")
+    best = brute_force(pb).objective
+    res = solve_cpsat(pb, time_limit=10.0)
+    assert res.objective == pytest.approx(best, rel=1e-6)
+    assert res.status == "OPTIMAL"
+    assert any("class model over 120 device orders" in note for note in res.notes)
+
+
+@st.composite
+def uniform_link_problems(draw: st.DrawFn) -> PartitionProblem:
+    """Devices of a few kinds on one uniform link: the class model's exact ground."""
+    seed = draw(st.integers(0, 10**6))
+    rng = random.Random(seed)
+    n, d = draw(st.integers(4, 7)), draw(st.integers(3, 5))
+    speeds = [rng.choice((1.0, 1.0, 1.6, 4.0)) for _ in range(d)]
+    pb = _kinds(seed, speeds, n=n)
+    total = sum(pb.resident) + 2 * sum(pb.activation) + sum(pb.out_bytes)
+    caps = [int(total * rng.choice((0.3, 0.6, 2.0))) for _ in range(d)]
+    return dataclasses.replace(
+        pb,
+        mem_cap=caps,
+        ties=[[i, i + 1] for i in range(n - 1) if rng.random() < 0.1][:1],
+        microbatches=draw(st.integers(1, 4)),
+        schedule=draw(st.sampled_from(("1f1b", "gpipe"))),
+        objective=draw(st.sampled_from(("throughput", "latency"))),
+        training=draw(st.booleans()),
+        overlap_comm=draw(st.booleans()),
+    )
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+@given(uniform_link_problems(), st.booleans())
+def test_class_model_matches_brute_force(pb: PartitionProblem, require_all: bool) -> None:
+    assume(not require_all or pb.n >= pb.num_devices)  # else refused by rule, not searched
+    try:
+        best = brute_force(pb, require_all_devices=require_all).objective
+    except InfeasiblePlanError:
+        with pytest.raises(InfeasiblePlanError):
+            solve_cpsat(pb, time_limit=10.0, require_all_devices=require_all)
+        return
+    res = solve_cpsat(pb, time_limit=10.0, require_all_devices=require_all)
+    assert check(pb, res.stage_of, res.stage_device) == []
+    assert res.objective == pytest.approx(best, rel=1e-3)
+    assert res.status == "OPTIMAL" and res.best_bound <= best * (1 + 1e-3)

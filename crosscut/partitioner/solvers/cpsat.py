@@ -395,9 +395,9 @@ def solve_cpsat(
     cfg = _Settings(workers, seed, deterministic, log_callback, progress, t0, floating)
     inc = _Incumbent(best, best_obj)
     classes = device_classes(pb)
-    throughput = pb.objective == "throughput" and strategy == "auto"
-    exact_classes = throughput and count_orders(classes) >= CLASS_MODEL_ORDERS and uniform_links(pb)
-    use_classes = exact_classes or (throughput and not exhaustive)
+    auto = strategy == "auto"
+    exact_classes = auto and count_orders(classes) >= CLASS_MODEL_ORDERS and uniform_links(pb)
+    use_classes = exact_classes or (auto and not exhaustive)
     proved, met = True, False  # met: the incumbent meets the static bound (optimal)
     no_plan = False
     global_bound = static_lb  # valid for every plan
@@ -445,7 +445,7 @@ def solve_cpsat(
         notes.append("the deadline came before every device order was searched to the end")
     if exhaustive and order_list:
         global_bound = max(global_bound, min(bounds, default=static_lb))
-    elif not exhaustive and not use_classes and not met:
+    elif not exhaustive and not use_classes and not met:  # ("heuristic" only)
         # a relaxation valid for every device order: each node on its fastest device,
         # the largest cap everywhere, the fastest link between every pair
         global_bound = max(global_bound, _relaxed_bound(pb, work, seed, workers, best))

@@ -19,7 +19,7 @@ Variables (throughput and latency):
 * ``used[k]``: stage ``k`` non-empty; used stages form a prefix; ``e[s]``: exactly
   ``s`` stages (needed by 1F1B in-flight counts).
 
-The class model (``classes`` given, throughput only) searches every device
+The class model (``classes`` given; both objectives) searches every device
 order at once: ``classes`` are the interchangeable devices
 (``orders.device_classes``), and ``z[k,c]`` says stage ``k`` runs on a device
 of class ``c``; a stage's compute and memory are written once per class, each
@@ -133,7 +133,6 @@ class OrderModel:
         # ---- data -------------------------------------------------------------
         n, slots = pb.n, min(len(self.order), pb.n)
         if self.classes:
-            assert pb.objective == "throughput", "the class model prices throughput only"
             slots = min(pb.num_devices, n)
         # the device of each class a stage may run on (one per stage in an order model)
         choices = [[c[0] for c in self.classes] or [self.order[k]] for k in range(slots)]
@@ -288,7 +287,7 @@ class OrderModel:
         self.slack = paths // 2 + 1
         cap = SCALE + self.slack if math.isfinite(self.upper) else 2 * SCALE
         if pb.objective == "latency":
-            self.objective_var = self._latency(slots, c_units, t_units, cap)
+            self.objective_var = self._latency(slots, c_units, t_units, cap, choices)
         else:
             bvar = m.new_int_var(0, cap, "bottleneck")
             for k in range(slots):
@@ -330,13 +329,24 @@ class OrderModel:
             out[s] = e
         return out
 
-    def _latency(self, slots: int, c_units: Any, t_units: Any, cap: int) -> Any:
+    def _latency(
+        self, slots: int, c_units: Any, t_units: Any, cap: int, choices: list[list[int]]
+    ) -> Any:
         """Makespan of one micro-batch, list-scheduled in index order per device."""
         pb, m = self.problem, self.model
         n = pb.n
         start = [m.new_int_var(0, cap, f"start{v}") for v in range(n)]
         end = [m.new_int_var(0, cap, f"end{v}") for v in range(n)]
         for v in range(n):
+            if self.classes:
+                for k in range(self.lo[v], self.hi[v] + 1):
+                    for i, dev in enumerate(choices[k]):
+                        # (L1') end >= start + compute on the class the stage picked (only
+                        #       lower bounds on `end` follow, so >= is exact when minimising)
+                        m.add(end[v] >= start[v] + c_units(v, dev)).only_enforce_if(
+                            [self.x[(v, k)], self.z[(k, i)]]
+                        )
+                continue
             dur = sum(
                 c_units(v, self.order[k]) * self.x[(v, k)]
                 for k in range(self.lo[v], self.hi[v] + 1)

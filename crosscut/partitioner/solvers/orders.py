@@ -13,11 +13,13 @@ labels: ``d! / Π c_i!`` of them — 7 for six identical accelerators and a CPU,
 1 for identical devices, ``d!`` when every device differs.
 
 Up to :data:`ORDER_LIMIT` distinct orders are enumerated (exact: every plan is
-searched). Above it, and for the throughput objective on links that do not
-depend on which devices talk, the class model (``OrderModel`` with
-``classes``) searches every order at once: a stage picks a class, at most as
-many stages per class as it has devices. Otherwise a few sensible orders are
-searched and the bound comes from a relaxation (heuristic).
+searched) unless the class model applies: on links that cost the same between
+every pair, the class model (``OrderModel`` with ``classes``) searches every
+order at once, a stage picking a class, at most as many stages per class as
+it has devices (exact, both objectives). Above the limit on links that
+differ by pair, the class model with every transfer on the fastest link gives
+a bound valid for every order, and a few orders are searched one by one
+(heuristic plan, proven bound).
 """
 
 from __future__ import annotations

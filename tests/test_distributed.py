@@ -107,6 +107,23 @@ def wait_all_ok(procs: list[subprocess.Popen[str]], *, timeout: float) -> None:
     assert all(rc == 0 for _, rc in outs), [o[-2000:] for o, _ in outs]
 
 
+def run_node_groups(plan: Path, out: Path, script_args: list[str], nodes: int = 2) -> None:
+    """``crosscut run --plan PLAN --nnodes N --node-rank i`` for every node on 127.0.0.1,
+    each running SCRIPT with ``script_args`` and ``--out OUT``; every group must exit 0."""
+    port = str(free_port())
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "crosscut.cli", "run", "--plan", str(plan),
+             "--nnodes", str(nodes), "--node-rank", str(rank), "--port", port,
+             "--timeout", "60", str(SCRIPT), *script_args, "--out", str(out)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in range(nodes)
+    ]  # fmt: skip
+    wait_all_ok(procs, timeout=240)
+
+
 def ok(ranks: list[Rank]) -> None:
     bad = [(i, r.rc, r.output[-2000:]) for i, r in enumerate(ranks) if r.rc != 0]
     assert not bad, bad
@@ -114,18 +131,25 @@ def ok(ranks: list[Rank]) -> None:
 
 def eager(name: str, n: int, size: int, chunks: int, steps: int = 1) -> dict[str, Any]:
     """Single-process training on one thread, the batch cut into ``chunks`` micro-batches."""
+    x, y = batch(n, size)
+    return eager_steps(build(name), x, y, chunks, nn.functional.cross_entropy, steps)
+
+
+def eager_steps(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int, loss_fn: Any, steps: int = 1
+) -> dict[str, Any]:
+    """SGD steps (lr 0.1, momentum 0.9) on one thread, each micro-batch loss over ``chunks``:
+    the last step's summed loss and gradients, and the state after it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = build(name)
-        x, y = batch(n, size)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         for _ in range(steps):
             opt.zero_grad()
             total = 0.0
             for xm, ym in zip(x.chunk(chunks), y.chunk(chunks)):
-                loss = nn.functional.cross_entropy(model(xm), ym) / chunks
-                loss.backward()  # type: ignore[no-untyped-call]
+                loss = loss_fn(model(xm), ym) / chunks
+                loss.backward()
                 total += float(loss.detach())
             grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
             opt.step()

@@ -13,10 +13,7 @@ where only it fits the memory caps or where it is faster.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -155,7 +152,6 @@ def test_two_node_groups_run_a_replica_spanning_both(tmp_path: Path) -> None:
     torchrun node groups on 127.0.0.1: stages 0-1 on node 0, 2-3 on node 1, training
     equal to eager's."""
     import tests.test_distributed as td
-    from crosscut.launch import free_port
 
     x, _ = td.batch(8, 32)
     base = Cluster.from_spec("2x2xcpu")
@@ -165,23 +161,7 @@ def test_two_node_groups_run_a_replica_spanning_both(tmp_path: Path) -> None:
     assert plan.replication.replicas == 1 and plan.num_stages == 4, plan.solver.notes[-1]
     assert stage_nodes(plan, 2) == [0, 0, 1, 1]
     path = plan.save(tmp_path / "plan.json")
-    port = str(free_port())
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(td.ROOT))
-
-    def node_cmd(rank: int) -> list[str]:
-        return [sys.executable, "-m", "crosscut.cli", "run", "--plan", str(path),
-                "--nnodes", "2", "--node-rank", str(rank), "--port", port, "--timeout", "60",
-                str(td.SCRIPT), "--schedules", "1f1b", "--microbatches", "2",
-                "--out", str(tmp_path)]  # fmt: skip
-
-    procs = [
-        subprocess.Popen(
-            node_cmd(rank), cwd=td.ROOT, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in range(2)
-    ]  # fmt: skip
-    td.wait_all_ok(procs, timeout=240)
+    td.run_node_groups(path, tmp_path, ["--schedules", "1f1b", "--microbatches", "2"])
     got = td.merged(tmp_path, "resnet18_1f1b", 4, 4)
     assert len(got["losses"]) == 1  # one replica, its last stage reports the loss
     td.compare(got, td.eager("resnet18", 8, 32, 2), buffers=False)

@@ -124,22 +124,10 @@ def _eager(m: int) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).parent / "dist_scripts"))
     from ddp_check import TwoHeads, batch, loss_fn  # type: ignore[import-not-found]
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = TwoHeads()
-        x, y = batch()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        total = 0.0
-        for xm, ym in zip(x.chunk(m), y.chunk(m)):
-            loss = loss_fn(model(xm), ym) / m
-            loss.backward()  # type: ignore[no-untyped-call]
-            total += float(loss.detach())
-        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        return {"loss": total, "grads": grads, "state": model.state_dict()}
-    finally:
-        torch.set_num_threads(threads)
+    import tests.test_distributed as td
+
+    x, y = batch()
+    return td.eager_steps(TwoHeads(), x, y, m, loss_fn)
 
 
 def _check_log(log: list[Any], where: str) -> None:

@@ -222,12 +222,7 @@ def test_two_nodes_run_the_plans_replicas_with_stages_inside_a_node(tmp_path: Pa
     """Issue 16: 2 torchrun node groups on 127.0.0.1, 2 ranks each, started by
     `crosscut run --nnodes 2` from a plan of 2 replicas × 2 stages: replica r is the
     ranks of node r (its stages share a node), and training equals eager's."""
-    import os
-    import subprocess
-    import sys
-
     import tests.test_distributed as td
-    from crosscut.launch import free_port
 
     x, _ = td.batch(8, 32)
     plan = crosscut.partition(
@@ -243,27 +238,8 @@ def test_two_nodes_run_the_plans_replicas_with_stages_inside_a_node(tmp_path: Pa
     plan.cluster.nodes = 2
     plan.cluster.network = [1.25e9, 30e-6]
     path = plan.save(tmp_path / "plan.json")
-    port = str(free_port())
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(td.ROOT))
-
-    def node_cmd(rank: int) -> list[str]:
-        return [sys.executable, "-m", "crosscut.cli", "run", "--plan", str(path),
-                "--nnodes", "2", "--node-rank", str(rank), "--port", port, "--timeout", "60",
-                str(td.SCRIPT), "--replicas", "2", "--schedules", "1f1b",
-                "--microbatches", "2", "--out", str(tmp_path)]  # fmt: skip
-
-    procs = [
-        subprocess.Popen(
-            node_cmd(rank),
-            cwd=td.ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    td.wait_all_ok(procs, timeout=240)
+    script = ["--replicas", "2", "--schedules", "1f1b", "--microbatches", "2"]
+    td.run_node_groups(path, tmp_path, script)
     got = td.merged(tmp_path, "resnet18_1f1b", 4, 2)
     assert len(got["losses"]) == 2  # each replica's last stage reports the global loss
     td.compare(got, td.eager("resnet18", 8, 32, 4), buffers=False)

@@ -245,6 +245,37 @@ def test_worker_groups_allreduce(tmp_path: Path) -> None:
         compare(got, eager(name, 8, 32, 4), buffers=False)
 
 
+def test_an_output_no_loss_reads_gives_no_gradient_across_ranks(tmp_path: Path) -> None:
+    """A layer on stage 0 whose output only leaves the model (the loss never reads it):
+    eager gives it no gradient and SGD with weight decay leaves it alone. The last stage
+    used to send zeros back for it, so the layer got zero gradients and decayed."""
+    script = ROOT / "tests" / "dist_scripts" / "unused_output_check.py"
+    sys.path.insert(0, str(script.parent))
+    from unused_output_check import SideOutput, batch, loss_fn, plan_with_side_on_stage_0
+
+    plan = plan_with_side_on_stage_0().save(tmp_path / "plan.json")
+    ok(launch(2, ["--out", str(tmp_path), "--plan", str(plan)], script=script))
+
+    model = SideOutput()
+    x, y = batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    for xm, ym in zip(x.chunk(2), y.chunk(2)):
+        (loss_fn(model(xm), ym) / 2).backward()
+    assert model.side.weight.grad is None  # eager: no gradient at all
+    grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    opt.step()
+    got: dict[str, dict[str, torch.Tensor]] = {"grads": {}, "state": {}}
+    for r in range(2):
+        dump = torch.load(tmp_path / f"side_rank{r}.pt", weights_only=False)
+        for part in got:
+            got[part].update(dump[part])
+    assert set(got["grads"]) == set(grads), set(got["grads"]) ^ set(grads)
+    for k, g in grads.items():
+        torch.testing.assert_close(got["grads"][k], g, rtol=1e-5, atol=1e-6)
+    for k, t in model.state_dict().items():
+        torch.testing.assert_close(got["state"][k], t, rtol=1e-5, atol=1e-6)
+
+
 def local_step_bn(name: str, n: int, size: int, chunks: int) -> dict[str, Any]:
     """One SGD step of a local 2-stage CompiledModule with bn_mode="step" (tested vs eager
     in tests/test_batchnorm.py): the reference for the distributed "step" mode."""

@@ -255,6 +255,11 @@ class Routes:
         """A tag unique per (edge, micro-batch, leaf, direction) within one step."""
         return ((mb * len(self.edges) + edge) * self.leaf_count + leaf) * 2 + int(backward)
 
+    @property
+    def mask_leaf(self) -> int:
+        """The leaf index that tags a gradient message's presence mask (no value has it)."""
+        return self.leaf_count - 1
+
     def tensor_leaves(self, value: str) -> list[int]:
         return [j for j, t in enumerate(self.meta[value][1]) if isinstance(t, torch.Tensor)]
 
@@ -305,5 +310,6 @@ def build_routes(
             isinstance(t, torch.Tensor) and t.is_floating_point() and name not in free
             for t in leaves
         ]
-    count = max([len(v[1]) for v in meta.values()] + [1])
+    # one more leaf index than any value has: it tags a gradient message's presence mask
+    count = max([len(v[1]) for v in meta.values()] + [1]) + 1
     return Routes(edges, meta, flags, count)

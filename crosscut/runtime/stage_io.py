@@ -124,6 +124,9 @@ class StageIO:
                 for j in idx
             ]
             tags = [self.routes.tag(i, a.microbatch, j, a.kind == "B") for j in idx]
+            if a.kind == "B":  # and which of them the reader had (a mask: send_grads)
+                templates.append(torch.empty(len(idx), dtype=torch.uint8, device=self.device))
+                tags.append(self.routes.tag(i, a.microbatch, self.routes.mask_leaf, True))
             pend = self.msg.post_recv(
                 e.value, peer, tags, templates, self._what(a, e, a.kind == "B")
             )
@@ -148,15 +151,19 @@ class StageIO:
         """Wait for a B action's output gradients, summed over each value's consumers.
 
         One entry per pytree leaf of the value (``None`` for leaves that carry
-        no gradient), summed in edge order — the reading stages' order.
+        no gradient), summed in edge order — the reading stages' order. A leaf
+        no reader had a gradient for (an output the loss never reads) stays
+        ``None``, as in eager: its zeros on the wire would give the parameters
+        behind it zero gradients, which weight decay and momentum then act on.
         """
-        sums: dict[str, list[torch.Tensor]] = {}
+        sums: dict[str, list[torch.Tensor | None]] = {}
         for _i, p in self.posted.pop(a):
-            got = self.msg.wait_recv(p)
+            *got, mask = self.msg.wait_recv(p)
+            have = [g if bool(f) else None for g, f in zip(got, mask.tolist())]
             if p.value in sums:
-                sums[p.value] = [x + y for x, y in zip(sums[p.value], got)]
+                sums[p.value] = [_add(x, y) for x, y in zip(sums[p.value], have)]
             else:
-                sums[p.value] = got
+                sums[p.value] = have
         full: dict[str, list[torch.Tensor | None]] = {}
         for value, gs in sums.items():
             it = iter(gs)
@@ -185,19 +192,29 @@ class StageIO:
                 self._send_value(a, i, e, outs[e.value])
 
     def send_grads(self, a: Action, received: dict[str, Any]) -> None:
-        """Send the gradient of each received input back to its producer (zeros if unused)."""
+        """Send the gradient of each received input back to its producer, then a mask of
+        which leaves had one (zeros travel for the others: the receives are posted ahead)."""
         for i, e in enumerate(self.routes.edges):
             if e.dst != self.stage:
                 continue
             leaves = pytree.tree_leaves(received[e.value])
+            present = []
             for j, (t, f) in enumerate(zip(leaves, self.routes.grad_leaf[e.value])):
                 if not f:
                     continue
+                present.append(t.grad is not None)
                 g = t.grad if t.grad is not None else torch.zeros_like(t)
                 self.msg.send(
                     g,
                     self.rank_of(e.src),
                     self.routes.tag(i, a.microbatch, j, True),
+                    self._what(a, e, True),
+                )
+            if present:
+                self.msg.send(
+                    torch.tensor(present, dtype=torch.uint8, device=self.device),
+                    self.rank_of(e.src),
+                    self.routes.tag(i, a.microbatch, self.routes.mask_leaf, True),
                     self._what(a, e, True),
                 )
 
@@ -235,3 +252,10 @@ class StageIO:
     def _what(a: Action, e: Edge, grad: bool) -> str:
         kind = "the gradient" if grad else "the value"
         return f"{kind} of {e.value!r} for micro-batch {a.microbatch} (action {a})"
+
+
+def _add(x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:
+    """Two readers' gradients of one leaf: their sum, either one, or ``None`` if neither."""
+    if x is None:
+        return y
+    return x if y is None else x + y

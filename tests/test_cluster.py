@@ -215,3 +215,17 @@ def test_transfers_inside_a_node_and_between_nodes_are_priced_apart() -> None:
     prices = [big.transfer_time(0, j, nbytes) for j in (1, 7, 8, 2047)]
     assert time.perf_counter() - t0 < 0.5
     assert prices[0] == prices[1] < prices[2] == prices[3]
+
+
+def test_a_spec_of_several_kinds_is_one_node_in_order() -> None:
+    c = Cluster.from_any("6xV100,1xK20c")
+    assert [d.kind for d in c.devices] == ["V100"] * 6 + ["K20c"]
+    assert [d.device for d in c.devices] == [f"cuda:{i}" for i in range(7)]
+    assert c.topology == "pcie" and c.nodes == 1 and c.name == "6xV100,1xK20c"
+    mixed = Cluster.from_any("2xA100-80GB,2xcpu")
+    assert [d.name for d in mixed.devices] == ["gpu0", "gpu1", "cpu0", "cpu1"]
+    assert mixed.devices[2].device == "cpu" and mixed.devices[2].mem_cap < mixed.devices[0].mem_cap
+    assert Cluster.from_any("2xV100,2xA100-80GB").topology == "nvlink"  # a shared topology
+    for bad in ("6xV100,", "0xV100,1xK20c", "2xV100,1xFOO"):
+        with pytest.raises(DeviceError):
+            Cluster.from_any(bad)

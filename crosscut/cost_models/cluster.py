@@ -25,28 +25,18 @@ from crosscut.cost_models.detect import cuda_spec, parse_device, torchrun_env
 from crosscut.cost_models.devices import DeviceSpec, cpu_spec, preset, preset_names
 from crosscut.cost_models.links import (
     DEFAULT_NETWORK,
+    DEFAULT_TOPOLOGY,
     NETWORKS,
     TOPOLOGIES,
     default_link,
     measure_link,
     measure_matmul_flops,
 )
+from crosscut.cost_models.mixed import mixed_devices
 from crosscut.errors import DeviceError
 
 __all__ = ["DEFAULT_TOPOLOGY", "Cluster", "ClusterLike"]
 
-DEFAULT_TOPOLOGY: dict[str, str] = {
-    "K20c": "pcie",
-    "P40": "pcie",
-    "P100": "nvlink",
-    "V100": "nvlink",
-    "V100-32GB": "nvlink",
-    "A100-40GB": "nvlink",
-    "A100-80GB": "nvlink",
-    "H100": "nvlink",
-    "H200": "nvlink",
-    "cpu": "cpu",
-}
 _SPEC_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(.+?)\s*$")
 # "NODESxGPUSxKIND[-TOPOLOGY][+NETWORK]", e.g. "32x8xV100", "4x8xA100-80GB+ib400"
 _NODES_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*([^+\s]+?)(?:\+(\w+))?\s*$")
@@ -232,10 +222,15 @@ class Cluster:
         """Parse ``"NxKIND[-TOPOLOGY]"`` (one node) or ``"NODESxGPUSxKIND[+NETWORK]"``.
 
         E.g. ``"4xK20c"``, ``"8xH100-nvlink"``, ``"4xV100-pcie"``, ``"2xcpu"``,
-        ``"32x8xV100+ib100"`` (:meth:`from_nodes_spec`).
+        ``"32x8xV100+ib100"`` (:meth:`from_nodes_spec`), ``"6xV100,1xK20c"``
+        (one node of several kinds: :func:`~crosscut.cost_models.mixed.mixed_devices`).
         """
         if _NODES_RE.match(spec):
             return cls.from_nodes_spec(spec)
+        if "," in spec:
+            cluster = cls.from_specs(*mixed_devices(spec))
+            cluster.meta["spec"], cluster.name = spec, spec.strip()
+            return cluster
         m = _SPEC_RE.match(spec)
         if not m:
             raise DeviceError(

@@ -18,6 +18,7 @@ from crosscut.errors import DeviceError
 
 __all__ = [
     "DEFAULT_NETWORK",
+    "DEFAULT_TOPOLOGY",
     "NETWORKS",
     "TOPOLOGIES",
     "LinkSpec",
@@ -65,6 +66,11 @@ NETWORKS: dict[str, LinkSpec] = {
     "ib200": (25e9, 4e-6),
     "ib400": (50e9, 3e-6),
 }
+# how the devices of one node of each kind are joined: K20c and P40 on PCIe in Mariana's
+# two-switch layout (no NVLink), the later parts on NVLink as DGX/HGX boards ship them
+DEFAULT_TOPOLOGY: dict[str, str] = {"K20c": "pcie", "P40": "pcie", "cpu": "cpu"} | dict.fromkeys(
+    ("P100", "V100", "V100-32GB", "A100-40GB", "A100-80GB", "H100", "H200"), "nvlink"
+)
 # what a node of each kind was usually wired with in its time
 DEFAULT_NETWORK: dict[str, str] = {
     "K20c": "eth10",

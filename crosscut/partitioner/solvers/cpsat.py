@@ -271,6 +271,7 @@ class _Searched:
     finished: bool  # the model was solved to the end (optimal, infeasible or beaten)
     met: bool  # the incumbent meets the static bound: optimal over every plan
     build_s: float  # seconds the model took to build
+    rounding: float = 0.0  # seconds the integer model's objective may differ from evaluate()'s
 
 
 def _search_one(
@@ -290,9 +291,11 @@ def _search_one(
     if om.skipped:  # the model would not be built in time
         return _Searched(static_lb, False, False, build_s)
     if om.empty:  # no plan of this model beats the incumbent
-        return _Searched(max(static_lb, inc.objective), True, False, build_s)
+        return _Searched(
+            max(static_lb, inc.objective), True, False, build_s, 2 * om.slack * om.unit
+        )
     if _meets(inc.objective, static_lb, om):  # optimal to the rounding
-        return _Searched(static_lb, True, True, build_s)
+        return _Searched(static_lb, True, True, build_s, 2 * om.slack * om.unit)
     m = om.model
     # (B) objective >= the static lower bound
     m.add(om.objective_var >= max(0, math.floor(static_lb / om.unit) - om.slack))
@@ -310,9 +313,11 @@ def _search_one(
     target = math.floor(static_lb * (1 + ROUNDING_GAP) / om.unit)
     status = solver.solve(m, _Callback(cfg.progress, om.unit, cfg.t0, target))
     if status == cp_model.INFEASIBLE:
-        return _Searched(max(static_lb, inc.objective), True, False, build_s)
+        return _Searched(
+            max(static_lb, inc.objective), True, False, build_s, 2 * om.slack * om.unit
+        )
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return _Searched(static_lb, False, False, build_s)
+        return _Searched(static_lb, False, False, build_s, 2 * om.slack * om.unit)
     inc.found = True
     plan = renumber(om.stage_of(solver), om.stage_devices(solver))
     if not check(pb, *plan):
@@ -321,9 +326,9 @@ def _search_one(
             inc.plan, inc.objective = plan, obj
     bound = max(static_lb, (solver.best_objective_bound - om.slack) * om.unit)
     if status == cp_model.OPTIMAL:
-        return _Searched(bound, True, False, build_s)
+        return _Searched(bound, True, False, build_s, 2 * om.slack * om.unit)
     met = _meets(inc.objective, static_lb, om)  # stopped by the callback at the bound
-    return _Searched(bound, met, met, build_s)
+    return _Searched(bound, met, met, build_s, 2 * om.slack * om.unit)
 
 
 def solve_cpsat(
@@ -400,6 +405,7 @@ def solve_cpsat(
     use_classes = exact_classes or (auto and not exhaustive)
     proved, met = True, False  # met: the incumbent meets the static bound (optimal)
     no_plan = False
+    rounding = 0.0  # the most any model's integer rounding may hide (seconds)
     global_bound = static_lb  # valid for every plan
     bounds: list[float] = []  # one per order searched; their min is valid when exhaustive
     if use_classes:
@@ -410,6 +416,7 @@ def solve_cpsat(
         share = work if exact_classes else work.within(work.left() / (len(order_list) + 1))
         res = _search_one(pb, om, inc, static_lb, share, work, cfg)
         global_bound, met = max(global_bound, res.bound), res.met
+        rounding = max(rounding, res.rounding)
         # no plan at all in a model that covers every order (exact, or a relaxation:
         # cheaper links, the same memory): infeasibility proven
         no_plan = res.finished and inc.plan is None
@@ -438,6 +445,7 @@ def solve_cpsat(
             pb, om, inc, static_lb, work.within(work.left() / (len(order_list) - i)), work, cfg
         )
         build_s, met = res.build_s, res.met
+        rounding = max(rounding, res.rounding)
         proved = proved and res.finished
         bounds.append(res.bound)
     best, best_obj, found = inc.plan, inc.objective, inc.found
@@ -464,7 +472,9 @@ def solve_cpsat(
             remedy="raise the time limit; " + _REMEDY,
         )
     bound = min(global_bound, best_obj)
-    if (proved and (exhaustive or met)) or best_obj <= global_bound * (1 + ROUNDING_GAP):
+    if (proved and (exhaustive or met)) or best_obj - global_bound <= max(
+        rounding, ROUNDING_GAP * best_obj
+    ):
         status_s = "OPTIMAL"
     elif found:
         status_s = "FEASIBLE"

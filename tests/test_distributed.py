@@ -52,9 +52,11 @@ def launch(
     timeout: float = 240,
     env: dict[str, str] | None = None,
     rank_env: dict[int, dict[str, str]] | None = None,
-    script: Path = SCRIPT,
+    script: Path | None = None,
 ) -> list[Rank]:
-    """Start ``n`` ranks of ``script`` on a fresh loopback port; never hangs past ``timeout``."""
+    """Start ``n`` ranks of ``script`` (default: ``SCRIPT`` when called, which some tests
+    monkeypatch) on a fresh loopback port; never hangs past ``timeout``."""
+    script = SCRIPT if script is None else script
     port = free_port()
     procs = []
     start = time.monotonic()

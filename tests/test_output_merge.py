@@ -263,17 +263,16 @@ def test_merge_unit_rules() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.xdist_group("dist")
-def test_merge_and_autocast_under_torchrun(tmp_path: Any, monkeypatch: Any) -> None:
+def test_merge_and_autocast_under_torchrun(tmp_path: Any) -> None:
     """Two gloo ranks: the refusal on every rank, the merged sum on the last, bfloat16
     autocast through the stages and the messages between them (forward and train_step),
     and a gradient scaler whose inf check spans both ranks."""
     import tests.test_distributed as td
 
     script = td.ROOT / "tests" / "dist_scripts" / "merge_check.py"
-    monkeypatch.setattr(td, "SCRIPT", script)
     from merge_check import batch, build, loss_fn  # type: ignore[import-not-found]  # td's path
 
-    td.ok(td.launch(2, ["--out", str(tmp_path)], timeout=180))
+    td.ok(td.launch(2, ["--out", str(tmp_path)], timeout=180, script=script))
     ranks = [torch.load(tmp_path / f"merge_rank{r}.pt", weights_only=False) for r in (0, 1)]
     for seen in ranks:
         assert "output '1': a tensor of shape []" in seen["refused"]

@@ -241,7 +241,9 @@ def solve_cpsat(
         )
     _precheck(pb)
     strategy = orders
-    order_list, exhaustive = candidate_orders(pb, 1 if strategy == "heuristic" else ORDER_LIMIT)
+    classes = device_classes(pb)
+    limit = 1 if strategy == "heuristic" else ORDER_LIMIT
+    order_list, exhaustive = candidate_orders(pb, limit, classes)
     min_stages = pb.num_devices if require_all_devices else 1
     plans = all_baselines(
         pb, order_list[0], min_stages=min_stages, deadline=work.share(BASELINE_SHARE)
@@ -268,7 +270,6 @@ def solve_cpsat(
                 best, best_obj = sub_plan, obj
     cfg = Settings(workers, seed, deterministic, log_callback, progress, t0, floating)
     inc = Incumbent(best, best_obj)
-    classes = device_classes(pb)
     auto = strategy == "auto"
     exact_classes = auto and count_orders(classes) >= CLASS_MODEL_ORDERS and uniform_links(pb)
     use_classes = exact_classes or (auto and not exhaustive)
@@ -281,7 +282,7 @@ def solve_cpsat(
         # every order at once (module orders.py): the whole search when its prices are
         # exact, else a bound for every order and one more order worth searching
         om = OrderModel(pb, order_list[0], inc.objective, require_all=require_all_devices)
-        om.classes, om.exact = classes, exact_classes
+        om.classes = classes
         share = work if exact_classes else work.within(work.left() / (len(order_list) + 1))
         res = search_one(pb, om, inc, static_lb, share, work, cfg)
         global_bound, met = max(global_bound, res.bound), res.met

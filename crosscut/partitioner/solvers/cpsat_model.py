@@ -24,7 +24,7 @@ order at once: ``classes`` are the interchangeable devices
 (``orders.device_classes``), and ``z[k,c]`` says stage ``k`` runs on a device
 of class ``c``; a stage's compute and memory are written once per class, each
 enforced by its ``z``. Transfers are priced on the fastest link between two
-different devices: exact when every link is the same (``exact``), a
+different devices: exact when every link is the same, a
 relaxation (a valid bound, a class sequence worth searching) otherwise.
 """
 
@@ -107,11 +107,9 @@ class OrderModel:
     # deadline between variable/constraint families (a model is built in Python: seconds)
     deadline: Deadline | None = None
     skipped: bool = False
-    # the class model (module docstring): interchangeable devices, and whether its
-    # transfer prices are exact (every link the same)
+    # the class model (module docstring): classes of interchangeable devices
     classes: list[list[int]] = field(default_factory=list)
     z: dict[tuple[int, int], Any] = field(default_factory=dict)
-    exact: bool = True
 
     def _late(self, estimate_s: float = 0.0) -> bool:
         """Whether to stop building: past the deadline, or ``estimate_s`` would not fit."""
@@ -136,7 +134,7 @@ class OrderModel:
             slots = min(pb.num_devices, n)
         # the device of each class a stage may run on (one per stage in an order model)
         choices = [[c[0] for c in self.classes] or [self.order[k]] for k in range(slots)]
-        link_s = self._fastest_links()
+        link_s = self._fastest_links() if self.classes else (0.0, 1.0)
         mult = comm_multiplier(pb)
         cons = consumers(pb)
         horizon = self.upper if math.isfinite(self.upper) else self._trivial_upper()
@@ -248,14 +246,6 @@ class OrderModel:
             ]
             for k in range(slots)
         ]
-        comp_fastest = [
-            sum(
-                round(min(pb.compute[v]) / self.unit) * self.x[(v, k)]
-                for v in range(n)
-                if (v, k) in self.x
-            )
-            for k in range(slots)
-        ]
         comm: list[Any] = [0] * slots
         recv_bytes: list[Any] = [0] * slots
         count = [0] * slots
@@ -305,7 +295,16 @@ class OrderModel:
                 #       Σ_k (compute + comm) + floating <= slots * B  (at most `slots` stages)
                 #       (a class model counts every node on its fastest device: a relaxation)
                 lost = math.floor(self.floating / self.unit) - self.slack * slots
-                least = comp_fastest if self.classes else [c[0] for c in comp]
+                least = [c[0] for c in comp]
+                if self.classes:  # every node on its fastest device: the stage's class unknown
+                    least = [
+                        sum(
+                            round(min(pb.compute[v]) / self.unit) * self.x[(v, k)]
+                            for v in range(n)
+                            if (v, k) in self.x
+                        )
+                        for k in range(slots)
+                    ]
                 m.add(sum(least[k] + comm[k] for k in range(slots)) + max(0, lost) <= slots * bvar)
             self.objective_var = bvar
         # ---- objective --------------------------------------------------------

@@ -121,17 +121,17 @@ def _label_sequences(counts: list[int], prefix: list[int]) -> Iterator[list[int]
 
 
 def candidate_orders(
-    pb: PartitionProblem, limit: int = ORDER_LIMIT
+    pb: PartitionProblem, limit: int = ORDER_LIMIT, classes: list[list[int]] | None = None
 ) -> tuple[list[list[int]], bool]:
     """Device orders to search one by one, and whether they cover every stage→device map.
 
     The first is the baselines' order (:func:`device_order`: cheapest links
     between consecutive stages). Exhaustive up to ``limit`` distinct orders;
     above it the primary order and the devices by speed (the caller adds the
-    class model where it applies).
+    class model where it applies). ``classes``: :func:`device_classes`, when known.
     """
     primary = device_order(pb)
-    classes = device_classes(pb)
+    classes = device_classes(pb) if classes is None else classes
     if count_orders(classes) <= max(1, limit):
         label = {dev: c for c, cls in enumerate(classes) for dev in cls}
         first = [label[dev] for dev in primary]

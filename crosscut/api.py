@@ -10,6 +10,7 @@ and a torchrun rank's :class:`~crosscut.runtime.distributed.DistributedPipeline`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,10 +20,11 @@ import torch
 from torch import nn
 
 from crosscut.errors import InputError
-from crosscut.partitioner.plan import Plan
+from crosscut.partitioner.plan import Plan, local_groups
 from crosscut.partitioner.validate import validate_plan
 from crosscut.planning import (
     PlanRequest,
+    TraceCache,
     as_tuple,
     check_plan_devices,
     check_plan_precision,
@@ -58,7 +60,8 @@ def compile(
     *,
     mode: str = "train",
     schedule: str = "1f1b",
-    microbatches: int = 1,
+    microbatches: int | None = None,
+    replicas: int | None = None,
     objective: str = "throughput",
     plan: Plan | str | Path | None = None,
     time_limit: float = 10.0,
@@ -76,6 +79,12 @@ def compile(
     precision: str | None = None,
 ) -> Any:
     """Partition ``model`` over ``devices`` and return a CompiledModule that trains.
+
+    The planner chooses the strategy with the shortest predicted step
+    (:func:`partition`): data-parallel ``replicas`` (run here as batch-split
+    device groups, one per stage position), the pipeline and ``microbatches``;
+    a number given for either is kept. ``bn_mode="exact"`` fixes both at 1
+    unless given (whole-batch statistics rule out splitting the batch).
 
     ``recompute``: stages keep only their inputs per micro-batch and recompute
     their activations in backward, with the same numbers
@@ -127,11 +136,15 @@ def compile(
     normalize_merge(output_merge)  # a bad rule fails here, before tracing
     # every option is checked here, once, on every rank alike under torchrun: the same
     # error everywhere, before any rank waits on another (planning.PlanRequest)
+    if bn_mode == "exact":  # the whole batch's statistics: one micro-batch on one device
+        microbatches = 1 if microbatches is None else microbatches
+        replicas = 1 if replicas is None else replicas
     request = PlanRequest(
         mode=mode,
         objective=objective,
         schedule=schedule,
         microbatches=microbatches,
+        replicas=replicas,
         time_limit=time_limit,
         optimizer=optimizer,
         cost=cost,
@@ -158,6 +171,7 @@ def compile(
             plan,
             schedule=None if planned else schedule,
             microbatches=None if planned else microbatches,
+            replicas=None if planned else replicas,
             bn_mode=bn_mode,
             output_merge=output_merge,
             recompute=recompute,
@@ -166,7 +180,7 @@ def compile(
             partition_options={
                 k: v
                 for k, v in request.partition_options().items()
-                if k not in ("schedule", "microbatches", "require_all_devices")
+                if k not in ("schedule", "microbatches", "replicas", "require_all_devices")
             },
         )
     cl = Cluster.from_any(devices)
@@ -178,41 +192,35 @@ def compile(
             remedy="`crosscut partition MODEL --devices 32x8xV100 -o plan.json`, then "
             "`crosscut run --plan plan.json train.py` on every node",
         )
+    inputs = as_tuple(example_inputs)
+    traces = TraceCache(model, inputs, request)
     if plan is None:
         check_precision_devices(request.precision, cl.devices)
-        graph = trace(
-            model,
-            micro_inputs(example_inputs, microbatches),
-            mode=mode,
-            precision=request.precision,
-        )
-        graph.model_name = type(model).__name__
-        the_plan = plan_request(graph, cl, None, request, progress=progress)
-        the_plan.model.input_shapes = [list(t.shape) for t in as_tuple(example_inputs)]
+        the_plan = plan_request(model, cl, inputs, request, progress=progress, traces=traces)
     else:
         the_plan = load_plan(plan)
         check_plan_precision(the_plan, precision)
-        graph = trace(
-            model,
-            micro_inputs(example_inputs, the_plan.options.microbatches),
-            mode=the_plan.model.mode,
-            precision=the_plan.options.precision,
-        )
-        validate_plan(the_plan, graph)
         check_plan_devices(the_plan, cl)
-    other_gm = other_mode_graph(model, graph)
-    given = list(cl.devices)
-    groups = [
-        (
-            [torch.device(given[the_plan.cluster.index(d)].device) for d in stage.devices],
-            stage.split,
+        traces = TraceCache(
+            model,
+            inputs,
+            dataclasses.replace(
+                request, mode=the_plan.model.mode, precision=the_plan.options.precision
+            ),
         )
-        for stage in the_plan.stages
-    ]
+    reps, m = the_plan.replication.replicas, the_plan.options.microbatches
+    micro_inputs(inputs, reps * m)  # the batch splits into replicas × micro-batches
+    graph = traces.graph(int(inputs[0].shape[0]) // (reps * m))
+    if plan is not None:
+        validate_plan(the_plan, graph)
+    # replicas run as batch-split groups over one micro-batch of the whole batch
+    run_graph = graph if reps == 1 else traces.graph(int(inputs[0].shape[0]) // m)
+    other_gm = other_mode_graph(model, run_graph)
+    groups = local_groups(the_plan, [torch.device(d.device) for d in cl.devices])
     stage_devices = [devs[0] for devs, _ in groups]
     return CompiledModule(
         model,
-        graph.gm,
+        run_graph.gm,
         dict(the_plan.assignment),
         stage_devices,
         schedule=the_plan.options.schedule,

@@ -149,7 +149,7 @@ def run_main(argv: Sequence[str]) -> int:
     try:
         ns = parse_args(argv)
         plan = Plan.load(ns.plan)
-        if ns.replicas is None:  # the layout the planner chose (planning_replicas.py)
+        if ns.replicas is None:  # the layout the planner chose (strategy.py)
             ns.replicas = plan.replication.replicas
         if ns.port == 0:
             if ns.nnodes > 1:

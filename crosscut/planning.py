@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,18 +23,20 @@ from torch import nn
 
 from crosscut.errors import CrosscutError, InputError, PlanError
 from crosscut.graph import OpGraph
+from crosscut.options import PlanRequest, check_options, cross_options
 from crosscut.partitioner.deadline import Deadline
-from crosscut.partitioner.plan import Plan, PlanOptions
-from crosscut.partitioner.problem import OBJECTIVES, RECOMPUTE, SCHEDULES
+from crosscut.partitioner.plan import Plan
 from crosscut.partitioner.stage_recompute import (
     check_recompute,
     recompute_flags_for,
     recompute_request,
 )
 from crosscut.precision import check_precision, check_precision_devices
+from crosscut.strategy import TraceCache, get_costs, plan_strategy, solve_traced
 
 __all__ = [
     "PlanRequest",
+    "TraceCache",
     "as_tuple",
     "check_options",
     "check_plan_devices",
@@ -55,9 +56,6 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
-MODES = ("train", "infer")
-OPTIMIZERS = ("sgd", "momentum", "adam")
-COSTS = ("analytic", "profiled")
 
 
 def public_errors(fn: F) -> F:
@@ -116,41 +114,6 @@ def micro_inputs(example_inputs: Any, microbatches: int) -> tuple[torch.Tensor, 
     return tuple(t[:size] for t in inputs)
 
 
-def check_options(
-    *,
-    mode: str,
-    objective: str,
-    schedule: str,
-    microbatches: int | None,
-    time_limit: float,
-    optimizer: str = "sgd",
-    cost: str = "analytic",
-) -> None:
-    for label, value, allowed in (
-        ("mode", mode, MODES),
-        ("objective", objective, OBJECTIVES),
-        ("schedule", schedule, SCHEDULES),
-        ("optimizer", optimizer, OPTIMIZERS),
-        ("cost", cost, COSTS),
-    ):
-        if value not in allowed:
-            raise InputError(f"{label} must be one of {list(allowed)}", value=value)
-    if microbatches is not None and (
-        not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1
-    ):
-        raise InputError(
-            "microbatches must be a positive integer",
-            value=microbatches,
-            remedy="use 1 for no pipelining, e.g. 4 or 8, or None (partition: the planner's)",
-        )
-    if not isinstance(time_limit, (int, float)) or not time_limit > 0:
-        raise InputError(
-            "time_limit must be a positive number of seconds",
-            value=time_limit,
-            remedy="e.g. time_limit=10",
-        )
-
-
 @public_errors
 def trace(
     model: nn.Module,
@@ -167,80 +130,6 @@ def trace(
     return _trace(model, example_inputs, mode=mode, leaf_modules=leaf_modules, precision=precision)
 
 
-def get_costs(
-    graph: OpGraph, cluster: Any, *, cost: str = "analytic", optimizer: str = "sgd"
-) -> Any:
-    """A CostTable for ``graph`` on every device kind of ``cluster``."""
-    from crosscut.cost_models import analytic_costs, profile_costs
-
-    table = analytic_costs(graph, cluster, optimizer=optimizer)
-    if cost == "profiled":
-        for kind in sorted({d.kind for d in cluster.devices}):
-            dev = next(d for d in cluster.devices if d.kind == kind)
-            table = table.merge(profile_costs(graph, dev.device, kind=kind))
-    return table
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """Every partitioning option, normalised and checked once, at construction.
-
-    The front door's request: :func:`partition` builds one from its keywords,
-    ``crosscut.compile`` builds one before it decides between the local and
-    the torchrun path (so every rank checks the same options the same way),
-    and :func:`plan_request` consumes it without checking again.
-
-    ``microbatches=None`` leaves the count to the planner: on a cluster of
-    nodes each replica layout gets its own (:mod:`crosscut.planning_replicas`);
-    on one node it is 1. A number is kept as given.
-    """
-
-    mode: str = "train"
-    objective: str = "throughput"
-    schedule: str = "1f1b"
-    microbatches: int | None = None
-    time_limit: float = 10.0
-    optimizer: str = "sgd"
-    cost: str = "analytic"
-    overlap_comm: bool = False
-    seed: int = 0
-    solver: str = "cpsat"
-    require_all_devices: bool = False
-    cross_shaped: bool = False
-    widths: tuple[int, ...] | None = None
-    splits: tuple[str, ...] = ("batch", "channel")
-    colocate: bool = True
-    recompute: str = "auto"
-    precision: str = "fp32"
-
-    def __post_init__(self) -> None:
-        check_precision(self.precision)
-        check_options(
-            mode=self.mode,
-            objective=self.objective,
-            schedule=self.schedule,
-            microbatches=self.microbatches,
-            time_limit=self.time_limit,
-            optimizer=self.optimizer,
-            cost=self.cost,
-        )
-        # widths and splits normalised to tuples, their rules checked (device count: later)
-        if self.widths is not None:
-            object.__setattr__(self, "widths", tuple(self.widths))
-        object.__setattr__(self, "splits", tuple(self.splits))
-        cross_options(self.cross_shaped, self.widths, self.splits, 2)
-        if self.recompute not in RECOMPUTE:
-            raise InputError(
-                f"recompute must be one of {list(RECOMPUTE)}",
-                value=self.recompute,
-                remedy="'auto' (recompute where it makes a plan fit or faster), 'never', 'always'",
-            )
-
-    def partition_options(self) -> dict[str, Any]:
-        """The keywords of :func:`partition` this request stands for."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
 @public_errors
 def partition(
     model_or_graph: nn.Module | OpGraph,
@@ -251,6 +140,7 @@ def partition(
     objective: str = "throughput",
     schedule: str = "1f1b",
     microbatches: int | None = None,
+    replicas: int | None = None,
     time_limit: float = 10.0,
     optimizer: str = "sgd",
     cost: str = "analytic",
@@ -267,15 +157,19 @@ def partition(
     recompute: str = "auto",
     precision: str = "fp32",
 ) -> Plan:
-    """Find the best plan for a model (or an already traced OpGraph) on ``cluster``.
+    """Find the fastest plan for a model (or an already traced OpGraph) on ``cluster``.
 
     ``cluster`` is anything :meth:`crosscut.Cluster.from_any` accepts: a spec
     string (``"4xV100"``), a list of devices (``["cpu", "cpu"]``), an int, a
     cluster JSON path or a Cluster.
 
-    ``microbatches``: the pipeline's micro-batches per step; ``None`` (default)
-    lets the planner choose: on a cluster of nodes, per replica layout, the
-    count with the shortest predicted step; on one node, 1.
+    Given a model and its (global) batch, the planner chooses the whole
+    strategy for the shortest predicted step (:mod:`crosscut.strategy`):
+    ``replicas`` data-parallel copies (data parallelism on every device is
+    always priced), the pipeline each runs, and ``microbatches``. ``None``
+    (default) leaves a count to the planner; a number is a constraint. The
+    plan lists every strategy considered (``plan.strategy``). Given an
+    OpGraph (traced at one micro-batch), only the pipeline is planned.
 
     ``cross_shaped=True`` lets a stage run on a group of devices split by
     ``splits`` (``"batch"``: data parallel inside the stage; ``"channel"``:
@@ -299,6 +193,7 @@ def partition(
         objective=objective,
         schedule=schedule,
         microbatches=microbatches,
+        replicas=replicas,
         time_limit=time_limit,
         optimizer=optimizer,
         cost=cost,
@@ -327,94 +222,39 @@ def plan_request(
     model_name: str = "",
     progress: Callable[[float, float, float], None] | None = None,
     deadline: Deadline | None = None,
+    traces: TraceCache | None = None,
 ) -> Plan:
-    """:func:`partition` for checked options, by ``deadline`` (tracing included)."""
+    """:func:`partition` for checked options, by ``deadline`` (tracing included).
+
+    ``traces``: a cache of the model's graphs by micro-batch size, which the
+    caller keeps to read the chosen plan's graph without tracing again.
+    """
     from crosscut.cost_models import Cluster
-    from crosscut.partitioner.partition import partition_graph
 
     r = request
     deadline = Deadline.of(deadline, float(r.time_limit))
     cl = Cluster.from_any(cluster)
     check_precision_devices(r.precision, cl.devices)
-    if cl.nodes > 1:  # replicas × a one-node pipeline, the layout chosen (planning_replicas)
-        if isinstance(model_or_graph, OpGraph):
+    if isinstance(model_or_graph, OpGraph):
+        if cl.nodes > 1 or (r.replicas or 1) > 1:
             raise InputError(
-                "a cluster of several nodes is planned from the model (each layout traces "
-                "its own replica batch), not from a traced graph",
-                value=cl.name,
+                "replicas are planned from the model (each layout traces its own replica "
+                "batch), not from a traced graph",
+                value={"cluster": cl.name, "replicas": r.replicas},
                 remedy="pass the nn.Module and the global batch",
             )
-        from crosscut.planning_replicas import plan_replicas
-
-        def one(model: Any, node: Any, inputs: Any, req: PlanRequest, by: Deadline) -> Plan:
-            return plan_request(model, node, inputs, req, model_name=model_name, deadline=by)
-
-        return plan_replicas(model_or_graph, cl, as_tuple(example_inputs), r, one, deadline)
-    group_widths, group_splits = cross_options(r.cross_shaped, r.widths, r.splits, len(cl.devices))
-    shapes: list[list[int]] = []
-    if isinstance(model_or_graph, OpGraph):
         graph = model_or_graph
-    else:
-        if example_inputs is None:
-            raise InputError(
-                "partition(model, ...) needs example_inputs to trace the model",
-                remedy="pass e.g. torch.randn(32, 3, 224, 224)",
-            )
-        shapes = [list(t.shape) for t in as_tuple(example_inputs)]
-        graph = trace(
-            model_or_graph,
-            micro_inputs(example_inputs, r.microbatches or 1),
-            mode=r.mode,
-            precision=r.precision,
-        )
-        graph.model_name = model_name or type(model_or_graph).__name__
-    options = PlanOptions(
-        objective=r.objective,
-        schedule=r.schedule,
-        microbatches=r.microbatches or 1,
-        overlap_comm=r.overlap_comm,
-        optimizer=r.optimizer,
-        time_limit_s=float(r.time_limit),
-        seed=r.seed,
-        cost_source=r.cost,
-        widths=group_widths,
-        splits=group_splits,
-        precision=r.precision,
-    )
-    costs = get_costs(graph, cl, cost=r.cost, optimizer=r.optimizer)
-    return partition_graph(
-        graph,
-        costs,
-        cl,
-        options,
-        input_shapes=shapes,
-        solver=r.solver,
-        require_all_devices=r.require_all_devices,
-        progress=progress,
-        colocate=r.colocate,
-        recompute=r.recompute,
-        deadline=deadline,
-    )
-
-
-def cross_options(
-    cross_shaped: bool, widths: Sequence[int] | None, splits: Sequence[str], devices: int
-) -> tuple[list[int], list[str]]:
-    """PlanOptions.widths/splits for the cross-shaped switch, checked up front."""
-    if not cross_shaped:
-        return [1], []
-    bad = [x for x in splits if x not in ("batch", "channel")]
-    if bad or not splits:
+        costs = get_costs(graph, cl, cost=r.cost, optimizer=r.optimizer)
+        return solve_traced(graph, costs, cl, r, progress=progress, deadline=deadline)
+    if example_inputs is None:
         raise InputError(
-            "splits must name 'batch' and/or 'channel'",
-            value=list(splits),
-            remedy="e.g. splits=('batch', 'channel')",
+            "partition(model, ...) needs example_inputs to trace the model",
+            remedy="pass e.g. torch.randn(32, 3, 224, 224)",
         )
-    if widths is None:  # 1, 2, 4, ... up to the device count, and the count itself
-        widths = sorted({1, devices, *(1 << i for i in range(1, devices.bit_length()))})
-    if any(not isinstance(w, int) or w < 1 for w in widths):
-        raise InputError("widths must be positive integers", value=list(widths), remedy="(1, 2, 4)")
-    return sorted({1, *widths}), sorted(set(splits))
+    micro_inputs(example_inputs, r.microbatches or 1)  # a batch the fixed count divides
+    if traces is None:
+        traces = TraceCache(model_or_graph, as_tuple(example_inputs), r, model_name)
+    return plan_strategy(traces, cl, r, deadline, progress)
 
 
 def load_plan(plan: Plan | str | Path) -> Plan:
@@ -439,15 +279,19 @@ def check_plan_devices(plan: Plan, cluster: Any) -> None:
     """A replayed plan maps its cluster's devices, in order, onto the given devices.
 
     Kinds may differ on purpose (``crosscut verify`` replays a GPU plan on CPU
-    devices), but the count must match so device ``i`` of the plan has a home.
+    devices), but the count must match so device ``i`` of the plan has a home:
+    the plan's devices times its replicas (``local_groups``).
     """
     given = [d.name for d in cluster.devices]
     planned = [d.name for d in plan.cluster.devices]
-    if len(given) != len(planned):
+    reps = plan.replication.replicas
+    if len(given) != len(planned) * reps:
+        times = f" × {reps} replicas" if reps > 1 else ""
         raise PlanError(
-            f"the plan was made for {len(planned)} devices but {len(given)} were given",
-            value={"plan": planned, "given": given},
-            remedy="pass one device per plan device (in order), or re-partition for these devices",
+            f"the plan was made for {len(planned)} devices{times} but {len(given)} were given",
+            value={"plan": planned, "replicas": reps, "given": given},
+            remedy="pass one device per plan device and replica (in order), or re-partition "
+            "for these devices",
         )
 
 

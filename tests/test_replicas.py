@@ -1,6 +1,6 @@
 """Replicas chosen by the planner on clusters of nodes (issue 16): layouts, all-reduce, scale.
 
-The planner's rule (crosscut/planning_replicas.py, partitioner/replicas.py):
+The planner's rule (crosscut/strategy.py, partitioner/replicas.py):
 every device is used (replicas × devices per replica = nodes × devices per
 node), stages stay inside a node (or a replica spans whole nodes:
 tests/test_node_spanning.py), the gradient all-reduce is the cheaper of a
@@ -24,7 +24,7 @@ from crosscut.partitioner.plan import Plan
 from crosscut.partitioner.replicas import layouts, reduction, stage_gradient_bytes
 from crosscut.partitioner.simulate import simulate
 from crosscut.partitioner.validate import validate_plan
-from crosscut.planning_replicas import microbatch_candidates
+from crosscut.strategy import microbatch_candidates
 from tests.plan_factory import make_plan
 
 
@@ -94,7 +94,8 @@ def test_resnet50_uses_all_256_gpus_and_scales(resnet50_on_256: tuple[Plan, floa
     efficiency = one.predicted.step_time_s / plan.predicted.step_time_s
     assert 0.7 < efficiency <= 1.0, efficiency
     assert plan.predicted.throughput == pytest.approx(8192 / plan.predicted.step_time_s)
-    assert any("layouts tried" in n for n in plan.solver.notes)
+    chosen = [a for a in plan.strategy.alternatives if a.outcome == "chosen"]
+    assert len(chosen) == 1 and chosen[0].replicas == plan.replication.replicas
 
 
 def test_the_simulated_step_includes_the_all_reduce(resnet50_on_256: tuple[Plan, float]) -> None:
@@ -136,8 +137,9 @@ def test_weights_too_big_for_one_device_make_a_pipeline() -> None:
     x = torch.empty(64, 20_000, device="meta")
     plan = crosscut.partition(model, "2x4xK20c", x, time_limit=10)
     assert plan.replication.replicas * len(plan.used_devices()) == 8
-    assert len(plan.used_devices()) >= 2, plan.solver.notes[-1]
-    assert "1 devices: no plan fits the memory caps" in plan.solver.notes[-1]
+    rows = plan.strategy.alternatives
+    assert len(plan.used_devices()) >= 2, [a.text() for a in rows]
+    assert any(a.data_parallel and a.outcome == "no fit" for a in rows), [a.text() for a in rows]
     caps = {d.name: d.mem_cap for d in plan.cluster.devices}
     assert all(peak <= caps[d] for d, peak in plan.predicted.device_peak_bytes.items())
 
@@ -171,16 +173,18 @@ def test_the_planner_chooses_micro_batches_for_a_pipeline_layout() -> None:
     wall = time.perf_counter() - t0
     assert wall <= limit * 1.1 + 0.75, wall
     one = crosscut.partition(model, "2x2xK20c+ib400", x, time_limit=limit, microbatches=1)
-    assert chosen.num_stages == len(chosen.used_devices()) == 2, chosen.solver.notes[-1]
+    rows = chosen.strategy.alternatives
+    assert chosen.num_stages == len(chosen.used_devices()) == 2, [a.text() for a in rows]
     assert chosen.options.microbatches > 1 and one.options.microbatches == 1
     assert chosen.predicted.step_time_s < one.predicted.step_time_s
     assert chosen.model.batch_size == 2048 // chosen.replication.replicas
-    notes = chosen.solver.notes[-1]
-    assert "micro-batches 1: step" in notes and f"{chosen.options.microbatches}: step" in notes
+    same = [a for a in rows if a.devices == 2 and a.step_time_s > 0]
+    assert {1, chosen.options.microbatches} <= {a.microbatches for a in same}
+    assert [a.outcome for a in same if a.microbatches == chosen.options.microbatches] == ["chosen"]
     fixed = crosscut.partition(model, "2x2xK20c+ib400", x, time_limit=limit, microbatches=2)
     assert fixed.options.microbatches == 2
-    assert "micro-batches 2: step" in fixed.solver.notes[-1]
-    assert "1: step" not in fixed.solver.notes[-1]  # the given count alone is tried
+    # the given count alone is tried
+    assert {a.microbatches for a in fixed.strategy.alternatives} == {2}
     validate_plan(chosen)
 
 
@@ -194,10 +198,10 @@ def test_a_micro_batch_the_model_refuses_skips_that_count_only() -> None:
     )  # fmt: skip
     x = torch.randn(4, 3, 5, 5)  # the second batch norm sees 1x1 maps: one value a sample
     plan = crosscut.partition(model, "2x2xcpu", x, time_limit=4)
-    notes = plan.solver.notes[-1]
-    refused = "4 replicas × 1 devices: no plan (micro-batches 1: the model rejects a micro-batch"
-    assert f"{refused} of 1)" in notes, notes
-    assert "2: the model rejects a micro-batch of 1" in notes, notes  # 2 replicas × 2 devices
+    rows = {(a.replicas, a.microbatches): a for a in plan.strategy.alternatives}
+    why = "the model rejects a micro-batch of 1"
+    assert rows[(4, 1)].outcome == "refused" and rows[(4, 1)].reason == why, rows
+    assert rows[(2, 2)].outcome == "refused" and rows[(2, 2)].reason == why, rows
     assert plan.model.batch_size // plan.options.microbatches >= 2
     with pytest.raises(InputError, match="rejected the example inputs"):
         crosscut.partition(model, "2x2xcpu", torch.randn(4, 5, 5, 5), time_limit=4)
@@ -234,7 +238,7 @@ def test_two_nodes_run_the_plans_replicas_with_stages_inside_a_node(tmp_path: Pa
         require_all_devices=True,
         time_limit=5,
     )
-    plan.replication.replicas = 2  # as planning_replicas records it for a 2x2 cluster
+    plan.replication.replicas = 2  # as the strategy search records it for a 2x2 cluster
     plan.cluster.nodes = 2
     plan.cluster.network = [1.25e9, 30e-6]
     path = plan.save(tmp_path / "plan.json")

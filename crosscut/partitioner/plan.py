@@ -17,13 +17,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from crosscut.errors import PlanError
 from crosscut.fileio import write_atomic
 
 __all__ = [
     "SCHEMA_VERSION",
+    "Alternative",
     "ModelInfo",
     "Plan",
     "PlanCluster",
@@ -35,6 +36,8 @@ __all__ = [
     "Prediction",
     "Replication",
     "SolverRecord",
+    "Strategy",
+    "local_groups",
     "plan_schema",
 ]
 
@@ -190,6 +193,72 @@ class Replication:
 
 
 @dataclass
+class Alternative:
+    """One strategy the planner considered: ``replicas`` × a pipeline over ``devices``.
+
+    ``outcome``: ``"chosen"`` (this plan), ``"slower"`` (priced at
+    ``step_time_s``), ``"no fit"`` (no plan fits the memory caps),
+    ``"pruned"`` (a lower bound already at or above the best step),
+    ``"refused"`` (the model or a rule refused it), ``"excluded"`` (ruled out
+    before planning: the batch does not split, the caller fixed another
+    count, the devices differ), ``"not tried"`` (the time limit). ``devices
+    == 1`` is data parallelism on every device.
+    """
+
+    replicas: int
+    devices: int
+    microbatches: int
+    outcome: str
+    reason: str = ""
+    stages: int = 0
+    step_time_s: float = 0.0
+    reduction: str = "none"
+    allreduce_s: float = 0.0
+
+    @property
+    def data_parallel(self) -> bool:
+        return self.devices == 1
+
+    def label(self) -> str:
+        """``"2 replicas × 4 devices (4 stages), M=8"``; data parallelism says so."""
+        if self.data_parallel:
+            shape = f"data parallel, {self.replicas} replicas"
+        else:
+            each = f"{self.devices} devices" + (f" ({self.stages} stages)" if self.stages else "")
+            shape = f"{self.replicas} replica{'s' if self.replicas > 1 else ''} × {each}"
+        return f"{shape}, M={self.microbatches}"
+
+    def text(self) -> str:
+        """The label, then the step (and all-reduce) or why there is none."""
+        if self.step_time_s > 0:
+            red = (
+                f", {self.reduction} all-reduce {self.allreduce_s * 1e3:.3g} ms"
+                if self.reduction != "none"
+                else ""
+            )
+            what = f"step {self.step_time_s * 1e3:.4g} ms{red}, {self.outcome}"
+        else:
+            what = self.outcome + (f" ({self.reason})" if self.reason else "")
+        return f"{self.label()}: {what}"
+
+
+@dataclass
+class Strategy:
+    """Every strategy the planner considered for this plan, in the order it tried them."""
+
+    alternatives: list[Alternative] = field(default_factory=list)
+    wall_time_s: float = 0.0
+
+    def data_parallel(self) -> Alternative | None:
+        """The best row of data parallelism on every device (the baseline), if listed."""
+        rows = [a for a in self.alternatives if a.data_parallel]
+        priced = [a for a in rows if a.step_time_s > 0]
+        if priced:
+            return min(priced, key=lambda a: a.step_time_s)
+        return rows[0] if rows else None
+
+
+@dataclass
 class Plan:
     """A partition of one model over one cluster; see docs/PLAN_FORMAT.md."""
 
@@ -205,6 +274,7 @@ class Plan:
     predicted: Prediction = field(default_factory=Prediction)
     solver: SolverRecord = field(default_factory=SolverRecord)
     replication: Replication = field(default_factory=Replication)
+    strategy: Strategy = field(default_factory=Strategy)
     schema_version: int = SCHEMA_VERSION
     crosscut_version: str = ""
     created_at: str = ""
@@ -295,6 +365,12 @@ class Plan:
                 predicted=Prediction(**data.get("predicted", {})),
                 solver=SolverRecord(**data.get("solver", {})),
                 replication=Replication(**data.get("replication", {})),
+                strategy=Strategy(
+                    alternatives=[
+                        Alternative(**a) for a in data.get("strategy", {}).get("alternatives", [])
+                    ],
+                    wall_time_s=float(data.get("strategy", {}).get("wall_time_s", 0.0)),
+                ),
                 schema_version=int(data["schema_version"]),
                 crosscut_version=str(data.get("crosscut_version", "")),
                 created_at=str(data.get("created_at", "")),
@@ -332,6 +408,42 @@ class Plan:
         except (OSError, UnicodeDecodeError) as exc:
             raise PlanError("a plan file must be readable UTF-8 text", value=str(exc)) from exc
         return cls.from_json(text)
+
+
+T = TypeVar("T")
+
+
+def local_groups(plan: Plan, given: list[T]) -> list[tuple[list[T], str]]:
+    """Each stage's devices among ``given`` and its split, for one process running every replica.
+
+    ``given`` lists the plan's devices replica by replica (replica ``r`` of a
+    plan over ``d`` devices is ``given[r·d .. r·d + d − 1]``, as ``crosscut
+    run`` numbers ranks). With one replica a stage keeps its own devices;
+    with several, a stage position's replicas become one batch-split group
+    (the data parallelism of the replicas, reduced inside the group).
+    """
+    d, reps = len(plan.cluster.devices), plan.replication.replicas
+    if len(given) != d * reps:
+        raise PlanError(
+            f"the plan runs {reps} replica(s) of {d} device(s): {d * reps} devices, "
+            f"but {len(given)} were given",
+            value={"plan devices": d, "replicas": reps, "given": len(given)},
+            remedy=f"pass {d * reps} devices, or re-partition for these devices",
+        )
+    out: list[tuple[list[T], str]] = []
+    for st in plan.stages:
+        idx = [plan.cluster.index(name) for name in st.devices]
+        if reps == 1:
+            out.append(([given[i] for i in idx], st.split))
+        elif len(idx) > 1:
+            raise PlanError(
+                "a replicated plan's stages each run on one device per replica",
+                value={"stage": st.index, "devices": st.devices, "replicas": reps},
+                remedy="re-partition with replicas=1 for device groups inside a stage",
+            )
+        else:
+            out.append(([given[r * d + idx[0]] for r in range(reps)], "batch"))
+    return out
 
 
 def _check_numbers(data: Any, path: str) -> None:

@@ -138,7 +138,7 @@ def _numbers_table(plan: Plan) -> Table:
 
 
 def _replication_rows(plan: Plan) -> list[tuple[str, str]]:
-    """Replicas chosen for a cluster of nodes (planning_replicas.py), when there are any."""
+    """Replicas chosen for a cluster of nodes (strategy.py), when there are any."""
     rep = plan.replication
     if rep.replicas <= 1:
         return []

@@ -1,0 +1,499 @@
+"""The whole strategy: data-parallel replicas, pipeline stages and micro-batches, chosen together.
+
+A user's question is "how fast is a training step on my machine?", not "how
+balanced is a pipeline I shaped by hand?". So the planner prices every
+layout of the cluster's ``N`` devices as ``R`` data-parallel replicas of a
+pipeline over ``d`` devices (``R × d = N``) — on one node as on many — and,
+for each, the micro-batch count ``M``, and keeps the strategy with the
+shortest predicted step (pipeline + gradient all-reduce, simulated under the
+schedule). What the caller fixed (``replicas``, ``microbatches``) is a
+constraint; everything left at ``None`` is searched.
+
+Layouts (:func:`candidate_layouts`), cheapest first so a good plan exists
+early and the time limit is honoured:
+
+* ``d = 1``: **data parallelism** on every device, the baseline every user
+  would try first. It is always priced, and the chosen plan is never
+  predicted slower (it is one of the candidates).
+* ``d = 2, 4, ...`` dividing a node (stages inside a node; their activations
+  cross its links), then replicas spanning ``k`` whole nodes
+  (:func:`~crosscut.partitioner.replicas.spanning_layouts`, up to 16 devices).
+  Every device of such a layout is used: fewer stages is a smaller layout.
+* ``d = N`` on one node: the pipeline over the node, the solver free to leave
+  devices idle (``require_all_devices`` as the caller gave it). On a node of
+  devices of several kinds this is the only layout: identical replicas need
+  identical devices.
+
+Micro-batches: each layout tries 1, 2, 4, ... dividing the replica's batch
+(:func:`microbatch_candidates`) in increasing order and stops once the step
+grows again, once the plan has one stage (nothing to overlap), or when time
+runs short; a count whose plan does not fit the memory caps does not stop it.
+Before each attempt a lower bound prunes it: ``M`` micro-batches of work
+spread perfectly over ``d`` devices (work conservation), the work of a
+micro-batch bounded from the sizes already traced (time per sample never
+grows with the batch, and time never shrinks with it). A pruned attempt is
+listed with its bound.
+
+The model is traced once per micro-batch size (:class:`TraceCache`): the
+data-parallel layout and a pipeline of ``R/2`` replicas with two micro-batches
+read the same graph.
+
+The plan returned describes one replica (its stages on ``d`` devices of a
+node, or of ``k`` nodes, named ``n<node>.<device>``; ``model.batch_size`` = the
+replica's batch), records ``R``, the reduction and its time in
+``Plan.replication``, and every strategy tried, with its step or why it has
+none, in ``Plan.strategy``. ``crosscut run`` starts ``R`` replicas by default
+(replica ``r`` on ranks ``r·d .. r·d + d − 1``); ``crosscut.compile`` runs
+them locally as batch-split device groups (one group per stage position).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from crosscut.cost_models.subclusters import node_cluster, replica_cluster, slowest_link
+from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
+from crosscut.graph import OpGraph
+from crosscut.options import PlanRequest, cross_options
+from crosscut.partitioner.deadline import Deadline
+from crosscut.partitioner.plan import Alternative, Plan, PlanOptions, Strategy
+from crosscut.partitioner.replicas import (
+    layouts,
+    replica_span,
+    runs_in_rank_order,
+    spanning_layouts,
+    stage_nodes,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from crosscut.cost_models import Cluster
+
+__all__ = [
+    "MAX_MICROBATCHES",
+    "Layout",
+    "TraceCache",
+    "candidate_layouts",
+    "get_costs",
+    "microbatch_candidates",
+    "node_cluster",
+    "plan_strategy",
+    "replica_cluster",
+    "solve_traced",
+]
+
+Progress = Callable[[float, float, float], None]
+
+# the largest micro-batch count tried per layout: with 1F1B a pipeline of S stages idles
+# (S-1)/(M+S-1) of its step, under 20 % at M = 4S for the 8 stages of a node
+MAX_MICROBATCHES = 32
+
+
+def get_costs(
+    graph: OpGraph, cluster: Any, *, cost: str = "analytic", optimizer: str = "sgd"
+) -> Any:
+    """A CostTable for ``graph`` on every device kind of ``cluster``."""
+    from crosscut.cost_models import analytic_costs, profile_costs
+
+    table = analytic_costs(graph, cluster, optimizer=optimizer)
+    if cost == "profiled":
+        for kind in sorted({d.kind for d in cluster.devices}):
+            dev = next(d for d in cluster.devices if d.kind == kind)
+            table = table.merge(profile_costs(graph, dev.device, kind=kind))
+    return table
+
+
+class TraceCache:
+    """The model traced and priced once per micro-batch size.
+
+    ``inputs`` is the global batch; :meth:`graph` traces the first ``size``
+    samples (FakeTensor shapes, nothing computed on real data) and keeps it.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        inputs: tuple[torch.Tensor, ...],
+        request: PlanRequest,
+        model_name: str = "",
+    ) -> None:
+        self.model, self.inputs, self.request = model, inputs, request
+        self.model_name = model_name or type(model).__name__
+        self.batch = int(inputs[0].shape[0])
+        self._graphs: dict[int, OpGraph] = {}
+        self._costs: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._work: dict[tuple[int, str], float] = {}
+
+    def has(self, size: int) -> bool:
+        return size in self._graphs
+
+    def graph(self, size: int) -> OpGraph:
+        if size not in self._graphs:
+            from crosscut.partitioner.trace import trace
+
+            graph = trace(
+                self.model,
+                tuple(t[:size] for t in self.inputs),
+                mode=self.request.mode,
+                precision=self.request.precision,
+            )
+            graph.model_name = self.model_name
+            self._graphs[size] = graph
+        return self._graphs[size]
+
+    def costs(self, size: int, cluster: Cluster) -> Any:
+        key = (size, tuple(sorted({d.kind for d in cluster.devices})))
+        if key not in self._costs:
+            r = self.request
+            self._costs[key] = get_costs(
+                self.graph(size), cluster, cost=r.cost, optimizer=r.optimizer
+            )
+            from crosscut.partitioner.build import plan_nodes
+
+            for kind in key[1]:
+                nodes = plan_nodes(self.graph(size), self._costs[key], [kind])
+                self._work[(size, kind)] = sum(n.time_s[kind] for n in nodes)
+        return self._costs[key]
+
+    def work_bound(self, size: int, kind: str) -> float:
+        """A lower bound on one micro-batch of ``size`` samples' compute on ``kind``.
+
+        From every size priced so far: time per sample does not grow with the
+        batch (``size ≤ s``: at least ``size/s`` of it) and time does not
+        shrink with it (``size ≥ s``: at least all of it). 0 before any."""
+        out = 0.0
+        for (s, k), work in self._work.items():
+            if k == kind:
+                out = max(out, work * size / s if size <= s else work)
+        return out
+
+
+def solve_traced(
+    graph: OpGraph,
+    costs: Any,
+    cluster: Cluster,
+    request: PlanRequest,
+    *,
+    input_shapes: list[list[int]] | None = None,
+    progress: Progress | None = None,
+    deadline: Deadline | None = None,
+) -> Plan:
+    """One pipeline over ``cluster`` for ``graph`` (traced at one micro-batch)."""
+    from crosscut.partitioner.partition import partition_graph
+
+    r = request
+    widths, splits = cross_options(r.cross_shaped, r.widths, r.splits, len(cluster.devices))
+    options = PlanOptions(
+        objective=r.objective,
+        schedule=r.schedule,
+        microbatches=r.microbatches or 1,
+        overlap_comm=r.overlap_comm,
+        optimizer=r.optimizer,
+        time_limit_s=float(r.time_limit),
+        seed=r.seed,
+        cost_source=r.cost,
+        widths=widths,
+        splits=splits,
+        precision=r.precision,
+    )
+    return partition_graph(
+        graph,
+        costs,
+        cluster,
+        options,
+        input_shapes=input_shapes or [],
+        solver=r.solver,
+        require_all_devices=r.require_all_devices,
+        progress=progress,
+        colocate=r.colocate,
+        recompute=r.recompute,
+        deadline=deadline,
+    )
+
+
+def microbatch_candidates(batch: int, cap: int = MAX_MICROBATCHES) -> list[int]:
+    """1, then each time the smallest divisor of ``batch`` at least twice the last, up to ``cap``.
+
+    Powers of two where the batch allows (64: 1, 2, 4, ..., 32), a geometric
+    ladder of divisors where it does not (24: 1, 2, 4, 8, 24).
+    """
+    out = [1]
+    top = min(batch, cap)
+    while True:
+        nxt = next((m for m in range(2 * out[-1], top + 1) if batch % m == 0), None)
+        if nxt is None:
+            return out
+        out.append(nxt)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``replicas`` copies of a pipeline over ``devices`` devices each."""
+
+    devices: int
+    replicas: int
+    require_all: bool  # every device of the replica holds a stage
+    why_not: str = ""  # set: the layout cannot be planned, and this says why
+
+
+def _uniform(cluster: Cluster) -> bool:
+    """Whether a node's devices are interchangeable (same kind and memory): replicas need it."""
+    first = cluster.devices[0]
+    return all(d.kind == first.kind and d.mem_cap == first.mem_cap for d in cluster.devices)
+
+
+def candidate_layouts(cluster: Cluster, request: PlanRequest, batch: int) -> list[Layout]:
+    """Every layout of ``cluster``, cheapest first; those the rules exclude carry ``why_not``."""
+    per_node, nodes = len(cluster.devices), cluster.nodes
+    if nodes > 1:
+        every = layouts(per_node, nodes) + spanning_layouts(per_node, nodes)
+    elif _uniform(cluster):
+        every = layouts(per_node, 1)
+    else:
+        every = [(per_node, 1)]
+    out = []
+    fixed_m = request.microbatches or 1
+    for d, r in sorted(every):
+        why = ""
+        if request.replicas is not None and r != request.replicas:
+            why = f"replicas={request.replicas} was given"
+        elif nodes == 1 and request.require_all_devices and request.replicas is None and r > 1:
+            why = "require_all_devices: a pipeline stage on every device"
+        elif batch % (r * fixed_m):
+            why = f"the batch ({batch}) does not split into {r} replicas × {fixed_m} micro-batches"
+        whole_node = nodes == 1 and r == 1
+        out.append(Layout(d, r, request.require_all_devices or not whole_node, why))
+    if nodes == 1 and not _uniform(cluster) and per_node > 1:
+        kinds = sorted({d.kind for d in cluster.devices})
+        out.insert(
+            0,
+            Layout(
+                1,
+                per_node,
+                True,
+                f"the devices differ ({', '.join(kinds)}): identical "
+                "replicas would run at the slowest one's pace",
+            ),
+        )
+    return out
+
+
+def _as_replicas(plan: Plan, cluster: Cluster, replicas: int) -> Plan:
+    """``plan`` (one replica) priced as ``replicas`` copies on ``cluster``'s nodes."""
+    from crosscut.partitioner.annotate import annotate
+
+    plan.cluster.nodes = cluster.nodes
+    plan.cluster.network = list(cluster.network)
+    plan.cluster.network_name = cluster.network_name
+    plan.cluster.name = cluster.name
+    plan.cluster.node_link = list(slowest_link(cluster))
+    plan.replication.replicas = replicas
+    return annotate(plan)  # prices the all-reduce and the step from the plan's own numbers
+
+
+class _Search:
+    """The strategies tried so far: the best plan, every attempt's row, the quickest attempt."""
+
+    def __init__(self, deadline: Deadline, cache: TraceCache, cluster: Cluster) -> None:
+        self.deadline, self.cache, self.cluster = deadline, cache, cluster
+        self.best: Plan | None = None
+        self.best_row = -1
+        self.rows: list[Alternative] = []
+        self.quickest = 0.0  # seconds of the quickest solve so far
+        self.trace_s = 0.0  # seconds of the slowest trace (and pricing) so far
+        self.last_error: InfeasiblePlanError | None = None
+        self.rejected: InputError | None = None  # the model refused a micro-batch size
+        self.refusal: PartitionError | None = None  # a rule refused a layout
+
+    def affordable(self, left: float, size: int | None = None) -> bool:
+        """Whether another attempt fits in ``left`` seconds (always, before any plan).
+
+        An attempt at a micro-batch ``size`` not traced yet also needs a trace."""
+        need = self.quickest + (self.trace_s if size is None or not self.cache.has(size) else 0)
+        return self.best is None or (left > 0.0 and left >= need)
+
+    def row(
+        self, lay: Layout, m: int, outcome: str, reason: str = "", plan: Plan | None = None
+    ) -> None:
+        self.rows.append(
+            Alternative(
+                replicas=lay.replicas,
+                devices=lay.devices,
+                microbatches=m,
+                outcome=outcome,
+                reason=reason,
+                stages=0 if plan is None else plan.num_stages,
+                step_time_s=0.0 if plan is None else plan.predicted.step_time_s,
+                reduction="none" if plan is None else plan.replication.reduction,
+                allreduce_s=0.0 if plan is None else plan.replication.allreduce_s,
+            )
+        )
+
+    def bound(self, lay: Layout, m: int) -> float:
+        """Work conservation: ``m`` micro-batches' compute over the replica's devices."""
+        size = self.cache.batch // (lay.replicas * m)
+        kind = self.cluster.devices[0].kind
+        return m * self.cache.work_bound(size, kind) / lay.devices
+
+    def keep(self, plan: Plan) -> None:
+        """Price ``plan`` (its row just written) against the best so far."""
+        if self.best is None or plan.predicted.step_time_s < self.best.predicted.step_time_s:
+            self.best, self.best_row = plan, len(self.rows) - 1
+
+
+def _attempt(
+    search: _Search,
+    lay: Layout,
+    request: PlanRequest,
+    m: int,
+    by: Deadline,
+    progress: Progress | None,
+) -> Plan:
+    """One replica of ``lay`` with ``m`` micro-batches, priced as ``lay.replicas`` copies."""
+    cache, cluster = search.cache, search.cluster
+    size = cache.batch // (lay.replicas * m)
+    node = replica_cluster(cluster, lay.devices)
+    t0 = time.monotonic()
+    graph = cache.graph(size)
+    costs = cache.costs(size, node)
+    search.trace_s = max(search.trace_s, time.monotonic() - t0)
+    t0 = time.monotonic()
+    req = dataclasses.replace(
+        request,
+        microbatches=m,
+        require_all_devices=lay.require_all,
+        # device groups inside a stage only where one replica holds the cluster
+        cross_shaped=request.cross_shaped and lay.replicas == 1,
+    )
+    shapes = [[cache.batch // lay.replicas, *t.shape[1:]] for t in cache.inputs]
+    plan = solve_traced(
+        graph, costs, node, req, input_shapes=shapes, progress=progress, deadline=by
+    )
+    plan = _as_replicas(plan, cluster, lay.replicas)
+    wall = time.monotonic() - t0
+    search.quickest = wall if search.quickest == 0.0 else min(search.quickest, wall)
+    span = replica_span(plan, lay.replicas)
+    if span > 1 and not runs_in_rank_order(plan, span):
+        raise PartitionError(
+            "a replica spanning nodes runs stage s on its s-th rank, node by node; this "
+            "plan's stages sit on other nodes",
+            value={"stage nodes": stage_nodes(plan, span)},
+            remedy="a fixed device order would avoid it; the layout is skipped",
+        )
+    return plan
+
+
+def _layout(
+    search: _Search,
+    lay: Layout,
+    request: PlanRequest,
+    counts: list[int],
+    within: Deadline,
+    progress: Progress | None,
+) -> None:
+    """Plan one layout for each micro-batch count worth trying, a row per attempt."""
+    batch = search.cache.batch
+    if not search.affordable(search.deadline.left(), batch // (lay.replicas * counts[0])):
+        search.row(lay, counts[0], "not tried", "time limit")
+        return
+    layout_best: Plan | None = None
+    for j, m in enumerate(counts):
+        if j and not search.affordable(within.left(), batch // (lay.replicas * m)):
+            search.row(lay, m, "not tried", "time limit")
+            break
+        if search.best is not None:
+            lb, best = search.bound(lay, m), search.best.predicted.step_time_s
+            if lb >= best:
+                search.row(lay, m, "pruned", f"bound {lb:.4g} s >= best {best:.4g} s")
+                continue
+        try:
+            plan = _attempt(
+                search, lay, request, m, within.within(within.left() / (len(counts) - j)), progress
+            )
+        except InfeasiblePlanError as exc:
+            search.row(lay, m, "no fit", "no plan fits the memory caps")
+            search.last_error = exc
+            continue
+        except PartitionError as exc:  # e.g. fewer nodes than devices to fill
+            search.row(lay, m, "refused", exc.rule)
+            search.refusal = exc
+            break
+        except InputError as exc:  # e.g. batch norm refuses a micro-batch of one sample
+            size = batch // lay.replicas // m
+            search.row(lay, m, "refused", f"the model rejects a micro-batch of {size}")
+            search.rejected = exc
+            break
+        search.row(lay, m, "priced", plan=plan)
+        search.keep(plan)
+        if (
+            layout_best is not None
+            and plan.predicted.step_time_s >= layout_best.predicted.step_time_s
+        ):
+            break  # past the shortest step
+        layout_best = plan
+        if plan.num_stages == 1:
+            break  # no pipeline: more micro-batches only add overhead
+
+
+def plan_strategy(
+    cache: TraceCache,
+    cluster: Cluster,
+    request: PlanRequest,
+    deadline: Deadline | None = None,
+    progress: Progress | None = None,
+) -> Plan:
+    """The fastest (replicas, pipeline, micro-batches) strategy of ``cache``'s model on ``cluster``.
+
+    ``request``: the caller's options (``replicas``/``microbatches`` ``None``:
+    searched). Returns by ``deadline`` (default: the request's time limit).
+    """
+    dl = Deadline.of(deadline, request.time_limit)
+    batch = cache.batch
+    every = candidate_layouts(cluster, request, batch)
+    options = [lay for lay in every if not lay.why_not]
+    if not options:
+        raise InputError(
+            f"the batch ({batch}) must split into replicas × micro-batches for some "
+            f"layout of {cluster.total_devices} devices",
+            value={lay.replicas: lay.why_not for lay in every},
+            remedy=f"use a batch that is a multiple of "
+            f"{cluster.total_devices * (request.microbatches or 1)}, or leave replicas and "
+            "microbatches to the planner",
+        )
+    # the layouts share the time limit; each solve's own limit is its share of it
+    share = dataclasses.replace(request, time_limit=max(1.0, request.time_limit / len(options)))
+    search = _Search(dl, cache, cluster)
+    for lay in every:
+        if lay.why_not:
+            search.row(lay, request.microbatches or 1, "excluded", lay.why_not)
+    for i, lay in enumerate(options):
+        fixed = request.microbatches
+        counts = [fixed] if fixed else microbatch_candidates(batch // lay.replicas)
+        within = dl.within(dl.left() / (len(options) - i))  # an equal part of what is left
+        _layout(search, lay, share, counts, within, progress)
+    best = search.best
+    if best is None and search.last_error is None:  # nothing failed for memory
+        if search.rejected is not None:
+            raise search.rejected  # every layout's batch share was refused by the model
+        if search.refusal is not None:
+            raise search.refusal  # a rule refused every layout, e.g. too few nodes
+    if best is None:
+        err = search.last_error
+        tried = "; ".join(
+            f"{a.replicas}×{a.devices} M={a.microbatches}: {a.outcome}" for a in search.rows
+        )
+        raise InfeasiblePlanError(
+            f"no strategy of replicas × pipeline × micro-batches fits the memory caps: {tried}",
+            value=None if err is None else err.value,
+            remedy=None if err is None else err.remedy,
+        ) from err
+    for k, row in enumerate(search.rows):
+        if row.outcome == "priced":
+            row.outcome = "chosen" if k == search.best_row else "slower"
+    best.strategy = Strategy(alternatives=search.rows, wall_time_s=dl.elapsed())
+    return best

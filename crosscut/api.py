@@ -180,7 +180,7 @@ def compile(
             partition_options={
                 k: v
                 for k, v in request.partition_options().items()
-                if k not in ("schedule", "microbatches", "replicas", "require_all_devices")
+                if k not in ("schedule", "microbatches", "replicas", "fill_devices")
             },
         )
     cl = Cluster.from_any(devices)

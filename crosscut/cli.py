@@ -60,8 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--microbatches",
         type=_positive_int,
         default=None,
-        help="micro-batches per step (default: 1 on one node; chosen per replica layout on "
-        "a cluster of nodes)",
+        help="micro-batches per step (default: the planner's, per replica layout)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=_positive_int,
+        default=None,
+        help="data-parallel replicas (default: the planner's; data parallelism on every "
+        "device is always priced)",
     )
     p.add_argument("--time-limit", type=_positive_float, default=10.0, help="solver seconds")
     p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="sgd")
@@ -210,6 +216,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
             objective=args.objective,
             schedule=args.schedule,
             microbatches=args.microbatches,
+            replicas=args.replicas,
             time_limit=args.time_limit,
             optimizer=args.optimizer,
             cost=args.cost,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from crosscut.errors import DistributedError, InputError
+from crosscut.errors import CrosscutError, DistributedError, InputError
 from crosscut.partitioner.plan import Plan
 from crosscut.partitioner.validate import validate_plan
 from crosscut.planning import as_tuple
@@ -130,61 +130,73 @@ def init(
 
 def _plan_on_rank0(
     model: nn.Module,
-    replica_batch: tuple[torch.Tensor, ...],
+    inputs: tuple[torch.Tensor, ...],
     cluster: Any,
-    microbatches: int,
+    microbatches: int | None,
+    replicas: int | None,
     schedule: str,
     options: Mapping[str, Any],
 ) -> Plan:
-    """Rank 0 partitions (the solver need not be deterministic), everyone gets its plan.
+    """Rank 0 plans the whole strategy for the job's ranks; everyone gets its plan.
 
-    ``options`` are :func:`crosscut.partition`'s (objective, time limit, costs,
-    cross-shaped search): what the caller gave ``compile``, honoured here.
+    ``inputs`` is the global batch and ``cluster`` one device per rank: the
+    planner chooses the replicas (``None``), the pipeline and the
+    micro-batches (``None``), every rank running a stage
+    (``fill_devices``). ``options`` are :func:`crosscut.partition`'s
+    (objective, time limit, costs, cross-shaped search): what the caller gave
+    ``compile``, honoured here. A planning error on rank 0 is raised on every
+    rank, so none waits for a plan that will not come.
     """
-    from crosscut.planning import partition
+    from crosscut.options import PlanRequest
+    from crosscut.planning import plan_request
 
-    box: list[Any] = [None]
+    box: list[Any] = [None, None]
     if dist.get_rank() == 0:
         extra = {**dict(options), "microbatches": microbatches, "schedule": schedule}
-        extra["require_all_devices"] = True  # one stage per rank
+        extra.update(replicas=replicas, fill_devices=True)  # one stage per rank
         if extra.get("cross_shaped"):
             extra["colocate"] = False  # ranks are devices: no two stages on one group
-        plan = partition(model, cluster, replica_batch, **extra)
-        box[0] = plan.to_json()
+        try:
+            plan = plan_request(model, cluster, inputs, PlanRequest(**extra))
+            box[0] = plan.to_json()
+        except CrosscutError as exc:
+            box[1] = exc
     dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise box[1]
     return Plan.from_json(str(box[0]))
 
 
-def _plan_cluster(devices: Any, stages: int, device: torch.device) -> Any:
-    """The cluster rank 0 plans for: ``devices`` if given (one per stage), else the ranks'."""
+def _plan_cluster(devices: Any, ranks: int, device: torch.device) -> Any:
+    """The cluster rank 0 plans for: ``devices`` if given (one per rank), else the ranks'."""
     from crosscut.cost_models import Cluster
 
-    if devices is None:  # one logical device per stage, of the ranks' kind
+    if devices is None:  # one logical device per rank, of the ranks' kind
         if device.type == "cpu":
-            return ["cpu"] * stages
+            return ["cpu"] * ranks
         # GPUs on other ranks (other nodes) are not visible here: price this rank's own
-        # GPU for every stage instead of naming cuda:i devices rank 0 may not have
+        # GPU for every rank instead of naming cuda:i devices rank 0 may not have
         from crosscut.cost_models.detect import cuda_spec
 
         base = cuda_spec(device)
-        specs = [base.renamed(f"gpu{i}", f"cuda:{i}") for i in range(stages)]
+        specs = [base.renamed(f"gpu{i}", f"cuda:{i}") for i in range(ranks)]
         return Cluster.from_specs(specs, "pcie")
     cluster = Cluster.from_any(devices)
     if cluster.nodes > 1:  # e.g. devices="torchrun" on a job of several nodes
         raise InputError(
-            "under torchrun, compile plans one replica's stages; a cluster of several nodes "
-            "is planned as replicas × pipeline by partition()",
+            "under torchrun, compile plans the job's ranks on one node; a cluster of several "
+            "nodes is planned by partition()",
             value=cluster.name,
             remedy="`crosscut partition MODEL --devices ... -o plan.json` (or "
             "crosscut.partition(model, cluster, global_batch)), then `crosscut run --plan "
             "plan.json` on every node; or pass devices=None",
         )
-    if len(cluster.devices) != stages:
+    if len(cluster.devices) != ranks:
         raise InputError(
-            f"under torchrun, devices must list one device per pipeline stage: "
-            f"{stages} ranks per replica, {len(cluster.devices)} devices given",
+            f"under torchrun, devices must list one device per rank: {ranks} ranks, "
+            f"{len(cluster.devices)} devices given",
             value=[d.name for d in cluster.devices],
-            remedy=f"pass {stages} devices (or a spec such as '{stages}xV100' to plan for that "
+            remedy=f"pass {ranks} devices (or a spec such as '{ranks}xV100' to plan for that "
             "hardware), or None to plan for the ranks' own devices",
         )
     return cluster
@@ -213,9 +225,13 @@ def compile_distributed(
     ``example_inputs`` is a GLOBAL batch (all replicas); the graph is traced at
     ``batch / (replicas × microbatches)``, the micro-batch the plan was made
     for. ``plan`` is a Plan, a path, ``None`` to read ``CROSSCUT_PLAN``, or —
-    when that is unset too — made by rank 0 for ``world_size / replicas`` CPU
-    or GPU stages and broadcast. Every rank must build ``model`` identically
-    (same seed) or load a checkpoint; replicas are synchronised from replica 0.
+    when that is unset too — made by rank 0 for the job's ranks (one CPU or GPU
+    device each) and broadcast: the planner chooses ``replicas`` (data
+    parallelism on every rank is always priced), the pipeline and
+    ``microbatches`` for the shortest predicted step, keeping any of them given
+    (``replicas`` or ``CROSSCUT_REPLICAS``; a given plan brings its own).
+    Every rank must build ``model`` identically (same seed) or load a
+    checkpoint; replicas are synchronised from replica 0.
     ``bn_mode``: ``"micro"`` or ``"step"``; ``recompute``: as for :func:`crosscut.compile`.
     ``overlap_allreduce``: the replicas' gradient all-reduce runs during each
     stage's last backward, by DDP's reducer (:mod:`crosscut.runtime.overlap`);
@@ -236,7 +252,8 @@ def compile_distributed(
     check_bn_mode(bn_mode)
     if not dist.is_initialized():
         init(timeout_s=timeout_s or DEFAULT_TIMEOUT_S)
-    reps = int(replicas if replicas is not None else os.environ.get("CROSSCUT_REPLICAS", "1"))
+    env_reps = os.environ.get("CROSSCUT_REPLICAS")
+    fixed = replicas if replicas is not None else (int(env_reps) if env_reps else None)
     t_out = float(
         timeout_s
         if timeout_s is not None
@@ -255,20 +272,22 @@ def compile_distributed(
     inputs = as_tuple(example_inputs)
     world = dist.get_world_size()
     if plan is None:
-        if world % reps:
+        if fixed is not None and world % fixed:
             raise DistributedError(
-                f"replicas ({reps}) must divide the world size ({world})",
-                remedy="launch replicas × stages processes",
+                f"replicas ({fixed}) must divide the world size ({world})",
+                remedy="launch replicas × stages processes, or leave replicas to the planner",
             )
-        mb = microbatches or 1
-        share = tuple(t[: t.shape[0] // reps] for t in inputs)
-        cluster = _plan_cluster(devices, world // reps, dev)
+        cluster = _plan_cluster(devices, world, dev)
         options = {**(partition_options or {})}
         if precision is not None:
             options["precision"] = precision
-        the_plan = _plan_on_rank0(model, share, cluster, mb, schedule or "1f1b", options)
+        the_plan = _plan_on_rank0(
+            model, inputs, cluster, microbatches, fixed, schedule or "1f1b", options
+        )
+        reps = the_plan.replication.replicas
     else:
         the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+        reps = fixed if fixed is not None else the_plan.replication.replicas
     check_plan_precision(the_plan, precision)
     m = microbatches or the_plan.options.microbatches
     batch = int(inputs[0].shape[0])

@@ -106,6 +106,9 @@ class PlanRequest:
     recompute: str = "auto"
     precision: str = "fp32"
     replicas: int | None = None
+    # every device runs a stage of some replica (torchrun: one rank per device), with the
+    # replicas still searched; require_all_devices on one node also fixes one replica
+    fill_devices: bool = False
 
     def __post_init__(self) -> None:
         check_precision(self.precision)

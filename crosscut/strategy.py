@@ -267,7 +267,8 @@ def candidate_layouts(cluster: Cluster, request: PlanRequest, batch: int) -> lis
         elif batch % (r * fixed_m):
             why = f"the batch ({batch}) does not split into {r} replicas × {fixed_m} micro-batches"
         whole_node = nodes == 1 and r == 1
-        out.append(Layout(d, r, request.require_all_devices or not whole_node, why))
+        fill = request.require_all_devices or request.fill_devices
+        out.append(Layout(d, r, fill or not whole_node, why))
     if nodes == 1 and not _uniform(cluster) and per_node > 1:
         kinds = sorted({d.kind for d in cluster.devices})
         out.insert(

@@ -38,6 +38,8 @@ class VerifyReport:
     worst_key: str
     checked_keys: int
     devices: list[str] = field(default_factory=list)
+    # batch norm running statistics of a replicated plan: replica 0's, as under DDP
+    not_compared: list[str] = field(default_factory=list)
 
     def text(self) -> str:
         verdict = "OK" if self.ok else "MISMATCH"
@@ -47,6 +49,12 @@ class VerifyReport:
             f"  loss      |diff|     {self.loss_diff:.3e}\n"
             f"  state after one SGD step (lr=1, so gradients): max |diff| "
             f"{self.max_state_diff:.3e} at {self.worst_key or '-'} over {self.checked_keys} tensors"
+            + (
+                f"\n  not compared: {len(self.not_compared)} batch-norm running statistics "
+                "(replicas keep replica 0's, as DistributedDataParallel does)"
+                if self.not_compared
+                else ""
+            )
         )
 
 
@@ -122,7 +130,7 @@ def verify_plan(
     from crosscut.api import compile as cc_compile
 
     the_plan = _load(plan)
-    devs = devices or ["cpu"] * len(the_plan.cluster.devices)
+    devs = devices or ["cpu"] * (len(the_plan.cluster.devices) * the_plan.replication.replicas)
     train = the_plan.model.mode == "train"
     ref = copy.deepcopy(model)
     work = copy.deepcopy(model)
@@ -131,7 +139,9 @@ def verify_plan(
     compiled = cc_compile(work, devs, x, plan=the_plan)
     compiled.train(train)
     with torch.no_grad() if not train else torch.enable_grad():
-        ref_out, ref_loss = _eager_step(ref, x, the_plan.options.microbatches, train)
+        # the replicas' shares of each micro-batch are normalised apart, as chunks are
+        chunks = the_plan.options.microbatches * the_plan.replication.replicas
+        ref_out, ref_loss = _eager_step(ref, x, chunks, train)
         out = compiled(x)
         loss = loss_of(out)
         if train:
@@ -145,9 +155,10 @@ def verify_plan(
     )
     ref_state = ref.state_dict()
     got_state = compiled.state_dict()
+    skip = _running_stats(ref) if the_plan.replication.replicas > 1 else set()
     worst, worst_key, ok = 0.0, "", set(ref_state) == set(got_state)
     for key, want in ref_state.items():
-        if key not in got_state or not want.is_floating_point():
+        if key not in got_state or not want.is_floating_point() or key in skip:
             continue
         have = got_state[key].detach().cpu()
         diff = float((have.float() - want.float()).abs().max()) if want.numel() else 0.0
@@ -163,9 +174,20 @@ def verify_plan(
         loss_diff=abs(float(loss.detach()) - ref_loss),
         max_state_diff=worst,
         worst_key=worst_key,
-        checked_keys=len(ref_state),
+        checked_keys=len(ref_state) - len(skip),
         devices=devs,
+        not_compared=sorted(skip),
     )
+
+
+def _running_stats(model: nn.Module) -> set[str]:
+    """The state keys of batch norm's running statistics (each replica keeps its own)."""
+    out = set()
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            for buf in ("running_mean", "running_var", "num_batches_tracked"):
+                out.add(f"{name}.{buf}" if name else buf)
+    return out
 
 
 @dataclass
@@ -195,7 +217,7 @@ def bench_plan(
     from crosscut.api import compile as cc_compile
 
     the_plan = _load(plan)
-    devs = ["cpu"] * len(the_plan.cluster.devices)
+    devs = ["cpu"] * (len(the_plan.cluster.devices) * the_plan.replication.replicas)
     eager = copy.deepcopy(model)
     compiled = cc_compile(copy.deepcopy(model), devs, x, plan=the_plan)
 

@@ -30,7 +30,7 @@ from crosscut.viz.dot import (
     view_groups,
 )
 from crosscut.viz.layout import layout_svg, stage_layers
-from crosscut.viz.summary import baseline_ratios, stage_cap
+from crosscut.viz.summary import alternative_rows, baseline_ratios, stage_cap, strategy_line
 from crosscut.viz.timeline import SimulationLike, action_color, timeline_svg
 
 __all__ = ["plan_to_html", "strip_svg_prolog"]
@@ -411,6 +411,25 @@ def _solver(plan: Plan) -> str:
     )
 
 
+def _strategy(plan: Plan) -> str:
+    """The chosen strategy in one line and the alternatives it was weighed against."""
+    if not plan.strategy.alternatives:
+        return ""
+    rows = "".join(
+        f"<tr><td class='l'>{_e(label)}</td><td>{_e(step)}</td><td>{_e(ratio)}</td>"
+        f"<td class='l'>{_e(why)}</td></tr>"
+        for label, step, ratio, why in alternative_rows(plan, limit=40)
+    )
+    return (
+        f"<section id='strategy'><h2>Strategy: {_e(strategy_line(plan))}</h2>"
+        "<p class='muted'>Every layout of the devices as data-parallel replicas of a "
+        "pipeline, with its micro-batch counts, priced by the same cost model; the "
+        "chosen one has the shortest predicted step. ×N = its step / the chosen one's.</p>"
+        "<table><tr><th class='l'>considered</th><th>step</th><th>vs chosen</th>"
+        f"<th class='l'>outcome</th></tr>{rows}</table></section>"
+    )
+
+
 def _verdict(ratio: float) -> str:
     """Beaten / tie / ours slower; only a loss draws the attention colour."""
     if ratio > 1.0005:
@@ -443,6 +462,7 @@ def plan_to_html(
     body = "".join(
         [
             _kpis(plan, simulation),
+            _strategy(plan),
             _stages(plan, colors),
             _devices(plan, simulation, colors),
             _timeline(plan, simulation, colors),

@@ -17,7 +17,14 @@ from rich.table import Table
 from crosscut.partitioner.plan import Plan, PlanStage
 from crosscut.viz.dot import human_bytes, human_time
 
-__all__ = ["baseline_ratios", "print_summary", "stage_cap", "summary_text"]
+__all__ = [
+    "alternative_rows",
+    "baseline_ratios",
+    "print_summary",
+    "stage_cap",
+    "strategy_line",
+    "summary_text",
+]
 
 
 def stage_cap(plan: Plan, stage: PlanStage) -> int:
@@ -153,18 +160,84 @@ def _replication_rows(plan: Plan) -> list[tuple[str, str]]:
     ]
 
 
+def strategy_line(plan: Plan) -> str:
+    """The chosen strategy in one line: ``"8 replicas × 1 stage, M=1, 1f1b, ring all-reduce"``."""
+    rep, o = plan.replication, plan.options
+    stages = f"{plan.num_stages} stage{'s' if plan.num_stages > 1 else ''}"
+    groups = sum(1 for s in plan.stages if len(s.devices) > 1)
+    parts = [
+        f"{rep.replicas} replica{'s' if rep.replicas > 1 else ''} × {stages}",
+        f"M={o.microbatches}",
+        o.schedule,
+    ]
+    if groups:
+        parts.append(f"{groups} device group(s)")
+    if any(s.recompute for s in plan.stages):
+        parts.append(
+            "recomputation on " + ", ".join(str(s.index) for s in plan.stages if s.recompute)
+        )
+    if rep.replicas > 1:
+        parts.append(f"{rep.reduction} all-reduce")
+    return ", ".join(parts)
+
+
+def alternative_rows(plan: Plan, limit: int = 12) -> list[tuple[str, str, str, str]]:
+    """(strategy, step, step / chosen, outcome) for the chosen plan and what it was weighed
+    against: the chosen row, data parallelism (the baseline), then the rest as tried."""
+    rows = plan.strategy.alternatives
+    ours = plan.predicted.step_time_s
+    first = [a for a in rows if a.outcome == "chosen"]
+    dp = plan.strategy.data_parallel()
+    if dp is not None and dp not in first:
+        first.append(dp)
+    ordered = first + [a for a in rows if a not in first]
+    out = []
+    for a in ordered[:limit]:
+        step = _ms(a.step_time_s) if a.step_time_s > 0 else "—"
+        ratio = f"×{a.step_time_s / ours:.2f}" if a.step_time_s > 0 and ours > 0 else ""
+        why = a.outcome + (f": {a.reason}" if a.reason else "")
+        out.append((a.label(), step, ratio, why))
+    if len(ordered) > limit:
+        out.append((f"… {len(ordered) - limit} more in the plan's strategy", "", "", ""))
+    return out
+
+
+def _strategy_table(plan: Plan) -> Table:
+    table = Table(
+        title=f"strategy: {strategy_line(plan)}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        caption="step = predicted training step (or inference batch) of every replica "
+        "together; ×N = its step / the chosen one's; M = micro-batches",
+    )
+    table.add_column("considered", no_wrap=True)
+    for col in ("step", "", "outcome"):
+        table.add_column(col, overflow="fold")
+    for row in alternative_rows(plan):
+        table.add_row(*(escape(c) for c in row))
+    return table
+
+
 def print_summary(plan: Plan, console: Console | None = None) -> None:
     """Print the plan's header, stage table and numbers with rich."""
     con = console if console is not None else Console()
     m, c, o = plan.model, plan.cluster, plan.options
+    reps = plan.replication.replicas
+    batch = (
+        f"{m.batch_size * reps} ({reps} replicas × {m.batch_size})" if reps > 1 else m.batch_size
+    )
+    devices = len(c.devices) * reps
     con.print(
-        f"[bold]{escape(m.name)}[/bold] · batch {m.batch_size} · {m.mode} · {m.dtype} · "
-        f"{len(plan.nodes)} nodes\non {escape(c.name or 'cluster')} ({len(c.devices)} devices) · "
+        f"[bold]{escape(m.name)}[/bold] · batch {batch} · {m.mode} · {m.dtype} · "
+        f"{len(plan.nodes)} nodes\non {escape(c.name or 'cluster')} ({devices} devices) · "
         f"{o.objective}, {o.schedule}, {o.microbatches} micro-batches"
         + (f", {o.precision}" if o.precision != "fp32" else ""),
         markup=True,
         highlight=False,
     )
+    if plan.strategy.alternatives:
+        con.print(_strategy_table(plan))
     con.print(_stages_table(plan))
     con.print(_numbers_table(plan))
 

@@ -50,6 +50,7 @@ them locally as batch-split device groups (one group per stage position).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -352,10 +353,13 @@ def _attempt(
     lay: Layout,
     request: PlanRequest,
     m: int,
-    by: Deadline,
+    share: Callable[[], Deadline],
     progress: Progress | None,
 ) -> Plan:
-    """One replica of ``lay`` with ``m`` micro-batches, priced as ``lay.replicas`` copies."""
+    """One replica of ``lay`` with ``m`` micro-batches, priced as ``lay.replicas`` copies.
+
+    ``share()``, called once the graph is traced, is the solve's deadline: its
+    part of what tracing left (until a first plan exists, all the call has left)."""
     cache, cluster = search.cache, search.cluster
     size = cache.batch // (lay.replicas * m)
     node = replica_cluster(cluster, lay.devices)
@@ -372,6 +376,7 @@ def _attempt(
         cross_shaped=request.cross_shaped and lay.replicas == 1,
     )
     shapes = [[cache.batch // lay.replicas, *t.shape[1:]] for t in cache.inputs]
+    by = share() if search.best is not None else search.deadline
     plan = solve_traced(
         graph, costs, node, req, input_shapes=shapes, progress=progress, deadline=by
     )
@@ -387,6 +392,11 @@ def _attempt(
             remedy="a fixed device order would avoid it; the layout is skipped",
         )
     return plan
+
+
+def _share_of(within: Deadline, parts: int) -> Deadline:
+    """An equal part of what is left of ``within`` for each of ``parts`` attempts to come."""
+    return within.within(within.left() / parts)
 
 
 def _layout(
@@ -413,9 +423,8 @@ def _layout(
                 search.row(lay, m, "pruned", f"bound {lb:.4g} s >= best {best:.4g} s")
                 continue
         try:
-            plan = _attempt(
-                search, lay, request, m, within.within(within.left() / (len(counts) - j)), progress
-            )
+            share = functools.partial(_share_of, within, len(counts) - j)
+            plan = _attempt(search, lay, request, m, share, progress)
         except InfeasiblePlanError as exc:
             search.row(lay, m, "no fit", "no plan fits the memory caps")
             search.last_error = exc

@@ -26,7 +26,8 @@ import torchvision
 from crosscut.cost_models import Cluster
 from crosscut.errors import CrosscutError
 from crosscut.options import PlanRequest
-from crosscut.strategy import TraceCache, plan_strategy
+from crosscut.strategy import plan_strategy
+from crosscut.traced import TraceCache
 
 __all__ = ["CLUSTERS", "MODELS", "ZooRow", "check", "main"]
 
@@ -74,9 +75,7 @@ def build(name: str) -> torch.nn.Module:
     return model
 
 
-def check(
-    name: str, spec: str, *, batch: int = 64, size: int = 64, limit: float = 20.0
-) -> ZooRow:
+def check(name: str, spec: str, *, batch: int = 64, size: int = 64, limit: float = 20.0) -> ZooRow:
     """Plan ``name`` on ``spec`` with default options, then every (R, M) of the grid by hand."""
     x = torch.empty(batch, 3, size, size, device="meta")
     request = PlanRequest(time_limit=limit)

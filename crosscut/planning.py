@@ -32,7 +32,8 @@ from crosscut.partitioner.stage_recompute import (
     recompute_request,
 )
 from crosscut.precision import check_precision, check_precision_devices
-from crosscut.strategy import TraceCache, get_costs, plan_strategy, solve_traced
+from crosscut.strategy import plan_strategy
+from crosscut.traced import TraceCache, get_costs, solve_traced
 
 __all__ = [
     "PlanRequest",

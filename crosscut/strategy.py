@@ -54,14 +54,13 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from crosscut.cost_models.subclusters import node_cluster, replica_cluster, slowest_link
+from crosscut.cost_models.subclusters import replica_cluster, slowest_link
 from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
-from crosscut.graph import OpGraph
-from crosscut.options import PlanRequest, cross_options
+from crosscut.options import PlanRequest
 from crosscut.partitioner.deadline import Deadline
-from crosscut.partitioner.plan import Alternative, Plan, PlanOptions, Strategy
+from crosscut.partitioner.plan import Alternative, Plan, Strategy
 from crosscut.partitioner.replicas import (
     layouts,
     replica_span,
@@ -69,152 +68,22 @@ from crosscut.partitioner.replicas import (
     spanning_layouts,
     stage_nodes,
 )
+from crosscut.traced import Progress, TraceCache, solve_traced
 
 if TYPE_CHECKING:
-    import torch
-
     from crosscut.cost_models import Cluster
 
 __all__ = [
     "MAX_MICROBATCHES",
     "Layout",
-    "TraceCache",
     "candidate_layouts",
-    "get_costs",
     "microbatch_candidates",
-    "node_cluster",
     "plan_strategy",
-    "replica_cluster",
-    "solve_traced",
 ]
-
-Progress = Callable[[float, float, float], None]
 
 # the largest micro-batch count tried per layout: with 1F1B a pipeline of S stages idles
 # (S-1)/(M+S-1) of its step, under 20 % at M = 4S for the 8 stages of a node
 MAX_MICROBATCHES = 32
-
-
-def get_costs(
-    graph: OpGraph, cluster: Any, *, cost: str = "analytic", optimizer: str = "sgd"
-) -> Any:
-    """A CostTable for ``graph`` on every device kind of ``cluster``."""
-    from crosscut.cost_models import analytic_costs, profile_costs
-
-    table = analytic_costs(graph, cluster, optimizer=optimizer)
-    if cost == "profiled":
-        for kind in sorted({d.kind for d in cluster.devices}):
-            dev = next(d for d in cluster.devices if d.kind == kind)
-            table = table.merge(profile_costs(graph, dev.device, kind=kind))
-    return table
-
-
-class TraceCache:
-    """The model traced and priced once per micro-batch size.
-
-    ``inputs`` is the global batch; :meth:`graph` traces the first ``size``
-    samples (FakeTensor shapes, nothing computed on real data) and keeps it.
-    """
-
-    def __init__(
-        self,
-        model: Any,
-        inputs: tuple[torch.Tensor, ...],
-        request: PlanRequest,
-        model_name: str = "",
-    ) -> None:
-        self.model, self.inputs, self.request = model, inputs, request
-        self.model_name = model_name or type(model).__name__
-        self.batch = int(inputs[0].shape[0])
-        self._graphs: dict[int, OpGraph] = {}
-        self._costs: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self._work: dict[tuple[int, str], float] = {}
-
-    def has(self, size: int) -> bool:
-        return size in self._graphs
-
-    def graph(self, size: int) -> OpGraph:
-        if size not in self._graphs:
-            from crosscut.partitioner.trace import trace
-
-            graph = trace(
-                self.model,
-                tuple(t[:size] for t in self.inputs),
-                mode=self.request.mode,
-                precision=self.request.precision,
-            )
-            graph.model_name = self.model_name
-            self._graphs[size] = graph
-        return self._graphs[size]
-
-    def costs(self, size: int, cluster: Cluster) -> Any:
-        key = (size, tuple(sorted({d.kind for d in cluster.devices})))
-        if key not in self._costs:
-            r = self.request
-            self._costs[key] = get_costs(
-                self.graph(size), cluster, cost=r.cost, optimizer=r.optimizer
-            )
-            from crosscut.partitioner.build import plan_nodes
-
-            for kind in key[1]:
-                nodes = plan_nodes(self.graph(size), self._costs[key], [kind])
-                self._work[(size, kind)] = sum(n.time_s[kind] for n in nodes)
-        return self._costs[key]
-
-    def work_bound(self, size: int, kind: str) -> float:
-        """A lower bound on one micro-batch of ``size`` samples' compute on ``kind``.
-
-        From every size priced so far: time per sample does not grow with the
-        batch (``size ≤ s``: at least ``size/s`` of it) and time does not
-        shrink with it (``size ≥ s``: at least all of it). 0 before any."""
-        out = 0.0
-        for (s, k), work in self._work.items():
-            if k == kind:
-                out = max(out, work * size / s if size <= s else work)
-        return out
-
-
-def solve_traced(
-    graph: OpGraph,
-    costs: Any,
-    cluster: Cluster,
-    request: PlanRequest,
-    *,
-    input_shapes: list[list[int]] | None = None,
-    progress: Progress | None = None,
-    deadline: Deadline | None = None,
-) -> Plan:
-    """One pipeline over ``cluster`` for ``graph`` (traced at one micro-batch)."""
-    from crosscut.partitioner.partition import partition_graph
-
-    r = request
-    widths, splits = cross_options(r.cross_shaped, r.widths, r.splits, len(cluster.devices))
-    options = PlanOptions(
-        objective=r.objective,
-        schedule=r.schedule,
-        microbatches=r.microbatches or 1,
-        overlap_comm=r.overlap_comm,
-        optimizer=r.optimizer,
-        time_limit_s=float(r.time_limit),
-        seed=r.seed,
-        cost_source=r.cost,
-        widths=widths,
-        splits=splits,
-        precision=r.precision,
-    )
-    return partition_graph(
-        graph,
-        costs,
-        cluster,
-        options,
-        input_shapes=input_shapes or [],
-        solver=r.solver,
-        require_all_devices=r.require_all_devices,
-        progress=progress,
-        colocate=r.colocate,
-        recompute=r.recompute,
-        deadline=deadline,
-    )
 
 
 def microbatch_candidates(batch: int, cap: int = MAX_MICROBATCHES) -> list[int]:
@@ -399,6 +268,52 @@ def _share_of(within: Deadline, parts: int) -> Deadline:
     return within.within(within.left() / parts)
 
 
+def _first_count(counts: list[int], devices: int) -> int:
+    """Where a layout's micro-batch search starts: the smallest count of at least its
+    devices (a pipeline of ``d`` stages idles ``(d−1)/(M+d−1)`` of its step: under half
+    from ``M = d``); one device starts at 1 (data parallelism needs no more)."""
+    return next((i for i, m in enumerate(counts) if m >= devices), len(counts) - 1)
+
+
+def _one(
+    search: _Search,
+    lay: Layout,
+    request: PlanRequest,
+    m: int,
+    share: Callable[[], Deadline],
+    progress: Progress | None,
+) -> Plan | str:
+    """One attempt, its row written: the plan, or ``"skip"`` (no fit, pruned: other counts
+    may still do), ``"too small"`` (the model refuses so small a micro-batch: fewer
+    micro-batches may do) or ``"stop"`` (refused, or no time: the layout ends here)."""
+    size = search.cache.batch // (lay.replicas * m)
+    if not search.affordable(share().left(), size):
+        search.row(lay, m, "not tried", "time limit")
+        return "stop"
+    if search.best is not None:
+        lb, best = search.bound(lay, m), search.best.predicted.step_time_s
+        if lb >= best:
+            search.row(lay, m, "pruned", f"bound {lb:.4g} s >= best {best:.4g} s")
+            return "skip"
+    try:
+        plan = _attempt(search, lay, request, m, share, progress)
+    except InfeasiblePlanError as exc:
+        search.row(lay, m, "no fit", "no plan fits the memory caps")
+        search.last_error = exc
+        return "skip"
+    except PartitionError as exc:  # e.g. fewer nodes than devices to fill, or no time
+        search.row(lay, m, "refused", exc.rule)
+        search.refusal = exc
+        return "stop"
+    except InputError as exc:  # e.g. batch norm refuses a micro-batch of one sample
+        search.row(lay, m, "refused", f"the model rejects a micro-batch of {size}")
+        search.rejected = exc
+        return "too small"
+    search.row(lay, m, "priced", plan=plan)
+    search.keep(plan)
+    return plan
+
+
 def _layout(
     search: _Search,
     lay: Layout,
@@ -407,47 +322,40 @@ def _layout(
     within: Deadline,
     progress: Progress | None,
 ) -> None:
-    """Plan one layout for each micro-batch count worth trying, a row per attempt."""
-    batch = search.cache.batch
-    if not search.affordable(search.deadline.left(), batch // (lay.replicas * counts[0])):
-        search.row(lay, counts[0], "not tried", "time limit")
-        return
-    layout_best: Plan | None = None
-    for j, m in enumerate(counts):
-        if j and not search.affordable(within.left(), batch // (lay.replicas * m)):
-            search.row(lay, m, "not tried", "time limit")
+    """Plan one layout for the micro-batch counts worth trying, a row per attempt.
+
+    From :func:`_first_count` upwards while the step shrinks (more micro-batches:
+    a smaller bubble and fewer activations in flight; a count that does not
+    fit does not stop it), then downwards from there while it shrinks (fewer:
+    less per-micro-batch overhead; a count that does not fit ends it, as a
+    smaller one would not fit either). The step is taken as unimodal in M."""
+    start = _first_count(counts, lay.devices)
+    tried = [0]
+    best_step = float("inf")
+
+    def attempt(m: int) -> Plan | str:
+        tried[0] += 1
+        share = functools.partial(_share_of, within, max(1, len(counts) - tried[0] + 1))
+        return _one(search, lay, request, m, share, progress)
+
+    for m in counts[start:]:
+        got = attempt(m)
+        if got == "stop":
+            return
+        if got == "too small":
             break
-        if search.best is not None:
-            lb, best = search.bound(lay, m), search.best.predicted.step_time_s
-            if lb >= best:
-                search.row(lay, m, "pruned", f"bound {lb:.4g} s >= best {best:.4g} s")
-                continue
-        try:
-            share = functools.partial(_share_of, within, len(counts) - j)
-            plan = _attempt(search, lay, request, m, share, progress)
-        except InfeasiblePlanError as exc:
-            search.row(lay, m, "no fit", "no plan fits the memory caps")
-            search.last_error = exc
+        if isinstance(got, str):
             continue
-        except PartitionError as exc:  # e.g. fewer nodes than devices to fill
-            search.row(lay, m, "refused", exc.rule)
-            search.refusal = exc
-            break
-        except InputError as exc:  # e.g. batch norm refuses a micro-batch of one sample
-            size = batch // lay.replicas // m
-            search.row(lay, m, "refused", f"the model rejects a micro-batch of {size}")
-            search.rejected = exc
-            break
-        search.row(lay, m, "priced", plan=plan)
-        search.keep(plan)
-        if (
-            layout_best is not None
-            and plan.predicted.step_time_s >= layout_best.predicted.step_time_s
-        ):
+        if got.predicted.step_time_s >= best_step:
             break  # past the shortest step
-        layout_best = plan
-        if plan.num_stages == 1:
+        best_step = got.predicted.step_time_s
+        if got.num_stages == 1:
             break  # no pipeline: more micro-batches only add overhead
+    for m in reversed(counts[:start]):
+        got = attempt(m)
+        if isinstance(got, str) or got.predicted.step_time_s >= best_step:
+            return
+        best_step = got.predicted.step_time_s
 
 
 def plan_strategy(

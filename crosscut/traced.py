@@ -1,0 +1,150 @@
+"""The model traced and priced once per micro-batch size, and one pipeline solved on it.
+
+The strategy search (:mod:`crosscut.strategy`) tries many (replicas,
+micro-batches) pairs; many share a micro-batch size (8 replicas of one
+micro-batch and 4 replicas of two read the same graph), so the graph and its
+costs are kept per size (:class:`TraceCache`). :func:`solve_traced` is one
+pipeline over one cluster for one traced graph: the options of a
+:class:`~crosscut.options.PlanRequest` handed to the partitioner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from crosscut.graph import OpGraph
+from crosscut.options import PlanRequest, cross_options
+from crosscut.partitioner.deadline import Deadline
+from crosscut.partitioner.plan import Plan, PlanOptions
+
+if TYPE_CHECKING:
+    import torch
+
+    from crosscut.cost_models import Cluster
+
+__all__ = ["Progress", "TraceCache", "get_costs", "solve_traced"]
+
+Progress = Callable[[float, float, float], None]
+
+
+def get_costs(
+    graph: OpGraph, cluster: Any, *, cost: str = "analytic", optimizer: str = "sgd"
+) -> Any:
+    """A CostTable for ``graph`` on every device kind of ``cluster``."""
+    from crosscut.cost_models import analytic_costs, profile_costs
+
+    table = analytic_costs(graph, cluster, optimizer=optimizer)
+    if cost == "profiled":
+        for kind in sorted({d.kind for d in cluster.devices}):
+            dev = next(d for d in cluster.devices if d.kind == kind)
+            table = table.merge(profile_costs(graph, dev.device, kind=kind))
+    return table
+
+
+class TraceCache:
+    """The model traced and priced once per micro-batch size.
+
+    ``inputs`` is the global batch; :meth:`graph` traces the first ``size``
+    samples (FakeTensor shapes, nothing computed on real data) and keeps it.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        inputs: tuple[torch.Tensor, ...],
+        request: PlanRequest,
+        model_name: str = "",
+    ) -> None:
+        self.model, self.inputs, self.request = model, inputs, request
+        self.model_name = model_name or type(model).__name__
+        self.batch = int(inputs[0].shape[0])
+        self._graphs: dict[int, OpGraph] = {}
+        self._costs: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._work: dict[tuple[int, str], float] = {}
+
+    def has(self, size: int) -> bool:
+        return size in self._graphs
+
+    def graph(self, size: int) -> OpGraph:
+        if size not in self._graphs:
+            from crosscut.partitioner.trace import trace
+
+            graph = trace(
+                self.model,
+                tuple(t[:size] for t in self.inputs),
+                mode=self.request.mode,
+                precision=self.request.precision,
+            )
+            graph.model_name = self.model_name
+            self._graphs[size] = graph
+        return self._graphs[size]
+
+    def costs(self, size: int, cluster: Cluster) -> Any:
+        key = (size, tuple(sorted({d.kind for d in cluster.devices})))
+        if key not in self._costs:
+            r = self.request
+            self._costs[key] = get_costs(
+                self.graph(size), cluster, cost=r.cost, optimizer=r.optimizer
+            )
+            from crosscut.partitioner.build import plan_nodes
+
+            for kind in key[1]:
+                nodes = plan_nodes(self.graph(size), self._costs[key], [kind])
+                self._work[(size, kind)] = sum(n.time_s[kind] for n in nodes)
+        return self._costs[key]
+
+    def work_bound(self, size: int, kind: str) -> float:
+        """A lower bound on one micro-batch of ``size`` samples' compute on ``kind``.
+
+        From every size priced so far: time per sample does not grow with the
+        batch (``size ≤ s``: at least ``size/s`` of it) and time does not
+        shrink with it (``size ≥ s``: at least all of it). 0 before any."""
+        out = 0.0
+        for (s, k), work in self._work.items():
+            if k == kind:
+                out = max(out, work * size / s if size <= s else work)
+        return out
+
+
+def solve_traced(
+    graph: OpGraph,
+    costs: Any,
+    cluster: Cluster,
+    request: PlanRequest,
+    *,
+    input_shapes: list[list[int]] | None = None,
+    progress: Progress | None = None,
+    deadline: Deadline | None = None,
+) -> Plan:
+    """One pipeline over ``cluster`` for ``graph`` (traced at one micro-batch)."""
+    from crosscut.partitioner.partition import partition_graph
+
+    r = request
+    widths, splits = cross_options(r.cross_shaped, r.widths, r.splits, len(cluster.devices))
+    options = PlanOptions(
+        objective=r.objective,
+        schedule=r.schedule,
+        microbatches=r.microbatches or 1,
+        overlap_comm=r.overlap_comm,
+        optimizer=r.optimizer,
+        time_limit_s=float(r.time_limit),
+        seed=r.seed,
+        cost_source=r.cost,
+        widths=widths,
+        splits=splits,
+        precision=r.precision,
+    )
+    return partition_graph(
+        graph,
+        costs,
+        cluster,
+        options,
+        input_shapes=input_shapes or [],
+        solver=r.solver,
+        require_all_devices=r.require_all_devices,
+        progress=progress,
+        colocate=r.colocate,
+        recompute=r.recompute,
+        deadline=deadline,
+    )

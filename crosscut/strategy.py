@@ -287,7 +287,8 @@ def _one(
     may still do), ``"too small"`` (the model refuses so small a micro-batch: fewer
     micro-batches may do) or ``"stop"`` (refused, or no time: the layout ends here)."""
     size = search.cache.batch // (lay.replicas * m)
-    if not search.affordable(share().left(), size):
+    # tracing cannot be interrupted: an attempt starts while the whole call's time covers it
+    if not search.affordable(search.deadline.left(), size):
         search.row(lay, m, "not tried", "time limit")
         return "stop"
     if search.best is not None:

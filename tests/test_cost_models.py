@@ -19,8 +19,8 @@ from crosscut.cost_models import (
     profile_costs,
 )
 from crosscut.cost_models.analytic import node_times
-from crosscut.cost_models.efficiency import efficiency_of
 from crosscut.cost_models.devices import preset
+from crosscut.cost_models.efficiency import efficiency_of
 from crosscut.cost_models.memory import activation_bytes, resident_bytes, saved_by
 from crosscut.errors import CostModelError, InputError
 from crosscut.graph import OpGraph, OpNode

@@ -191,6 +191,7 @@ class Replication:
     reduction: str = "none"  # "none" | "ring" | "tree" | "2d"
     allreduce_s: float = 0.0  # the reduction alone on the wire
     exposed_s: float = 0.0  # what is left of it after the backward it overlaps (simulate.py)
+    grad_bytes: float = 4.0  # bytes per gradient element on the wire (2: fp16/bf16 reduced)
 
 
 @dataclass

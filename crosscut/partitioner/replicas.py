@@ -197,9 +197,7 @@ def buckets(plan: Plan, stage: int, grad_bytes: float = 4.0) -> tuple[tuple[floa
     backward of its last node is done (node backward times on the stage's kind)."""
     if not plan.stages[stage].devices:
         return ()
-    kind = next(
-        d.kind for d in plan.cluster.devices if d.name == plan.stages[stage].devices[0]
-    )
+    kind = next(d.kind for d in plan.cluster.devices if d.name == plan.stages[stage].devices[0])
     out: list[tuple[float, int]] = []
     clock, size, cap = 0.0, 0, FIRST_BUCKET_BYTES
     for n in reversed(plan.nodes):
@@ -251,7 +249,7 @@ def reduction(
     replicas: int,
     grads: Sequence[int] | None = None,
     *,
-    grad_bytes: float = 4.0,
+    grad_bytes: float | None = None,
 ) -> Reduction:
     """The fastest of ring, tree and 2-D all-reduce for ``replicas`` copies of ``plan``.
 
@@ -260,10 +258,13 @@ def reduction(
     devices of ``nodes / replicas`` whole nodes, node by node. ``grads``
     overrides each position's gradient bytes (one bucket each, ready at the
     end of the backward); ``grad_bytes`` is the bytes per gradient element on
-    the wire (4: fp32, 2: gradients reduced in fp16/bf16).
+    the wire (4: fp32, 2: gradients reduced in fp16/bf16), by default the
+    plan's ``replication.grad_bytes``.
     """
     if replicas <= 1:
         return Reduction("none", 0.0)
+    if grad_bytes is None:
+        grad_bytes = float(plan.replication.grad_bytes)
     if grads is None:
         g = [b * grad_bytes / 4.0 for b in stage_gradient_bytes(plan)]
         bucket_lists = [buckets(plan, k, grad_bytes) for k in range(plan.num_stages)]

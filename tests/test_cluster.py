@@ -229,3 +229,13 @@ def test_a_spec_of_several_kinds_is_one_node_in_order() -> None:
     for bad in ("6xV100,", "0xV100,1xK20c", "2xV100,1xFOO"):
         with pytest.raises(DeviceError):
             Cluster.from_any(bad)
+
+
+def test_nodes_with_several_nics_from_the_spec_and_json() -> None:
+    c = Cluster.from_spec("4x8xA100-80GB+8xib200")
+    assert (c.nodes, c.nics, c.network_name) == (4, 8, "ib200")
+    assert Cluster.from_json(c.to_json()).nics == 8
+    assert Cluster.from_spec("4x8xA100-80GB+ib200").nics == 1
+    c.nics = 0
+    with pytest.raises(DeviceError, match="NIC"):
+        c.validate()

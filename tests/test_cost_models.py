@@ -20,6 +20,7 @@ from crosscut.cost_models import (
 )
 from crosscut.cost_models.analytic import node_times
 from crosscut.cost_models.devices import preset
+from crosscut.cost_models.efficiency import efficiency_of
 from crosscut.cost_models.memory import activation_bytes, resident_bytes, saved_by
 from crosscut.errors import CostModelError, InputError
 from crosscut.graph import OpGraph, OpNode
@@ -88,12 +89,15 @@ def test_analytic_monotone_in_flops_and_faster_devices() -> None:
     table = analytic_costs(g, v100)
     assert table.fwd_s("x", "V100") == 0.0 and table.fwd_s("output", "V100") == 0.0
     spec = preset("V100")
-    # compute-bound conv: roofline = flops / peak + launch overhead
-    assert node_times(g, g.node("conv"), spec)[0] == pytest.approx(1e11 / 15.7e12 + 5e-6)
-    # memory-bound relu: bytes / bandwidth; its backward moves twice the bytes
+    eff = efficiency_of("V100")
+    # compute-bound conv (no shapes: no size or depth ramp): flops / achieved + launch
+    assert node_times(g, g.node("conv"), spec)[0] == pytest.approx(
+        1e11 / (15.7e12 * eff.fma) + 5e-6
+    )
+    # memory-bound relu: bytes / achieved bandwidth; its backward moves twice the bytes
     f, b = node_times(g, g.node("relu"), spec)
-    assert f == pytest.approx(16 * MB / 900e9 + 5e-6)
-    assert b == pytest.approx(32 * MB / 900e9 + 5e-6)
+    assert f == pytest.approx(16 * MB / (900e9 * eff.memory) + 5e-6)
+    assert b == pytest.approx(32 * MB / (900e9 * eff.memory) + 5e-6)
     assert node_times(g, g.node("flatten"), spec) == (5e-6, 5e-6)  # a view moves nothing
 
 

@@ -1,47 +1,162 @@
-"""Analytic costs: a roofline per node on a DeviceSpec, no hardware needed.
+"""Analytic costs: a roofline per node at *achieved* rates, no hardware needed.
 
-``time = max(flops / peak[dtype], bytes_moved / mem_bw) + launch_overhead``.
-Forward moves what the node reads plus what it writes; backward does
+``time = max(flops / achieved[math mode], bytes / achieved_bw) + kernels × launch``
+(``efficiency.py`` says what a generation achieves and which math PyTorch
+uses). Forward moves what the node reads plus what it writes; backward does
 ``bwd_flops`` and moves about twice the forward bytes (read the saved tensors
-and the incoming gradient, write input and weight gradients). Placeholders,
-the output and ``get_attr`` cost nothing; views move no bytes and pay only the
-dispatch overhead. It is a lower bound with a fixed per-op tax, good enough to
-rank placements; ``profiled.py`` replaces it with measurements.
+and the incoming gradient, write input and weight gradients). Batch norm in
+training reads its input twice (statistics, then normalisation). In-place ops
+(``relu_``, ``inplace=True``) are elementwise kernels that read and write
+their tensor: they move bytes like any other, only pure views
+(``view``, ``flatten``, ...) move none and pay only the dispatch. Under
+autocast every 16-bit op with weights also casts them (fp32 read, 16-bit
+write) forward and casts the weight gradient back. Placeholders, the output
+and ``get_attr`` cost nothing. ``profiled.py`` replaces all of it with
+measurements.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
+import torch
+
 from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.devices import DeviceSpec
-from crosscut.cost_models.memory import activation_bytes, is_alias, resident_bytes
+from crosscut.cost_models.efficiency import (
+    Efficiency,
+    MathMode,
+    efficiency_of,
+    math_mode,
+    sm_count,
+)
+from crosscut.cost_models.memory import _VIEW, _key, activation_bytes, is_alias, resident_bytes
 from crosscut.cost_models.table import CostTable, NodeCost
 from crosscut.graph import OpGraph, OpNode
 
-__all__ = ["analytic_costs", "node_times"]
+__all__ = ["MathFlags", "analytic_costs", "node_times", "rates_summary"]
 
 BWD_BYTES_FACTOR = 2.0
+BN_FWD_PASSES = 1.5  # training batch norm reads its input twice: (2 reads + 1 write) / 2
+_HALF = ("float16", "bfloat16")
 
 
-def node_times(graph: OpGraph, node: OpNode, spec: DeviceSpec) -> tuple[float, float]:
+@dataclass(frozen=True)
+class MathFlags:
+    """PyTorch's TF32 switches: convolutions (cuDNN, on by default) and matmuls (off)."""
+
+    tf32_conv: bool = True
+    tf32_matmul: bool = False
+
+    @classmethod
+    def from_torch(cls) -> MathFlags:
+        """The flags as this process has them (what the runtime will use)."""
+        return cls(
+            bool(torch.backends.cudnn.allow_tf32), bool(torch.backends.cuda.matmul.allow_tf32)
+        )
+
+    @classmethod
+    def of(cls, tf32: bool | None) -> MathFlags:
+        """``tf32`` given: both switches set to it; None: this process's flags."""
+        return cls.from_torch() if tf32 is None else cls(tf32, tf32)
+
+
+def _elements(node: OpNode) -> int:
+    return math.prod(node.shapes[0]) if node.shapes and node.shapes[0] else 0
+
+
+def node_mode(node: OpNode, spec: DeviceSpec, flags: MathFlags) -> MathMode:
+    """The math ``node`` runs in on ``spec``."""
+    conv = "conv" in node.kind
+    return math_mode(
+        spec.peak_flops,
+        spec.kind,
+        node.dtype,
+        conv=conv,
+        tf32_conv=flags.tf32_conv,
+        tf32_matmul=flags.tf32_matmul,
+    )
+
+
+def _compute_rate(node: OpNode, spec: DeviceSpec, eff: Efficiency, mode: MathMode) -> float:
+    """Achieved FLOP/s of a conv/GEMM node: peak × e_max × depth ramp × size ramp."""
+    out = _elements(node)
+    frac = {"tensor": eff.tensor, "tf32": eff.tf32}.get(mode.unit, eff.fma)
+    if eff.depth_half > 0 and out > 0:
+        depth = node.fwd_flops / (2.0 * out)  # multiply-adds per output: Cin/groups·kh·kw
+        frac *= depth / (depth + eff.depth_half)
+        half_fill = sm_count(spec.kind) * 4096.0
+        frac *= out / (out + half_fill)
+    return mode.peak * max(frac, 1e-6)
+
+
+def _is_view(node: OpNode) -> bool:
+    kind, tgt = _key(node)
+    return kind in _VIEW or tgt in _VIEW
+
+
+def node_times(
+    graph: OpGraph, node: OpNode, spec: DeviceSpec, flags: MathFlags | None = None
+) -> tuple[float, float]:
     """(forward, backward) seconds of ``node`` on ``spec``."""
     if node.is_io or node.op == "get_attr":
         return 0.0, 0.0
-    if is_alias(graph, node) and node.fwd_flops == 0:
-        return spec.launch_overhead_s, spec.launch_overhead_s if graph.mode == "train" else 0.0
-    peak = spec.peak(node.dtype)
-    moved = node.read_bytes + node.out_bytes
-    fwd = max(node.fwd_flops / peak, moved / spec.mem_bw) + spec.launch_overhead_s
-    if graph.mode != "train":
+    train = graph.mode == "train"
+    launch = spec.launch_overhead_s
+    if node.fwd_flops == 0 and is_alias(graph, node) and _is_view(node):
+        return launch, launch if train else 0.0
+    eff = efficiency_of(spec.kind, spec.device)
+    bw = spec.mem_bw * eff.memory
+    if node.fwd_flops == 0 and is_alias(graph, node):  # in place: read and write the tensor
+        moved = 2.0 * node.out_bytes
+    else:
+        moved = float(node.read_bytes + node.out_bytes)
+    if train and "batch_norm" in node.kind:
+        moved *= BN_FWD_PASSES
+    kernels = 1.0
+    cast = 0.0
+    if node.dtype in _HALF and node.param_bytes > 0 and graph.precision != "fp32":
+        cast, kernels = 1.5 * node.param_bytes, 2.0  # fp32 -> 16-bit weight copy
+    if node.fwd_flops > 0:
+        mode = node_mode(node, spec, flags or MathFlags.from_torch())
+        rate = _compute_rate(node, spec, eff, mode)
+        fwd = max(node.fwd_flops / rate, moved / bw) + cast / bw + kernels * launch
+        if not train:
+            return fwd, 0.0
+        bwd_kernels = 2.0 if node.param_bytes > 0 else 1.0  # data and weight gradients
+        bwd = max(node.bwd_flops / rate, BWD_BYTES_FACTOR * moved / bw) + cast / bw
+        return fwd, bwd + (bwd_kernels + kernels - 1.0) * launch
+    fwd = moved / bw + cast / bw + kernels * launch
+    if not train:
         return fwd, 0.0
-    bwd = (
-        max(node.bwd_flops / peak, BWD_BYTES_FACTOR * moved / spec.mem_bw) + spec.launch_overhead_s
+    return fwd, (BWD_BYTES_FACTOR * moved + cast) / bw + kernels * launch
+
+
+def rates_summary(graph: OpGraph, spec: DeviceSpec, flags: MathFlags | None = None) -> str:
+    """What ``spec`` was priced at for ``graph``: preset, math modes, efficiency source."""
+    flags = flags or MathFlags.from_torch()
+    eff = efficiency_of(spec.kind, spec.device)
+    modes = sorted({node_mode(n, spec, flags).name for n in graph.nodes if n.fwd_flops > 0})
+    return (
+        f"{spec.kind}: {', '.join(modes) or 'no matmuls'}; efficiency '{eff.generation}' "
+        f"(fma {eff.fma:.2f}, tensor {eff.tensor:.2f}, memory {eff.memory:.2f} of "
+        f"{spec.mem_bw / 1e9:.0f} GB/s) from {eff.source}"
     )
-    return fwd, bwd
 
 
-def analytic_costs(graph: OpGraph, cluster: Cluster, *, optimizer: str = "sgd") -> CostTable:
-    """A CostTable with a roofline time for every device kind in ``cluster``."""
+def analytic_costs(
+    graph: OpGraph, cluster: Cluster, *, optimizer: str = "sgd", tf32: bool | None = None
+) -> CostTable:
+    """A CostTable with an achieved-rate roofline for every device kind in ``cluster``.
+
+    ``tf32``: price fp32 convolutions and matmuls on Ampere and later at the TF32
+    rate (True) or the fp32 rate (False); None follows this process's
+    ``torch.backends.cudnn.allow_tf32`` / ``torch.backends.cuda.matmul.allow_tf32``,
+    which is what the compiled module will run with.
+    """
     cluster.validate()
+    flags = MathFlags.of(tf32)
     specs: dict[str, DeviceSpec] = {}
     for d in cluster.devices:
         specs.setdefault(d.kind, d)
@@ -51,7 +166,11 @@ def analytic_costs(graph: OpGraph, cluster: Cluster, *, optimizer: str = "sgd") 
         cost = NodeCost(resident=0 if n.is_io else resident_bytes(n, graph.mode, optimizer))
         cost.activation = acts.get(n.name, 0)
         for kind, spec in specs.items():
-            cost.fwd[kind], cost.bwd[kind] = node_times(graph, n, spec)
+            cost.fwd[kind], cost.bwd[kind] = node_times(graph, n, spec, flags)
         nodes[n.name] = cost
-    meta = {"fingerprint": graph.fingerprint(), "batch_size": graph.batch_size}
+    meta = {
+        "fingerprint": graph.fingerprint(),
+        "batch_size": graph.batch_size,
+        "rates": {kind: rates_summary(graph, spec, flags) for kind, spec in specs.items()},
+    }
     return CostTable(nodes, "analytic", graph.mode, optimizer, meta)

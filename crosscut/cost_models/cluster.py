@@ -38,8 +38,10 @@ from crosscut.errors import DeviceError
 __all__ = ["DEFAULT_TOPOLOGY", "Cluster", "ClusterLike"]
 
 _SPEC_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(.+?)\s*$")
-# "NODESxGPUSxKIND[-TOPOLOGY][+NETWORK]", e.g. "32x8xV100", "4x8xA100-80GB+ib400"
-_NODES_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*([^+\s]+?)(?:\+(\w+))?\s*$")
+# "NODESxGPUSxKIND[-TOPOLOGY][+[NICSx]NETWORK]", e.g. "32x8xV100", "4x8xH100+8xib400"
+_NODES_RE = re.compile(
+    r"^\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*([^+\s]+?)(?:\+(?:(\d+)[xX])?(\w+))?\s*$"
+)
 _TORCHRUN_RE = re.compile(r"^\s*torchrun(?:\+(\w+))?\s*$", re.I)  # "torchrun[+NETWORK]"
 
 
@@ -63,6 +65,7 @@ class Cluster:
     nodes: int = 1
     network: tuple[float, float] = (0.0, 0.0)
     network_name: str = ""
+    nics: int = 1  # network interfaces per node, ``network`` each (8 on DGX A100/H100)
 
     @property
     def total_devices(self) -> int:
@@ -141,6 +144,8 @@ class Cluster:
                     raise DeviceError(f"latency[{i}][{j}] ({pair}) must be >= 0", value=lat)
         if not (isinstance(self.nodes, int) and self.nodes >= 1):
             raise DeviceError("a cluster has at least one node", value=self.nodes)
+        if not (isinstance(self.nics, int) and self.nics >= 1):
+            raise DeviceError("a node has at least one NIC", value=self.nics, remedy="nics: 1")
         if self.nodes > 1 and not (self.network[0] > 0 and self.network[1] >= 0):
             raise DeviceError(
                 "a cluster of several nodes needs a network: positive bandwidth, latency >= 0",
@@ -183,11 +188,12 @@ class Cluster:
 
     @classmethod
     def from_nodes_spec(cls, spec: str) -> Cluster:
-        """Parse ``"NODESxGPUSxKIND[-TOPOLOGY][+NETWORK]"``: identical nodes on a network.
+        """Parse ``"NODESxGPUSxKIND[-TOPOLOGY][+[NICSx]NETWORK]"``: nodes on a network.
 
         ``"32x8xV100"`` is 32 nodes of 8 V100 on NVLink, joined by the kind's
         usual network (``DEFAULT_NETWORK``: ib100 for V100); ``+ib200``,
-        ``+eth25`` ... name another (``NETWORKS``).
+        ``+eth25`` ... name another (``NETWORKS``), ``+8xib200`` eight NICs of it
+        per node (the all-reduce uses them all: partitioner/replicas.py).
         """
         m = _NODES_RE.match(spec)
         if not m:
@@ -196,7 +202,7 @@ class Cluster:
                 value=spec,
                 remedy=f"e.g. '32x8xV100' or '4x8xA100-80GB+ib400'; networks: {sorted(NETWORKS)}",
             )
-        nodes, per_node, kind, net = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
+        nodes, per_node, kind, net = int(m.group(1)), int(m.group(2)), m.group(3), m.group(5)
         if nodes < 1 or per_node < 1:
             raise DeviceError(
                 "a multi-node spec needs at least one node of at least one device",
@@ -213,8 +219,7 @@ class Cluster:
                 remedy=f"use one of {sorted(NETWORKS)}",
             )
         node.nodes, node.network, node.network_name = nodes, NETWORKS[net], net
-        node.name = spec.strip()
-        node.meta["spec"] = spec
+        node.nics, node.name, node.meta["spec"] = int(m.group(4) or 1), spec.strip(), spec
         return node
 
     @classmethod
@@ -266,8 +271,7 @@ class Cluster:
                 remedy=f"use '{count}xcpu'",
             )
         cluster = cls.from_specs(devices, topo)
-        cluster.meta["spec"] = spec
-        cluster.name = spec.strip()
+        cluster.meta["spec"], cluster.name = spec, spec.strip()
         return cluster
 
     @classmethod
@@ -431,6 +435,7 @@ class Cluster:
             "nodes": self.nodes,
             "network": list(self.network),
             "network_name": self.network_name,
+            "nics": self.nics,
         }
 
     @classmethod
@@ -446,6 +451,7 @@ class Cluster:
                 nodes=int(data.get("nodes", 1)),
                 network=_pair(data.get("network", (0.0, 0.0))),
                 network_name=str(data.get("network_name", "")),
+                nics=int(data.get("nics", 1)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, DeviceError):
@@ -490,5 +496,4 @@ ClusterLike = Cluster | int | str | Path | Sequence[str | torch.device]
 
 
 def _pair(value: Any) -> tuple[float, float]:
-    bw, lat = (float(v) for v in value)
-    return (bw, lat)
+    return (float(value[0]), float(value[1]))

@@ -98,35 +98,47 @@ class DeviceSpec:
 
 
 def _gpu(
-    kind: str, fp32: float, half: float | None, bw: float, cap: float, launch: float
+    kind: str,
+    fp32: float,
+    half: float | None,
+    bw: float,
+    cap: float,
+    launch: float,
+    tf32: float | None = None,
 ) -> DeviceSpec:
     flops = {"float32": fp32 * TFLOPS}
     if half is not None:
         flops["float16"] = half * TFLOPS
         flops["bfloat16"] = half * TFLOPS
+    if tf32 is not None:
+        flops["tfloat32"] = tf32 * TFLOPS
     return DeviceSpec(kind, kind, "cuda:0", flops, bw * GB, int(cap * GB), launch)
 
 
 # Datasheet numbers (dense, boost clock). fp16 is the tensor-core rate where there is
-# one; bfloat16 only exists from Ampere on, so it is dropped for older parts below.
+# one; bfloat16 only exists from Ampere on, so it is dropped for older parts below;
+# tfloat32 is the TF32 tensor-core rate PyTorch's fp32 convolutions run at on Ampere
+# and later (efficiency.math_mode). These are peaks: efficiency.py prices achieved rates.
 PRESETS: dict[str, DeviceSpec] = {
     # Tesla K20c: 3.52 TFLOPS fp32, 208 GB/s, 5 GB of which Mariana reports 4.8 GB usable.
     # No fast fp16: missing dtypes fall back to the fp32 rate.
     "K20c": _gpu("K20c", 3.52, None, 208, 4.8, 10e-6),
-    # Tesla P40: 11.76 TFLOPS fp32, 346 GB/s, 24 GB; fp16 runs at 1/64 rate (0.18 TFLOPS).
-    "P40": _gpu("P40", 11.76, 0.18, 346, 24, 7e-6),
+    # Tesla P40: 11.76 TFLOPS fp32, 346 GB/s, 24 GB. Its fp16 arithmetic runs at 1/64
+    # rate, so cuDNN keeps fp16 tensors and computes in fp32: no float16 entry (the fp32
+    # rate, 16-bit bytes), as Tencent's fp16 runs on P40 used it.
+    "P40": _gpu("P40", 11.76, None, 346, 24, 7e-6),
     # Tesla P100 SXM2: 10.6 TFLOPS fp32, 21.2 TFLOPS fp16 (no tensor cores), 732 GB/s, 16 GB.
     "P100": _gpu("P100", 10.6, 21.2, 732, 16, 6e-6),
     # Tesla V100 SXM2: 15.7 TFLOPS fp32, 125 TFLOPS fp16 tensor, 900 GB/s, 16 GB.
     "V100": _gpu("V100", 15.7, 125, 900, 16, 5e-6),
     "V100-32GB": _gpu("V100-32GB", 15.7, 125, 900, 32, 5e-6),
     # A100 SXM: 19.5 TFLOPS fp32 (156 tf32), 312 TFLOPS fp16/bf16, 1555 / 2039 GB/s.
-    "A100-40GB": _gpu("A100-40GB", 19.5, 312, 1555, 40, 4e-6),
-    "A100-80GB": _gpu("A100-80GB", 19.5, 312, 2039, 80, 4e-6),
-    # H100 SXM: 67 TFLOPS fp32, 989 TFLOPS fp16/bf16 dense, 3.35 TB/s, 80 GB.
-    "H100": _gpu("H100", 67, 989, 3350, 80, 4e-6),
+    "A100-40GB": _gpu("A100-40GB", 19.5, 312, 1555, 40, 4e-6, 156),
+    "A100-80GB": _gpu("A100-80GB", 19.5, 312, 2039, 80, 4e-6, 156),
+    # H100 SXM: 67 TFLOPS fp32, 495 tf32, 989 TFLOPS fp16/bf16 dense, 3.35 TB/s, 80 GB.
+    "H100": _gpu("H100", 67, 989, 3350, 80, 4e-6, 495),
     # H200 SXM: H100 compute with 141 GB HBM3e at 4.8 TB/s.
-    "H200": _gpu("H200", 67, 989, 4800, 141, 4e-6),
+    "H200": _gpu("H200", 67, 989, 4800, 141, 4e-6, 495),
 }
 for _k in ("V100", "V100-32GB", "P40", "P100"):
     _flops = dict(PRESETS[_k].peak_flops)

@@ -55,13 +55,15 @@ _PCIE: dict[str, LinkSpec] = {
     "H100": (50e9, 6e-6),
     "H200": (50e9, 6e-6),
 }
-# Between nodes: one NIC's worth per node (bytes/s, latency). InfiniBand EDR/HDR/NDR
-# (100/200/400 Gb/s, ~2-5 µs with GPUDirect RDMA); Ethernet with RoCE (~10 µs) or TCP.
+# Between nodes: one NIC's worth (bytes/s, latency); a node may have several
+# (Cluster.nics, "+8xib200"). InfiniBand FDR/EDR/HDR/NDR (56/100/200/400 Gb/s,
+# ~2-5 µs with GPUDirect RDMA); Ethernet with RoCE (~10 µs) or TCP.
 NETWORKS: dict[str, LinkSpec] = {
     "eth10": (1.25e9, 30e-6),
     "eth25": (3.125e9, 15e-6),
     "eth50": (6.25e9, 12e-6),
     "eth100": (12.5e9, 10e-6),
+    "ib56": (7e9, 5e-6),
     "ib100": (12.5e9, 5e-6),
     "ib200": (25e9, 4e-6),
     "ib400": (50e9, 3e-6),

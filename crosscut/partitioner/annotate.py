@@ -45,7 +45,8 @@ def annotate(plan: Plan) -> Plan:
     rep = plan.replication
     red = reduction(plan, rep.replicas)  # the replicas' gradient all-reduce (replicas.py)
     rep.reduction, rep.allreduce_s = red.algorithm, red.seconds
-    sim = simulate(plan)
+    sim = simulate(plan)  # overlaps the reduction with the last backwards (simulate.py)
+    rep.exposed_s = sim.exposed_s
     step = sim.step_time_s
     plan.predicted = Prediction(
         stage_time_s=list(ev.stage_time),

@@ -66,6 +66,7 @@ def plan_cluster(cluster: Any) -> PlanCluster:
         nodes=int(getattr(cluster, "nodes", 1)),
         network=[float(v) for v in getattr(cluster, "network", (0.0, 0.0))],
         network_name=str(getattr(cluster, "network_name", "")),
+        nics=int(getattr(cluster, "nics", 1)),
     )
 
 

@@ -67,6 +67,7 @@ class PlanCluster:
     # a node's slowest device-to-device link (bytes/s, latency s), for replicas that
     # share a node; [0, 0]: the plan's own devices are the node
     node_link: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    nics: int = 1  # network interfaces per node, each ``network``'s bandwidth
 
     def index(self, name: str) -> int:
         for i, d in enumerate(self.devices):
@@ -183,13 +184,17 @@ class Replication:
     Each replica runs the plan's stages on its own devices with ``1/replicas`` of
     the global batch; after backward every stage position all-reduces its
     gradients over the replicas, by ``reduction``: ``"ring"`` over all of them,
-    or ``"2d"`` (reduce-scatter inside a node, all-reduce across nodes, all-gather
-    inside). ``allreduce_s`` is that reduction's predicted time per step.
+    ``"tree"`` between nodes, or ``"2d"`` (reduce-scatter inside a node, all-reduce
+    across nodes, all-gather inside). ``allreduce_s`` is that reduction's time per
+    step alone on the wire; ``exposed_s`` what the step waits for after the
+    backward it overlaps.
     """
 
     replicas: int = 1
-    reduction: str = "none"  # "none" | "ring" | "2d"
-    allreduce_s: float = 0.0
+    reduction: str = "none"  # "none" | "ring" | "tree" | "2d"
+    allreduce_s: float = 0.0  # the reduction alone on the wire
+    exposed_s: float = 0.0  # what is left of it after the backward it overlaps (simulate.py)
+    grad_bytes: float = 4.0  # bytes per gradient element on the wire (2: fp16/bf16 reduced)
 
 
 @dataclass
@@ -354,6 +359,7 @@ class Plan:
                     network=[float(v) for v in data["cluster"].get("network", [0.0, 0.0])],
                     network_name=str(data["cluster"].get("network_name", "")),
                     node_link=[float(v) for v in data["cluster"].get("node_link", [0.0, 0.0])],
+                    nics=int(data["cluster"].get("nics", 1)),
                 ),
                 options=PlanOptions(**data["options"]),
                 nodes=[PlanNode(**n) for n in data["nodes"]],

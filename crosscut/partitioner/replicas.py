@@ -13,32 +13,35 @@ layout ``crosscut run --replicas R`` starts; stage ``s`` of a replica runs on
 its ``s``-th rank (:func:`runs_in_rank_order` checks that a spanning plan's
 stages sit on the nodes those ranks do).
 
-After backward, stage position ``k`` all-reduces its gradients (``G_k``
-bytes) over the ``R`` replicas. Two algorithms, both priced with the
-alpha-beta model of the links (bandwidth, latency):
+**The reduction as the runtime does it.** Stage position ``k`` all-reduces its
+gradients over the ``R`` replicas the way DDP's reducer does it
+(runtime/overlap.py): in buckets (the first 1 MB, then 25 MB, in reverse
+parameter order), each started as its last gradient lands during the
+stage's last backward, one after another on the wire. Gradients travel in the
+dtype they are reduced in (``grad_bytes`` per element, fp32 master gradients
+under autocast by default). Each bucket costs ``α + β · bytes`` for the chosen
+algorithm, in NCCL's terms (``B_node``/``α_node``: a node's slowest device link;
+``B_net = nics × NIC bandwidth`` per node, ``α_net`` its latency):
 
-* **ring** over all ``R`` ranks: ``2(R−1)/R · G / B + 2(R−1) · α``, where
-  ``B`` is the slowest link on the ring — the network between nodes as soon as
-  there are two;
-* **2d** (hierarchical, as on TPU pods and in NCCL's tree/CollNet modes):
-  reduce-scatter among the ``p`` replicas inside a node, all-reduce of each
-  ``G/p`` shard across the ``N`` nodes, all-gather inside:
-  ``2(p−1)/p · G / B_node + 2(p−1)·α_node + 2(N−1)/N · G / B_net + 2(N−1)·α_net``
-  (the node's ``p`` shards share its one network link: ``G`` crosses it).
+* **ring** over all ``R`` ranks: ``β = 2(R−1)/R · max(1/B_node, 1/B_net)``,
+  ``α = 2(N−1)·α_net + 2(R−N)·α_node`` (only the hops between nodes pay the
+  network's latency);
+* **tree** (NCCL's double binary tree between nodes, a chain inside):
+  ``β = max(2/B_net, 2(p−1)/p / B_node)``, ``α = 2·⌈log2 N⌉·α_net + 2(p−1)·α_node``;
+* **2d** (hierarchical, as on TPU pods and in NCCL's CollNet): reduce-scatter
+  among the ``p`` replicas inside a node, all-reduce of each ``G/p`` shard across
+  the ``N`` nodes, all-gather inside:
+  ``β = 2(p−1)/p / B_node + 2(N−1)/N / B_net``, ``α = 2(p−1)·α_node + 2(N−1)·α_net``.
 
-Every stage position reduces at once, and all of them leave the node through
-its one network link, so the network terms are charged on the sum of the
-positions' gradients (a node always ships a whole model's gradients, however
-the layout splits it); the NVLink terms on the largest position. A pipeline
-therefore saves no network time, only latency hops and memory: replicas of
-fewer devices each need a whole model per device. The cheaper
-algorithm is chosen. A replica spanning ``k`` nodes has no partner inside a
-node (each stage position has one device per replica, on ``R`` different
-nodes): a ring over the ``R`` replicas, each node's NIC carrying the
-gradients of the positions on that node, ``2(R−1)/R · max_node G_node / B_net
-+ 2(R−1) · α_net``. It is priced after the pipeline's backward, so the step
-is the pipeline's step plus this time: an upper bound, since the runtime
-starts each bucket during the stage's last backward (runtime/overlap.py).
+All positions of a node leave it through the same NICs, so position ``k`` gets
+``G_k / G_node`` of ``B_net`` (a node always ships a whole model's gradients,
+however the layout splits it). A replica spanning ``k`` nodes has no partner
+inside a node: a ring or tree over the ``R`` replicas, each node's NICs carrying
+the gradients of the positions on that node. The algorithm with the shortest
+total is chosen. :class:`Reduction` keeps each position's buckets (when each is
+ready, measured from the start of the stage's last backward, and its bytes):
+the simulator (partitioner/simulate.py) overlaps them with that backward and
+charges only what is left after it.
 """
 
 from __future__ import annotations
@@ -49,8 +52,12 @@ from dataclasses import dataclass
 from crosscut.partitioner.plan import Plan
 
 __all__ = [
+    "BUCKET_BYTES",
+    "FIRST_BUCKET_BYTES",
     "MAX_SPAN_DEVICES",
+    "PositionReduction",
     "Reduction",
+    "buckets",
     "layouts",
     "reduction",
     "replica_span",
@@ -66,11 +73,42 @@ MAX_SPAN_DEVICES = 16
 
 
 @dataclass(frozen=True)
-class Reduction:
-    """The chosen all-reduce and its seconds per step (0 with one replica)."""
+class PositionReduction:
+    """One stage position's reduction: ``α + β·bytes`` per bucket, and its buckets.
 
-    algorithm: str  # "none" | "ring" | "2d"
+    ``buckets`` are ``(ready_s, bytes)``: when the bucket's last gradient lands,
+    in seconds of the stage's node backward times from the start of its last
+    backward, and the bytes it reduces.
+    """
+
+    alpha: float
+    beta: float
+    buckets: tuple[tuple[float, int], ...] = ()
+
+    @property
+    def seconds(self) -> float:
+        """The position's reduction alone on the wire (no overlap)."""
+        return sum(self.alpha + self.beta * b for _, b in self.buckets)
+
+    def finish(self, start: float, end: float, backward_s: float) -> float:
+        """When the last bucket is done, the last backward running ``start .. end``.
+
+        Bucket ``ready`` times are scaled from ``backward_s`` (the stage's summed
+        node backward times) to the action's length, which includes transfers."""
+        scale = (end - start) / backward_s if backward_s > 0 else 0.0
+        t = start
+        for ready, nbytes in self.buckets:
+            t = max(t, start + ready * scale) + self.alpha + self.beta * nbytes
+        return t
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """The chosen all-reduce and its seconds per step alone on the wire (0 with one replica)."""
+
+    algorithm: str  # "none" | "ring" | "tree" | "2d"
     seconds: float
+    positions: tuple[PositionReduction, ...] = ()
 
 
 def layouts(per_node: int, nodes: int) -> list[tuple[int, int]]:
@@ -146,37 +184,118 @@ def _intra_link(plan: Plan) -> tuple[float, float]:
     return (bw, lat)
 
 
-def reduction(plan: Plan, replicas: int, grads: Sequence[int] | None = None) -> Reduction:
-    """The cheaper of ring and 2-D all-reduce for ``replicas`` copies of ``plan``.
+# DDP's reducer: the first bucket 1 MB (it starts the wire early), the rest 25 MB
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 25 << 20
+
+
+def buckets(plan: Plan, stage: int, grad_bytes: float = 4.0) -> tuple[tuple[float, int], ...]:
+    """DDP's buckets of ``stage``'s gradients: (ready seconds into its backward, bytes).
+
+    Reverse parameter order (the graph's reverse topological order), closed at
+    ``FIRST_BUCKET_BYTES`` then ``BUCKET_BYTES``; a bucket is ready when the
+    backward of its last node is done (node backward times on the stage's kind)."""
+    if not plan.stages[stage].devices:
+        return ()
+    kind = next(d.kind for d in plan.cluster.devices if d.name == plan.stages[stage].devices[0])
+    out: list[tuple[float, int]] = []
+    clock, size, cap = 0.0, 0, FIRST_BUCKET_BYTES
+    for n in reversed(plan.nodes):
+        if plan.assignment.get(n.name) != stage:
+            continue
+        clock += n.bwd_s.get(kind, 0.0)
+        size += int(n.param_bytes * grad_bytes / 4.0)
+        if size >= cap:
+            out.append((clock, size))
+            size, cap = 0, BUCKET_BYTES
+    if size:
+        out.append((clock, size))
+    return tuple(out)
+
+
+def _log2(n: int) -> int:
+    return max(1, (n - 1).bit_length())
+
+
+def _algorithms(
+    replicas: int, nodes: int, node: tuple[float, float], net: tuple[float, float]
+) -> dict[str, tuple[float, float]]:
+    """``{algorithm: (α, β)}`` for ``replicas`` over ``nodes`` (module docstring)."""
+    (b_node, a_node), (b_net, a_net) = node, net
+    p = max(1, replicas // nodes)
+    if nodes == 1:
+        return {"ring": (2 * (replicas - 1) * a_node, 2 * (replicas - 1) / replicas / b_node)}
+    slow = max(1 / b_node if p > 1 else 0.0, 1 / b_net)
+    out = {
+        "ring": (
+            2 * (nodes - 1) * a_net + 2 * (replicas - nodes) * a_node,
+            2 * (replicas - 1) / replicas * slow,
+        ),
+        "tree": (
+            2 * _log2(nodes) * a_net + 2 * (p - 1) * a_node,
+            max(2 / b_net, 2 * (p - 1) / p / b_node),
+        ),
+    }
+    if p > 1:
+        out["2d"] = (
+            2 * (p - 1) * a_node + 2 * (nodes - 1) * a_net,
+            2 * (p - 1) / p / b_node + 2 * (nodes - 1) / nodes / b_net,
+        )
+    return out
+
+
+def reduction(
+    plan: Plan,
+    replicas: int,
+    grads: Sequence[int] | None = None,
+    *,
+    grad_bytes: float | None = None,
+) -> Reduction:
+    """The fastest of ring, tree and 2-D all-reduce for ``replicas`` copies of ``plan``.
 
     ``plan.cluster`` describes the replica's devices: inside one node (``nodes``
     of them, ``p`` replicas per node), or, with fewer replicas than nodes, the
-    devices of ``nodes / replicas`` whole nodes, node by node.
+    devices of ``nodes / replicas`` whole nodes, node by node. ``grads``
+    overrides each position's gradient bytes (one bucket each, ready at the
+    end of the backward); ``grad_bytes`` is the bytes per gradient element on
+    the wire (4: fp32, 2: gradients reduced in fp16/bf16), by default the
+    plan's ``replication.grad_bytes``.
     """
     if replicas <= 1:
         return Reduction("none", 0.0)
-    g = list(grads) if grads is not None else stage_gradient_bytes(plan)
+    if grad_bytes is None:
+        grad_bytes = float(plan.replication.grad_bytes)
+    if grads is None:
+        g = [b * grad_bytes / 4.0 for b in stage_gradient_bytes(plan)]
+        bucket_lists = [buckets(plan, k, grad_bytes) for k in range(plan.num_stages)]
+    else:
+        g = [float(b) for b in grads]
+        bucket_lists = [((0.0, int(b)),) if b else () for b in g]
+    nics = max(1, int(getattr(plan.cluster, "nics", 1)))
+    net_bw, net_lat = plan.cluster.network
     span = replica_span(plan, replicas)
     if span > 1:  # one device per position per replica, every replica on its own nodes
         on_node = [0.0] * span
-        for k, node in enumerate(stage_nodes(plan, span)):
+        where = stage_nodes(plan, span)
+        for k, node in enumerate(where):
             on_node[node] += g[k]
-        bw, lat = plan.cluster.network
-        hops = 2 * (replicas - 1)
-        return Reduction("ring", hops / replicas * max(on_node) / bw + hops * lat)
-    total, largest = float(sum(g)), float(max(g, default=0))
-    nodes = max(1, plan.cluster.nodes)
-    per_node = max(1, replicas // nodes)  # replicas inside one node
-    node_bw, node_lat = _intra_link(plan)
-    net_bw, net_lat = plan.cluster.network if nodes > 1 else (node_bw, node_lat)
-    if nodes > 1:
-        slow_bw, slow_lat = min(node_bw, net_bw), max(node_lat, net_lat)
-        ring = 2 * (replicas - 1) / replicas * total / slow_bw + 2 * (replicas - 1) * slow_lat
+        shares = [g[k] / on_node[where[k]] if on_node[where[k]] else 1.0 for k in range(len(g))]
+        nodes = replicas
+        node_link: tuple[float, float] = (float("inf"), 0.0)
     else:
-        ring = 2 * (replicas - 1) / replicas * largest / node_bw + 2 * (replicas - 1) * node_lat
-    if nodes == 1 or per_node == 1:
-        return Reduction("ring", ring)
-    inside = 2 * (per_node - 1) / per_node * largest / node_bw + 2 * (per_node - 1) * node_lat
-    across = 2 * (nodes - 1) / nodes * total / net_bw + 2 * (nodes - 1) * net_lat
-    two_d = inside + across
-    return Reduction("2d", two_d) if two_d < ring else Reduction("ring", ring)
+        total = sum(g)
+        shares = [x / total if total else 1.0 for x in g]
+        nodes = max(1, plan.cluster.nodes)
+        node_link = _intra_link(plan)
+    best: Reduction | None = None
+    for name in _algorithms(replicas, nodes, node_link, (1.0, net_lat)):
+        positions = []
+        for k, share in enumerate(shares):
+            b_net = nics * net_bw * share if nodes > 1 else 1.0
+            alpha, beta = _algorithms(replicas, nodes, node_link, (b_net, net_lat))[name]
+            positions.append(PositionReduction(alpha, beta, bucket_lists[k]))
+        seconds = max((p.seconds for p in positions), default=0.0)
+        if best is None or seconds < best.seconds:
+            best = Reduction(name, seconds, tuple(positions))
+    assert best is not None
+    return best

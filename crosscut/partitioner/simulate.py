@@ -29,10 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from crosscut import schedule as sched
+from crosscut.cost_models.calibration import step_overhead_s, update_seconds
+from crosscut.cost_models.devices import PRESETS
 from crosscut.errors import PlanError
 from crosscut.partitioner.build import plan_groups, plan_to_problem
 from crosscut.partitioner.evaluate import Evaluation, evaluate
 from crosscut.partitioner.plan import Plan
+from crosscut.partitioner.replicas import reduction
 
 __all__ = ["Event", "Simulation", "simulate", "stage_durations"]
 
@@ -42,7 +45,8 @@ class Event:
     device: str
     stage: int
     kind: str  # "F" | "B"; "T": the transfer part of the F/B action just before it;
-    # "R": the replicas' gradient all-reduce after the pipeline (stage -1)
+    # "R": the stage's gradient all-reduce, from its last backward's start (stage -1);
+    # "U": the stage's optimizer update (stage -1)
     microbatch: int
     start: float
     end: float
@@ -58,6 +62,8 @@ class Simulation:
     stage_fwd_s: list[float] = field(default_factory=list)
     stage_bwd_s: list[float] = field(default_factory=list)
     evaluation: Evaluation | None = None
+    exposed_s: float = 0.0  # the all-reduce left after the backward it overlaps
+    update_s: float = 0.0  # the slowest stage's optimizer update
 
 
 def stage_durations(plan: Plan, ev: Evaluation) -> tuple[list[float], list[float]]:
@@ -149,12 +155,7 @@ def simulate(plan: Plan) -> Simulation:
                 value=stuck,
                 remedy="use schedule 'gpipe' or '1f1b'",
             )
-    step = max((e.end for e in events), default=0.0)
-    reduce_s = plan.replication.allreduce_s if plan.model.mode == "train" else 0.0
-    if reduce_s > 0:  # replicas all-reduce their gradients after the pipeline's backward
-        for dev in {d for s in plan.stages for d in s.devices}:
-            events.append(Event(dev, -1, "R", 0, step, step + reduce_s))
-        step += reduce_s
+    step, exposed, update = _step_tail(plan, events)
     busy: dict[str, float] = {}
     for e in events:
         if e.kind in ("T", "R"):
@@ -172,7 +173,63 @@ def simulate(plan: Plan) -> Simulation:
         stage_fwd_s=fwd,
         stage_bwd_s=bwd,
         evaluation=ev,
+        exposed_s=exposed,
+        update_s=update,
     )
+
+
+def _stage_update(plan: Plan, k: int) -> float:
+    """Seconds of stage ``k``'s optimizer update on its leading device."""
+    dev = plan.cluster.devices[plan.cluster.index(plan.stages[k].devices[0])]
+    params = [n.param_bytes for n in plan.nodes if plan.assignment.get(n.name) == k]
+    preset = PRESETS.get(dev.kind)
+    return update_seconds(
+        sum(params),
+        sum(1 for b in params if b > 0),
+        kind=dev.kind,
+        device=dev.device,
+        mem_bw=dev.mem_bw or (preset.mem_bw if preset else 1e11),
+        launch_s=preset.launch_overhead_s if preset else 5e-6,
+        optimizer=plan.options.optimizer,
+        precision=plan.options.precision,
+    )
+
+
+def _step_tail(plan: Plan, events: list[Event]) -> tuple[float, float, float]:
+    """Append each stage's all-reduce (overlapping its last backward) and update events.
+
+    Returns (step, exposed all-reduce, slowest update). A training step ends
+    when every stage has finished its last backward, the buckets of its
+    reduction and its optimizer update, plus the per-iteration overhead."""
+    step = max((e.end for e in events), default=0.0)
+    if plan.model.mode != "train":
+        return step, 0.0, 0.0
+    red = reduction(plan, plan.replication.replicas)
+    exposed = update = 0.0
+    end_all = step
+    for k, stage in enumerate(plan.stages):
+        last = [e for e in events if e.stage == k and e.kind == "B"]
+        if not last:
+            continue
+        b = max(last, key=lambda e: e.end)
+        done = b.end
+        if red.positions and red.positions[k].buckets:
+            kind = plan.cluster.devices[plan.cluster.index(stage.devices[0])].kind
+            back = sum(
+                n.bwd_s.get(kind, 0.0) for n in plan.nodes if plan.assignment.get(n.name) == k
+            )
+            done = max(done, red.positions[k].finish(b.start, b.end, back))
+            for dev in stage.devices:
+                events.append(Event(dev, -1, "R", k, b.start, done))
+        exposed = max(exposed, done - b.end)
+        up = _stage_update(plan, k)
+        update = max(update, up)
+        if up > 0:
+            for dev in stage.devices:
+                events.append(Event(dev, -1, "U", k, done, done + up))
+        end_all = max(end_all, done + up)
+    lead = plan.cluster.devices[plan.cluster.index(plan.stages[0].devices[0])]
+    return end_all + step_overhead_s(lead.device), exposed, update
 
 
 def _deps(

@@ -1,0 +1,89 @@
+"""Predicted vs published single-GPU training throughput (``cost_models/calibration.py``).
+
+For every published point: build the model, trace it at the published batch
+under the published precision (autocast fp16 for "mixed precision"), price it
+with the analytic cost model on the GPU's preset, and predict images/s =
+batch / (forward + backward + optimizer update + per-iteration overhead).
+Target: every point within ±15 % (``tests/test_calibration.py`` checks it).
+
+    .venv/bin/python benchmarks/calibration.py            # the table
+    .venv/bin/python benchmarks/calibration.py --points 3 # the first three only
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import lru_cache
+
+import torch
+import torchvision
+from torch import nn
+
+from crosscut.cost_models import Cluster, analytic_costs
+from crosscut.cost_models.calibration import PUBLISHED, Published, step_overhead_s, update_seconds
+from crosscut.graph import OpGraph
+from crosscut.partitioner.trace import trace
+
+__all__ = ["build_model", "main", "predict", "single_step_s"]
+
+TOLERANCE = 0.15
+
+
+def build_model(name: str) -> nn.Module:
+    """A torchvision model by name; ResNeXt-101 32x4d built from torchvision's ResNet."""
+    if name == "resnext101_32x4d":
+        from torchvision.models.resnet import Bottleneck, ResNet
+
+        return ResNet(Bottleneck, [3, 4, 23, 3], groups=32, width_per_group=4)
+    model: nn.Module = getattr(torchvision.models, name)(weights=None)
+    return model
+
+
+@lru_cache(maxsize=8)
+def _graph(name: str, batch: int, precision: str) -> OpGraph:
+    x = torch.empty(batch, 3, 224, 224, device="meta")
+    return trace(build_model(name), x, mode="train", precision=precision)
+
+
+def single_step_s(graph: OpGraph, kind: str, optimizer: str = "momentum") -> float:
+    """One training step of ``graph`` on one ``kind`` device (module docstring)."""
+    cluster = Cluster.from_spec(f"1x{kind}")
+    spec = cluster.devices[0]
+    table = analytic_costs(graph, cluster, optimizer=optimizer)
+    params = [n.param_bytes for n in graph.nodes if n.param_bytes > 0]
+    update = update_seconds(
+        sum(params),
+        len(params),
+        kind=spec.kind,
+        device=spec.device,
+        mem_bw=spec.mem_bw,
+        launch_s=spec.launch_overhead_s,
+        optimizer=optimizer,
+        precision=graph.precision,
+    )
+    return table.total(spec.kind, "train") + update + step_overhead_s(spec.device)
+
+
+def predict(point: Published) -> float:
+    """Predicted images/s of ``point``'s configuration."""
+    graph = _graph(point.model, point.batch, point.precision)
+    return point.batch / single_step_s(graph, point.kind)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--points", type=int, default=len(PUBLISHED))
+    args = ap.parse_args(argv)
+    print(f"{'model':<18}{'GPU':<11}{'prec':<6}{'batch':>6}{'pred':>9}{'publ':>9}{'ratio':>7}  src")
+    for p in PUBLISHED[: args.points]:
+        got = predict(p)
+        flag = "" if abs(got / p.images_per_s - 1) <= TOLERANCE else "  OUT"
+        held = "" if p.fitted else " (held out)"
+        print(
+            f"{p.model:<18}{p.kind:<11}{p.precision:<6}{p.batch:>6}{got:>9.0f}"
+            f"{p.images_per_s:>9.0f}{got / p.images_per_s:>7.2f}  {p.source}{held}{flag}"
+        )
+
+
+if __name__ == "__main__":
+    main()

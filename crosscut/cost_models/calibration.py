@@ -1,0 +1,93 @@
+"""Published single-GPU training throughputs, and the step the cost model predicts for them.
+
+The efficiency parameters (``efficiency.py``) are fitted to these points and
+checked against them (``tests/test_calibration.py``, ``benchmarks/calibration.py``);
+docs/BENCHMARKS.md lists them with their sources. Every point is one GPU
+training a torchvision-equivalent CNN on synthetic or DALI-fed ImageNet-sized
+images (224×224), images per second as published:
+
+* ``dle-rn50``: NVIDIA DeepLearningExamples, PyTorch ConvNets, ResNet-50 v1.5
+  README, "Training performance" tables (pytorch-21.03 NGC container; DGX-1
+  16 GB V100: FP32 and AMP; DGX A100 80 GB: TF32 and AMP; batch 256 per GPU,
+  FP32 112 on the 16 GB V100), 1-GPU rows;
+* ``dle-rnx101``: the same repository's ResNeXt-101 32x4d README (pytorch-20.06
+  container; batch 128, FP32 64 on V100), 1-GPU rows;
+* ``tf-bench``: TensorFlow's "Benchmarks" page (tf_cnn_benchmarks, 2017),
+  NVIDIA DGX-1 with P100, fp32, 1 GPU (batch 64 for ResNet-50 and -152,
+  32 for VGG-16; real data).
+
+The step predicted for a point is the single-device training step: forward +
+backward of every node (``analytic_costs``), the optimizer update
+(:func:`update_seconds`) and the per-iteration overhead
+(``efficiency.STEP_OVERHEAD_S``) — what ``partitioner/simulate.py`` adds to a
+plan's pipeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from crosscut.cost_models.efficiency import (
+    STEP_OVERHEAD_S,
+    efficiency_of,
+    update_bytes_per_param,
+)
+
+__all__ = ["PUBLISHED", "Published", "step_overhead_s", "update_seconds"]
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published single-GPU training throughput."""
+
+    model: str  # "resnet50", "resnext101_32x4d", "resnet152", "vgg16"
+    kind: str  # device preset
+    precision: str  # "fp32" (TF32 convolutions on Ampere, as PyTorch runs them) | "fp16"
+    batch: int
+    images_per_s: float
+    source: str  # key of the module docstring's list
+    fitted: bool = True  # used to fit efficiency.py (False: a held-out check)
+
+
+PUBLISHED: list[Published] = [
+    Published("resnet50", "V100", "fp32", 112, 367.0, "dle-rn50"),
+    Published("resnet50", "V100", "fp16", 256, 1200.0, "dle-rn50"),
+    Published("resnet50", "A100-80GB", "fp32", 256, 938.0, "dle-rn50"),
+    Published("resnet50", "A100-80GB", "fp16", 256, 2470.0, "dle-rn50"),
+    Published("resnext101_32x4d", "V100", "fp32", 64, 150.0, "dle-rnx101"),
+    Published("resnext101_32x4d", "V100", "fp16", 128, 535.0, "dle-rnx101"),
+    Published("resnext101_32x4d", "A100-40GB", "fp32", 128, 300.0, "dle-rnx101"),
+    Published("resnext101_32x4d", "A100-40GB", "fp16", 128, 908.0, "dle-rnx101"),
+    Published("resnet50", "P100", "fp32", 64, 219.0, "tf-bench"),
+    Published("resnet152", "P100", "fp32", 64, 91.8, "tf-bench"),
+    Published("vgg16", "P100", "fp32", 32, 154.0, "tf-bench", fitted=False),
+]
+
+
+def update_seconds(
+    param_bytes: int,
+    tensors: int,
+    *,
+    kind: str,
+    device: str,
+    mem_bw: float,
+    launch_s: float,
+    optimizer: str,
+    precision: str,
+) -> float:
+    """One optimizer step over ``param_bytes`` of fp32 parameters in ``tensors`` tensors.
+
+    Memory traffic over parameters, gradients and optimizer state at the
+    generation's achieved bandwidth, plus one (multi-tensor) kernel per
+    parameter-holding node.
+    """
+    if param_bytes <= 0:
+        return 0.0
+    eff = efficiency_of(kind, device)
+    moved = param_bytes / 4.0 * update_bytes_per_param(optimizer, precision)
+    return moved / (mem_bw * eff.memory) + tensors * launch_s
+
+
+def step_overhead_s(device: str) -> float:
+    """The fixed per-iteration host overhead of one training step on ``device``."""
+    return STEP_OVERHEAD_S["cpu" if device.startswith("cpu") else "gpu"]

@@ -1,0 +1,211 @@
+"""Achieved rates, not peaks: how close a GPU generation's kernels come to its datasheet.
+
+A datasheet peak is what no training step reaches. Measured ResNet-50
+training on V100 runs at 367 images/s in fp32 where the peak predicts ~480,
+and at 1,200 in mixed precision where 125 TFLOPS of tensor cores would give
+~2,000: big convolutions reach a fraction of the peak, small and grouped ones
+far less, and the elementwise ops between them are bound by memory. So every
+kernel is priced at an *achieved* rate, with a few physical parameters per
+GPU generation (:class:`Efficiency`), shared by every preset of that
+generation and fitted to published measurements (``calibration.py``;
+docs/BENCHMARKS.md lists the points and the fit):
+
+* **compute-bound ops** (convolutions, matmuls: the nodes with FLOPs) run at
+  ``peak[math mode] × e``, ``e = e_max × K/(K + K½) × W/(W + W½)``, where ``K``
+  is the reduction depth of one output (``Cin/groups × kh × kw`` of a
+  convolution: 9 for a depthwise 3×3, so it gets ~a third of a dense one's
+  rate) and ``W`` the output elements (a kernel needs enough output tiles to
+  fill every SM: ``W½ = SMs × 4096``). ``e_max`` is the generation's large-op
+  fraction, one for FMA math and one for tensor cores;
+* **memory-bound ops** move their bytes at ``memory × mem_bw`` (STREAM-like
+  achieved bandwidth), in-place or not (``analytic.py`` counts the bytes);
+* every kernel pays the device's ``launch_overhead_s``.
+
+Math modes follow what PyTorch runs (:func:`math_mode`): fp32 convolutions on
+Ampere and later use TF32 tensor cores because ``torch.backends.cudnn.allow_tf32``
+is on by default, fp32 matmuls only when ``torch.backends.cuda.matmul.allow_tf32``
+is set (off by default); fp16/bf16 run on tensor cores from Volta on, fp16 at
+twice the fp32 rate on P100, and at the fp32 rate with 16-bit storage on parts
+without fast half precision (K20c, P40: cuDNN computes in fp32 there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "EFFICIENCIES",
+    "GENERATIONS",
+    "STEP_OVERHEAD_S",
+    "Efficiency",
+    "MathMode",
+    "efficiency_of",
+    "math_mode",
+    "sm_count",
+    "update_bytes_per_param",
+]
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of one GPU generation's datasheet (module docstring).
+
+    ``fma`` and ``tensor`` are the fractions of the FMA and tensor-core peaks a
+    large, deep convolution or GEMM reaches; ``memory`` the fraction of DRAM
+    bandwidth a streaming kernel reaches; ``depth_half`` the reduction depth
+    ``K`` at which a kernel gets half of its large-``K`` rate. ``fitted`` says
+    which fields were fitted to the published points of ``source`` (the rest
+    come from microbenchmarks, see docs/BENCHMARKS.md).
+    """
+
+    generation: str
+    fma: float
+    tensor: float
+    memory: float
+    depth_half: float
+    source: str
+    fitted: tuple[str, ...] = ()
+    tf32: float = 0.0  # fraction of the TF32 tensor-core peak (Ampere and later)
+
+
+# depth_half is one value for every GPU (a property of how cuDNN/cuBLAS tile the
+# reduction: a k-loop prologue/epilogue of ~one 16-32-deep tile), fitted to the
+# ResNeXt-101 32x4d (grouped, K = 36) against ResNet-50 (dense) points together.
+DEPTH_HALF = 4.0
+EFFICIENCIES: dict[str, Efficiency] = {
+    # memory: BabelStream/STREAM triad as a fraction of the datasheet bandwidth
+    # (K20c ~145/208 with ECC, P100 ~550/732, P40 ~260/346, V100 ~800/900,
+    # A100 ~1,400/1,555, H100 ~3,000/3,350).
+    "kepler": Efficiency("kepler", 0.70, 0.0, 0.70, DEPTH_HALF, "assumed: Pascal's fma"),
+    "pascal": Efficiency(
+        "pascal",
+        0.85,
+        0.0,
+        0.75,
+        DEPTH_HALF,
+        "TensorFlow benchmarks, DGX-1 P100 fp32 (ResNet-50, ResNet-152, VGG-16)",
+        ("fma",),
+    ),
+    "volta": Efficiency(
+        "volta",
+        1.0,
+        0.70,
+        0.88,
+        DEPTH_HALF,
+        "NVIDIA DeepLearningExamples PyTorch, DGX-1 V100 (ResNet-50, ResNeXt-101), 21.03",
+        ("fma", "tensor"),
+    ),
+    "ampere": Efficiency(
+        "ampere",
+        1.0,
+        0.45,
+        0.90,
+        DEPTH_HALF,
+        "NVIDIA DeepLearningExamples PyTorch, DGX A100 (ResNet-50, ResNeXt-101), 21.03",
+        ("tensor", "tf32"),
+        tf32=0.26,
+    ),
+    "hopper": Efficiency(
+        "hopper",
+        1.0,
+        0.45,
+        0.90,
+        DEPTH_HALF,
+        "assumed: Ampere's fractions (no published PyTorch single-GPU CNN figure found)",
+        tf32=0.26,
+    ),
+    # the cpu preset's rates (devices.py) are already achieved rates
+    "cpu": Efficiency("cpu", 1.0, 1.0, 1.0, 0.0, "devices.cpu_spec: achieved rates"),
+}
+DEFAULT_GENERATION = "volta"  # a custom GPU kind with no generation: a middle-aged one
+
+GENERATIONS: dict[str, str] = {
+    "K20c": "kepler",
+    "P40": "pascal",
+    "P100": "pascal",
+    "V100": "volta",
+    "V100-32GB": "volta",
+    "A100-40GB": "ampere",
+    "A100-80GB": "ampere",
+    "H100": "hopper",
+    "H200": "hopper",
+    "cpu": "cpu",
+}
+_SMS: dict[str, int] = {
+    "K20c": 13,
+    "P40": 30,
+    "P100": 56,
+    "V100": 80,
+    "V100-32GB": 80,
+    "A100-40GB": 108,
+    "A100-80GB": 108,
+    "H100": 132,
+    "H200": 132,
+}
+TILE_OUTPUTS = 4096  # outputs per SM for half occupancy: one 64x64 tile
+
+# One training iteration's fixed host work outside forward and backward: zero_grad,
+# the optimizer's and the loss scaler's dispatch, the loss read-back and the data
+# loader hand-off; ~1 ms per step in PyTorch eager on a GPU (assumed, not fitted).
+STEP_OVERHEAD_S = {"gpu": 1e-3, "cpu": 0.0}
+
+
+def efficiency_of(kind: str, device: str = "cuda") -> Efficiency:
+    """The generation's :class:`Efficiency` of preset ``kind`` (CPUs: the cpu entry)."""
+    if device.startswith("cpu") or kind == "cpu":
+        return EFFICIENCIES["cpu"]
+    return EFFICIENCIES[GENERATIONS.get(kind, DEFAULT_GENERATION)]
+
+
+def sm_count(kind: str) -> int:
+    """Streaming multiprocessors of preset ``kind`` (80 for an unknown GPU)."""
+    return _SMS.get(kind, 80)
+
+
+@dataclass(frozen=True)
+class MathMode:
+    """How one op's arithmetic runs: the name shown in reports, its peak and unit."""
+
+    name: str  # "fp32 FMA", "tf32 tensor cores", "fp16 tensor cores", ...
+    peak: float  # FLOP/s
+    unit: str  # the Efficiency field that applies: "fma", "tensor" or "tf32"
+
+
+_TENSOR_HALF = ("volta", "ampere", "hopper")
+
+
+def math_mode(
+    peak_flops: dict[str, float],
+    kind: str,
+    dtype: str,
+    *,
+    conv: bool,
+    tf32_conv: bool,
+    tf32_matmul: bool,
+) -> MathMode:
+    """The math PyTorch uses for a ``dtype`` conv (``conv``) or matmul on preset ``kind``."""
+    fp32 = peak_flops.get("float32", 0.0)
+    gen = GENERATIONS.get(kind, DEFAULT_GENERATION)
+    if dtype in ("float16", "bfloat16"):
+        short = "fp16" if dtype == "float16" else "bf16"
+        if dtype not in peak_flops:  # no fast half precision: fp16 storage, fp32 math
+            return MathMode(f"{short} storage, fp32 math", fp32, "fma")
+        if gen in _TENSOR_HALF:
+            return MathMode(f"{short} tensor cores", peak_flops[dtype], "tensor")
+        return MathMode(f"{short} FMA", peak_flops[dtype], "fma")
+    if "tfloat32" in peak_flops and (tf32_conv if conv else tf32_matmul):
+        return MathMode("tf32 tensor cores", peak_flops["tfloat32"], "tf32")
+    return MathMode("fp32 FMA", fp32, "fma")
+
+
+# bytes the optimizer update moves per parameter element (fp32 master weights):
+# read w, g (+ momentum / Adam's two moments), write w (+ state)
+_UPDATE_BYTES = {"sgd": 12.0, "momentum": 20.0, "adam": 28.0, "adamw": 28.0}
+# fp16 with a loss scaler: unscale_ reads and writes every gradient, the inf check reads it
+_SCALER_BYTES = 12.0
+
+
+def update_bytes_per_param(optimizer: str, precision: str) -> float:
+    """DRAM bytes one fp32 parameter's update moves per step (optimizer + loss scaler)."""
+    base = _UPDATE_BYTES.get(optimizer, _UPDATE_BYTES["momentum"])
+    return base + (_SCALER_BYTES if precision == "fp16" else 0.0)

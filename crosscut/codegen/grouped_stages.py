@@ -12,7 +12,7 @@ which ``CompiledModule.state_dict()`` re-assembles them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -22,8 +22,9 @@ from crosscut.errors import CodegenError
 
 if TYPE_CHECKING:
     from crosscut.codegen.split import Stage
+    from crosscut.partitioner.plan import Plan
 
-__all__ = ["ShardSources", "apply_groups", "check_groups"]
+__all__ = ["ShardSources", "apply_groups", "check_groups", "local_groups"]
 
 Group = tuple[Sequence[torch.device | str], str]
 ShardSources = dict[str, tuple[int, list[str], int | None]]
@@ -118,4 +119,40 @@ def _split_stage(
         for k in old_keys.get(old_local, []):
             key_sources.pop(k, None)
             out[k] = (stage.index, shard_names, dim)
+    return out
+
+
+T = TypeVar("T")
+
+
+def local_groups(plan: Plan, given: list[T]) -> list[tuple[list[T], str]]:
+    """Each stage's devices among ``given`` and its split, for one process running every replica.
+
+    ``given`` lists the plan's devices replica by replica (replica ``r`` of a
+    plan over ``d`` devices is ``given[r·d .. r·d + d − 1]``, as ``crosscut
+    run`` numbers ranks). With one replica a stage keeps its own devices;
+    with several, a stage position's replicas become one batch-split group
+    (the data parallelism of the replicas, reduced inside the group).
+    """
+    d, reps = len(plan.cluster.devices), plan.replication.replicas
+    if len(given) != d * reps:
+        raise CodegenError(
+            f"the plan runs {reps} replica(s) of {d} device(s): {d * reps} devices, "
+            f"but {len(given)} were given",
+            value={"plan devices": d, "replicas": reps, "given": len(given)},
+            remedy=f"pass {d * reps} devices, or re-partition for these devices",
+        )
+    out: list[tuple[list[T], str]] = []
+    for st in plan.stages:
+        idx = [plan.cluster.index(name) for name in st.devices]
+        if reps == 1:
+            out.append(([given[i] for i in idx], st.split))
+        elif len(idx) > 1:
+            raise CodegenError(
+                "a replicated plan's stages each run on one device per replica",
+                value={"stage": st.index, "devices": st.devices, "replicas": reps},
+                remedy="re-partition with replicas=1 for device groups inside a stage",
+            )
+        else:
+            out.append(([given[r * d + idx[0]] for r in range(reps)], "batch"))
     return out

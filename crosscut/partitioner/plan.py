@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from crosscut.errors import PlanError
 from crosscut.fileio import write_atomic
@@ -37,7 +37,6 @@ __all__ = [
     "Replication",
     "SolverRecord",
     "Strategy",
-    "local_groups",
     "plan_schema",
 ]
 
@@ -414,42 +413,6 @@ class Plan:
         except (OSError, UnicodeDecodeError) as exc:
             raise PlanError("a plan file must be readable UTF-8 text", value=str(exc)) from exc
         return cls.from_json(text)
-
-
-T = TypeVar("T")
-
-
-def local_groups(plan: Plan, given: list[T]) -> list[tuple[list[T], str]]:
-    """Each stage's devices among ``given`` and its split, for one process running every replica.
-
-    ``given`` lists the plan's devices replica by replica (replica ``r`` of a
-    plan over ``d`` devices is ``given[r·d .. r·d + d − 1]``, as ``crosscut
-    run`` numbers ranks). With one replica a stage keeps its own devices;
-    with several, a stage position's replicas become one batch-split group
-    (the data parallelism of the replicas, reduced inside the group).
-    """
-    d, reps = len(plan.cluster.devices), plan.replication.replicas
-    if len(given) != d * reps:
-        raise PlanError(
-            f"the plan runs {reps} replica(s) of {d} device(s): {d * reps} devices, "
-            f"but {len(given)} were given",
-            value={"plan devices": d, "replicas": reps, "given": len(given)},
-            remedy=f"pass {d * reps} devices, or re-partition for these devices",
-        )
-    out: list[tuple[list[T], str]] = []
-    for st in plan.stages:
-        idx = [plan.cluster.index(name) for name in st.devices]
-        if reps == 1:
-            out.append(([given[i] for i in idx], st.split))
-        elif len(idx) > 1:
-            raise PlanError(
-                "a replicated plan's stages each run on one device per replica",
-                value={"stage": st.index, "devices": st.devices, "replicas": reps},
-                remedy="re-partition with replicas=1 for device groups inside a stage",
-            )
-        else:
-            out.append(([given[r * d + idx[0]] for r in range(reps)], "batch"))
-    return out
 
 
 def _check_numbers(data: Any, path: str) -> None:

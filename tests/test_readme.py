@@ -74,6 +74,11 @@ def test_every_readme_command_runs_as_written(tmp_path: Path) -> None:
             assert "went down" in done.stdout, done.stdout[-2000:]
         if cmd.startswith("crosscut verify "):
             assert "OK" in done.stdout + done.stderr
+        if "plan-dp.json" in cmd:  # what the README says this plan chooses
+            from crosscut.partitioner.plan import Plan
+
+            plan = Plan.load(tmp_path / "plan-dp.json")
+            assert (plan.replication.replicas, plan.num_stages) == (8, 1), done.stdout
     assert (tmp_path / "plan.html").stat().st_size > 0
 
 

@@ -8,6 +8,7 @@ once per micro-batch size; the hand grid reuses the same traces.
 
     python benchmarks/strategy_zoo.py                    # 10 models × 5 clusters
     python benchmarks/strategy_zoo.py --models resnet18 --clusters 8xV100
+    python benchmarks/strategy_zoo.py --servers          # the one-server acceptance table
 
 Prints one row per (model, cluster): the chosen strategy, its step, the data
 parallel baseline's step, the best hand-fixed step and the planning time.
@@ -29,7 +30,7 @@ from crosscut.options import PlanRequest
 from crosscut.strategy import plan_strategy
 from crosscut.traced import TraceCache
 
-__all__ = ["CLUSTERS", "MODELS", "ZooRow", "check", "main"]
+__all__ = ["CLUSTERS", "MODELS", "SERVERS", "ZooRow", "check", "main", "servers"]
 
 MODELS = (
     "resnet18",
@@ -47,6 +48,14 @@ MODELS = (
 )
 CLUSTERS = ("2xV100", "4xK20c", "8xV100", "2x8xV100", "8xH100")
 GRID_M = (1, 2, 4, 8)
+# model, cluster, global batch, precision, one device's batch: servers users train on
+SERVERS = (
+    ("resnet50", "8xV100", 256, "fp32", 32),
+    ("resnet50", "8xH100", 3200, "fp16", 400),
+    ("resnet50", "4xA100-80GB", 512, "fp32", 128),
+    ("densenet121", "8xV100", 256, "fp32", 32),
+    ("vgg16", "8xV100", 256, "fp32", 32),
+)
 
 
 @dataclass
@@ -115,14 +124,47 @@ def check(name: str, spec: str, *, batch: int = 64, size: int = 64, limit: float
     )
 
 
+def servers() -> int:
+    """Default options on one server at 224x224: chosen vs data parallel vs one device."""
+    import crosscut
+
+    print(
+        f"{'model':<12} {'cluster':<12} {'batch':>5} {'prec':<5} {'chosen':<42} "
+        f"{'img/s':>7} {'DP img/s':>8} {'x one':>6} {'plan s':>6}"
+    )
+    for name, spec, batch, precision, one in SERVERS:
+        model = build(name)
+        x = torch.empty(batch, 3, 224, 224, device="meta")
+        t0 = time.perf_counter()
+        plan = crosscut.partition(model, spec, x, precision=precision)
+        wall = time.perf_counter() - t0
+        kind = spec.split("x", 1)[1]
+        xs = torch.empty(one, 3, 224, 224, device="meta")
+        single = crosscut.partition(model, f"1x{kind}", xs, precision=precision)
+        dp = plan.strategy.data_parallel()
+        dp_rate = batch / dp.step_time_s if dp is not None and dp.step_time_s > 0 else 0.0
+        from crosscut.viz.summary import strategy_line
+
+        print(
+            f"{name:<12} {spec:<12} {batch:>5} {precision:<5} {strategy_line(plan)[:42]:<42} "
+            f"{plan.predicted.throughput:7.0f} {dp_rate:8.0f} "
+            f"{plan.predicted.throughput / single.predicted.throughput:6.2f} {wall:6.1f}",
+            flush=True,
+        )
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--servers", action="store_true", help="the one-server table only")
     ap.add_argument("--models", default=",".join(MODELS[:10]))
     ap.add_argument("--clusters", default=",".join(CLUSTERS))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--time-limit", type=float, default=20.0)
     a = ap.parse_args()
+    if a.servers:
+        return servers()
     print(
         f"{'model':<20} {'cluster':<9} {'chosen':<26} {'step ms':>9} {'DP ms':>9} "
         f"{'hand best ms':>12} {'plan s':>6} ok"

@@ -44,22 +44,16 @@ def _meta(batch: int, size: int = 224) -> torch.Tensor:
     return torch.empty(batch, 3, size, size, device="meta")
 
 
-SERVERS = [
-    # model, cluster, global batch, precision, one device's batch, speed-up floor over it
-    ("resnet50", "8xV100", 256, "fp32", 32, 6.0),
-    ("resnet50", "8xH100", 3200, "fp16", 400, 6.0),
-    ("resnet50", "4xA100-80GB", 512, "fp32", 128, 3.0),
-    ("densenet121", "8xV100", 256, "fp32", 32, 6.0),
-    ("vgg16", "8xV100", 256, "fp32", 32, 6.0),
-]
+# model, cluster, global batch, precision, one device's batch (benchmarks/strategy_zoo.py)
+SERVERS = list(_zoo().SERVERS)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(("name", "spec", "batch", "precision", "one", "floor"), SERVERS)
+@pytest.mark.parametrize(("name", "spec", "batch", "precision", "one"), SERVERS)
 def test_one_server_default_plan_is_at_least_data_parallel(
-    name: str, spec: str, batch: int, precision: str, one: int, floor: float
+    name: str, spec: str, batch: int, precision: str, one: int
 ) -> None:
     """Default options on one server of GPUs: at least data parallelism's throughput and
-    `floor` times one device's (the 8-stage, one-micro-batch pipeline it used to return
+    0.75 x devices times one device's (the 8-stage, one-micro-batch pipeline it used to return
     was 11x slower than data parallelism), planned within the default 10 s (+10 %)."""
     model = torchvision.models.get_model(name, weights=None)
     plan = crosscut.partition(model, spec, _meta(batch), precision=precision)
@@ -71,7 +65,7 @@ def test_one_server_default_plan_is_at_least_data_parallel(
     kind = spec.split("x", 1)[1]
     single = crosscut.partition(model, f"1x{kind}", _meta(one), precision=precision)
     ratio = plan.predicted.throughput / single.predicted.throughput
-    assert ratio >= floor, (ratio, strategy_line(plan))
+    assert ratio >= 0.75 * int(spec.split("x")[0]), (ratio, strategy_line(plan))
     assert plan.strategy.wall_time_s <= 10 * 1.1, plan.strategy.wall_time_s
 
 

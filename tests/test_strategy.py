@@ -84,9 +84,12 @@ def test_data_parallelism_that_cannot_fit_is_reported_and_a_pipeline_found() -> 
     assert "data parallel, 4 replicas, M=1" in text and "no fit" in text
 
 
-SAMPLED = [("resnet18", c) for c in ("2xV100", "4xK20c", "8xV100", "2x8xV100", "8xH100")] + [
-    ("mobilenet_v2", "8xV100"),
-    ("densenet121", "4xK20c"),
+# a sample for `make test` (each case plans ~20 strategies); the whole zoo when heavy
+SAMPLED = [
+    ("resnet18", "2xV100"),
+    ("resnet18", "4xK20c"),
+    ("resnet18", "8xV100"),
+    ("mobilenet_v2", "8xH100"),
 ]
 ZOO = [(m, c) for m in (_zoo().MODELS[:10]) for c in _zoo().CLUSTERS]  # type: ignore[attr-defined]
 
@@ -96,7 +99,7 @@ def test_never_slower_than_listed_or_fixed_by_hand(name: str, spec: str) -> None
     """The chosen plan is never predicted slower than an alternative it lists, nor than
     the best of a grid of (replicas, micro-batches) fixed by hand (10 models × 5 clusters
     with CROSSCUT_HEAVY=1; benchmarks/strategy_zoo.py prints the whole table)."""
-    row = _zoo().check(name, spec, limit=20.0)  # type: ignore[attr-defined]
+    row = _zoo().check(name, spec, limit=20.0 if HEAVY else 10.0)  # type: ignore[attr-defined]
     assert not row.slower_than_listed, row
     assert row.best_fixed_s == 0 or row.step_s <= row.best_fixed_s * (1 + 1e-9), row
 

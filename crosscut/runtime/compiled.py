@@ -79,7 +79,7 @@ from crosscut.runtime.contract import dtype_of_to, load_file, refuse_placement, 
 from crosscut.runtime.local import LocalExecutor
 from crosscut.runtime.model_keys import ModelKeyedState
 from crosscut.runtime.output_merge import check_outputs
-from crosscut.runtime.recompute import recompute_flags, recomputing
+from crosscut.runtime.recompute import recompute_flags, recomputing, written_inputs
 
 __all__ = ["BN_MODES", "CompiledModule"]
 
@@ -374,7 +374,9 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
             timeout=self._timeout,
             output_merge=self._output_merge,
             runs=[
-                recomputing(st.module, lambda: getattr(self, "_rng", None)) if again else None
+                recomputing(st.module, lambda: getattr(self, "_rng", None), written_inputs(st))
+                if again
+                else None
                 for st, again in zip(program.stages, self._recompute)
             ],
         )

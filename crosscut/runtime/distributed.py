@@ -82,7 +82,7 @@ from crosscut.runtime.plan_rules import (
     check_one_stage_per_device,
     group_widths,
 )
-from crosscut.runtime.recompute import recompute_flags, recomputing
+from crosscut.runtime.recompute import recompute_flags, recomputing, written_inputs
 from crosscut.runtime.stage_io import StageIO
 from crosscut.runtime.thread_state import ThreadState
 from crosscut.runtime.wire_dtypes import WireDtypes
@@ -208,7 +208,8 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
                 value={"stage": self.stage_index, "width": self.width, "split": self.split},
                 remedy="recompute only the one-rank stages (a list of flags), or run locally",
             )
-        run = recomputing(self.stage, lambda: self._rng) if again else None
+        writes = written_inputs(program.stages[self.stage_index])
+        run = recomputing(self.stage, lambda: self._rng, writes) if again else None
         self._engine = StageEngine.for_stage(
             program, self.stage_index, self.microbatches, run=run or self._call_stage
         )

@@ -27,20 +27,22 @@ Only a forward that may be backpropagated recomputes (grad mode: a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from crosscut.codegen.batch_split import BatchSplitStage
 from crosscut.codegen.rng import RandomScope
+from crosscut.codegen.split import Stage
 from crosscut.errors import InputError
 from crosscut.runtime.state_replay import Snapshot, StateReplay
 
-__all__ = ["recompute_flags", "recomputing"]
+__all__ = ["recompute_flags", "recomputing", "written_inputs"]
 
 RunStage = Callable[[list[Any], int, bool], tuple[Sequence[Any], torch.Tensor | None]]
 
@@ -73,11 +75,34 @@ class _EachTime:
         self.stacks.pop().close()
 
 
-def recomputing(module: nn.Module, scope: Callable[[], RandomScope | None]) -> RunStage:
+def written_inputs(stage: Stage) -> list[int]:
+    """Positions of the inputs ``stage`` writes in place (``Stage.mutated_inputs``)."""
+    return [i for i, (name, _) in enumerate(stage.inputs) if name in stage.mutated_inputs]
+
+
+def _copies(xs: tuple[Any, ...], writes: Collection[int]) -> list[Any]:
+    return [
+        pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
+        if i in writes
+        else x
+        for i, x in enumerate(xs)
+    ]
+
+
+def recomputing(
+    module: nn.Module, scope: Callable[[], RandomScope | None], writes: Collection[int] = ()
+) -> RunStage:
     """A stage ``run`` callable that recomputes ``module``'s activations in backward.
 
     ``scope()``: the program's :class:`~crosscut.codegen.rng.RandomScope`, whose
-    pre-hook on ``module`` gave the first pass its draw key.
+    pre-hook on ``module`` gave the first pass its draw key. ``writes``: the
+    positions of the inputs the stage writes in place (:func:`written_inputs`).
+    Each pass writes a copy of those made inside it: checkpoint keeps the
+    inputs it was given and recomputes from them, so a first pass writing them
+    would hand the recomputation changed values (and an input whose version
+    moved since autograd saved it, which backward refuses: "modified by an
+    inplace operation", seen with stochastic depth's ``x += shortcut`` on a
+    received value).
     """
 
     # checkpoint matches the tensors a recomputation saves to the first pass's by order, so
@@ -119,7 +144,7 @@ def recomputing(module: nn.Module, scope: Callable[[], RandomScope | None]) -> R
         rng = scope()
         eager_draws = rng is None or rng.seed is None
         outs = checkpoint(
-            lambda *xs: tuple(module(*xs)),
+            lambda *xs: tuple(module(*_copies(xs, writes))),
             *ins,
             use_reentrant=False,
             context_fn=contexts,

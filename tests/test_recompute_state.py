@@ -192,3 +192,76 @@ def test_torchrun_recomputation_writes_every_buffer_once(tmp_path: Path) -> None
     state = {k.removeprefix("state:"): v for k, v in want.items() if k.startswith("state:")}
     assert set(got) == set(state)
     assert [k for k in state if not torch.equal(state[k], got[k])] == []
+
+
+# ---- stages writing their received inputs in place (issue 27, item 4) ------------------
+
+
+class DropPathBlock(nn.Module):
+    """Stochastic depth as timm writes it: a mask divided in place, ``x += shortcut``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c2(torch.relu(self.c1(x)))
+        mask = y.new_empty(y.shape[0], 1, 1, 1).bernoulli_(0.7)
+        mask.div_(0.7)
+        y = y * mask
+        y += x
+        return torch.relu(y)
+
+
+class DropPathNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.b1, self.b2 = DropPathBlock(), DropPathBlock()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.b2(self.b1(self.stem(x))).mean((2, 3)))
+
+
+def _written_input_cuts(gm: Any) -> list[dict[str, int]]:
+    """Three-stage placements cutting just before in-place writes (so a stage receives the
+    value it writes), each write in turn."""
+    from crosscut.partitioner.alias import inplace_target
+
+    names = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    modules = dict(gm.named_modules())
+    writes = [
+        names.index(n.name)
+        for n in gm.graph.nodes
+        if n.name in names and inplace_target(n, modules) is not None
+    ]
+    plans = []
+    for a, b in zip(writes, writes[1:]):
+        if 0 < a < b:
+            plans.append({n: (0 if i < a else 1 if i < b else 2) for i, n in enumerate(names)})
+    return plans
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_stages_writing_received_values_recompute_like_they_run(precision: str) -> None:
+    """Every cut that hands a stage a value it writes in place (the mask's ``div_``,
+    ``y += x``), two micro-batches: recomputing changes no bit and backward runs (it failed
+    with "modified by an inplace operation")."""
+    from crosscut.runtime import CompiledModule
+
+    torch.manual_seed(0)
+    model = DropPathNet().train()
+    x, y = torch.randn(8, 3, 6, 6), torch.randint(0, 3, (8,))
+    gm = crosscut.trace(model, x[:4]).gm
+    plans = _written_input_cuts(gm)
+    assert len(plans) >= 3
+    for stage_of in plans:
+        runs = []
+        for flag in (False, True):
+            c = CompiledModule(copy.deepcopy(model), gm, stage_of, ["cpu"] * 3, "1f1b", 2,
+                               recompute=flag, precision=precision)  # fmt: skip
+            assert any(st.mutated_inputs for st in c.program.stages)
+            torch.manual_seed(1)
+            runs.append(_train(c, x, y, 2))
+        assert not _differ(*runs), (stage_of, _differ(*runs))

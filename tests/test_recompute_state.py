@@ -14,6 +14,7 @@ the same plan without recomputation with two micro-batches, and under torchrun.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import subprocess
 import sys
@@ -237,7 +238,7 @@ def _written_input_cuts(gm: Any) -> list[dict[str, int]]:
         if n.name in names and inplace_target(n, modules) is not None
     ]
     plans = []
-    for a, b in zip(writes, writes[1:]):
+    for a, b in itertools.pairwise(writes):
         if 0 < a < b:
             plans.append({n: (0 if i < a else 1 if i < b else 2) for i, n in enumerate(names)})
     return plans

@@ -266,3 +266,33 @@ def test_stages_writing_received_values_recompute_like_they_run(precision: str) 
             torch.manual_seed(1)
             runs.append(_train(c, x, y, 2))
         assert not _differ(*runs), (stage_of, _differ(*runs))
+
+
+class ParamWriter(nn.Module):
+    """Weight clipping in forward: a parameter written under ``no_grad``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.c1.weight.clamp_(-0.2, 0.2)
+        return self.c2(torch.relu(self.c1(x)))
+
+
+def test_a_parameter_written_in_forward_is_not_recomputed_but_refused_by_name() -> None:
+    """A parameter write cannot be replayed (autograd saved the parameter): the first call
+    names it, before any backward; without recomputation it runs as eager."""
+    from crosscut.errors import RuntimeError_
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    c = crosscut.compile(ParamWriter(), ["cpu", "cpu"], x, recompute=True,
+                         require_all_devices=True)  # fmt: skip
+    with pytest.raises(RuntimeError_, match="parameter 'c1.weight'") as e:
+        c(x).sum().backward()
+    assert "recompute=False" in str(e.value)
+    model = ParamWriter()
+    c = crosscut.compile(copy.deepcopy(model), ["cpu", "cpu"], x, recompute=False)
+    assert torch.equal(c(x), model(x))

@@ -86,6 +86,8 @@ def check_contract(pipe: Any, model: nn.Module, m: int, tmp: Path) -> float | No
         want_out = model(x)
     pipe.eval()
     out = pipe(x)
+    named = pipe(x=x)  # keywords bind to the model's forward's inputs (contract.bind_inputs)
+    assert (named is None) == (out is None) and (out is None or torch.equal(named, out))
     if out is not None:  # a replica's output is its shard of the batch
         want_out = want_out.chunk(getattr(pipe, "replicas", 1))[getattr(pipe, "replica", 0)]
         assert torch.allclose(out, want_out, rtol=1e-5, atol=1e-6)

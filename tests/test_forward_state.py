@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -233,3 +234,118 @@ def test_traced_through_batch_norm_under_step_or_exact_with_microbatches_is_refu
     leaf(x)  # materialise the lazy layer
     crosscut.compile(leaf, ["cpu", "cpu"], x, microbatches=2, bn_mode="step")  # leaf: fine
     crosscut.compile(FusedNet(), ["cpu", "cpu"], x, microbatches=1, bn_mode=bn_mode)
+
+
+# ---- state the graph cannot hold: refused by name (issue 27, item 5) --------------------
+
+
+class PythonCounter(nn.Module):
+    """A Python attribute counter read by the output: the graph would freeze its value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3)
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        return self.c(x) * (1 + 0.01 * self.step)
+
+
+class Reassigned(nn.Module):
+    """A buffer rebound in forward (``self.calls = self.calls + 1``), not written in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.c(x) + self.calls
+
+
+class Holder(nn.Module):
+    """Wraps a module so the write happens in a submodule (a path, not the root)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).relu()
+
+
+class LazyCache(nn.Module):
+    """A value cached on the module on the first call (a new attribute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last_scale = x.shape[-1] / 8
+        return self.c(x) * self.last_scale
+
+
+@pytest.mark.parametrize(
+    ("factory", "name", "remedy"),
+    [
+        (PythonCounter, "'step'", "register_buffer"),
+        (lambda: Holder(PythonCounter()), "'inner.step'", "register_buffer"),
+        (Reassigned, "'calls'", "in place"),
+        (lambda: Holder(Reassigned()), "'inner.calls'", "in place"),
+        (LazyCache, "'last_scale'", "register_buffer"),
+    ],
+)
+def test_python_state_written_in_forward_is_refused_by_name(
+    factory: Any, name: str, remedy: str
+) -> None:
+    """A Python attribute or a rebound buffer changed in forward cannot be a graph node:
+    compile refuses it naming the attribute, and leaves the caller's model as it was."""
+    model = factory()
+    before = dict(vars(model.inner if isinstance(model, Holder) else model))
+    with pytest.raises(CrosscutError, match=name) as e:
+        crosscut.compile(model, ["cpu", "cpu"], torch.randn(4, 3, 8, 8))
+    assert remedy in str(e.value) and "likely a crosscut bug" not in str(e.value)
+    after = vars(model.inner if isinstance(model, Holder) else model)
+    assert {k: v for k, v in after.items() if not k.startswith("_")} == {
+        k: v for k, v in before.items() if not k.startswith("_")
+    }
+    assert dict(after["_buffers"]) == dict(before["_buffers"])
+
+
+class OwnNorm(nn.Module):
+    """``F.batch_norm(training=True)`` on a plain module's own buffers (no ``_BatchNorm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.d = nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3)
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("var", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.batch_norm(self.c(x), self.mean, self.var, None, None, True, 0.1)
+        return self.d(torch.relu(y))
+
+
+@pytest.mark.parametrize("bn_mode", ["micro", "step", "exact"])
+def test_functional_batch_norm_on_plain_buffers_with_microbatches_is_refused(
+    bn_mode: str,
+) -> None:
+    """Not a batch norm module, so no bn_mode reaches it: with M > 1 it would move once per
+    micro-batch; refused naming the buffer and the node. With M = 1 it is eager's."""
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.raises(CrosscutError, match=r"'(mean|var)' is written in forward by node "
+                       r"'batch_norm'") as e:  # fmt: skip
+        crosscut.compile(OwnNorm(), ["cpu", "cpu"], x, microbatches=2, bn_mode=bn_mode)
+    assert "microbatches=1" in str(e.value)
+    torch.manual_seed(0)
+    model = OwnNorm()
+    c = crosscut.compile(model, ["cpu", "cpu"], x, require_all_devices=True)
+    ref = copy.deepcopy(model)
+    for _ in range(2):
+        out, sd = compiled_step(c, x)
+        expected, ref_sd = eager_step(ref, x, 1)
+        assert torch.equal(out, expected)
+        assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)

@@ -52,6 +52,7 @@ from crosscut.partitioner.propagate import (
     propagate,
     shapes_of,
 )
+from crosscut.partitioner.python_state import refusing_python_state
 
 __all__ = ["trace"]
 
@@ -260,7 +261,7 @@ def trace(
     """
     inputs, leaf_paths, leaf_types = _validate(model, example_inputs, mode, leaf_modules)
     train = mode == "train"
-    with _training(model, train), _untouched_state(model):
+    with _training(model, train), _untouched_state(model), refusing_python_state(model):
         gm, auto = _symbolic_trace(model, leaf_paths, leaf_types)
         prop = propagate(gm, inputs, train, precision)
     ties = _ties(gm) + order_mutations(gm)  # writes through views: partitioner/alias.py

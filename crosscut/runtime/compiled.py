@@ -75,11 +75,18 @@ from crosscut.runtime.batchnorm import (
     discard_batchnorm,
     install_step_batchnorm,
 )
-from crosscut.runtime.contract import dtype_of_to, load_file, refuse_placement, save_file
+from crosscut.runtime.contract import (
+    bind_inputs,
+    dtype_of_to,
+    load_file,
+    refuse_placement,
+    save_file,
+    signature_of,
+)
 from crosscut.runtime.local import LocalExecutor
 from crosscut.runtime.model_keys import ModelKeyedState
 from crosscut.runtime.output_merge import check_outputs
-from crosscut.runtime.recompute import recompute_flags, recomputing
+from crosscut.runtime.recompute import recompute_flags, recomputing, written_inputs
 
 __all__ = ["BN_MODES", "CompiledModule"]
 
@@ -125,6 +132,7 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         self.stages = nn.ModuleList([s.module for s in program.stages])
         # how micro-batch outputs merge; an output that cannot is refused here (output_merge.py)
         self._output_merge = check_outputs(gm, output_merge, microbatches)
+        self._signature = signature_of(gm)
         check_state_writes(model, gm, microbatches, bn_mode)  # written M times? (state_writes.py)
         self._schedule = schedule
         self._timeout = timeout
@@ -167,6 +175,9 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
                 copy_ = v.detach().to("cpu", copy=True)
                 is_param = isinstance(v, nn.Parameter)
                 self._orphans[k] = nn.Parameter(copy_, v.requires_grad) if is_param else copy_
+        for k, b in model.named_buffers():  # non-persistent ones: out of state_dict, still
+            if k not in held and k not in self._orphans:  # named_buffers()'s, as on the model
+                self._orphans[k] = b.detach().to("cpu", copy=True)
         training_stages = self._training_modules()
         self._has_bn = any(
             isinstance(m, nn.modules.batchnorm._BatchNorm)
@@ -258,8 +269,9 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
                 "of the whole batch) or 'micro', or call eval()",
             )
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Same inputs and outputs as the original model (outputs on the last device)."""
+        args = bind_inputs(self._signature, args, kwargs)  # keywords as the model takes them
         self._check_bn()
         executor = self._active()[1]
         self._rng.start(enabled=not self._eager_draws)
@@ -374,7 +386,9 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
             timeout=self._timeout,
             output_merge=self._output_merge,
             runs=[
-                recomputing(st.module, lambda: getattr(self, "_rng", None)) if again else None
+                recomputing(st.module, lambda: getattr(self, "_rng", None), written_inputs(st))
+                if again
+                else None
                 for st, again in zip(program.stages, self._recompute)
             ],
         )

@@ -26,18 +26,22 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import fx
 from torch.utils import _pytree as pytree
 
 from crosscut.errors import InputError, RuntimeError_
 
 __all__ = [
     "Pipeline",
+    "Signature",
+    "bind_inputs",
     "dtype_of_to",
     "inference_only",
     "load_file",
     "refuse_placement",
     "save_file",
     "share_of",
+    "signature_of",
 ]
 
 
@@ -66,9 +70,9 @@ class Pipeline(Protocol):
     plan: Any
     training: bool
 
-    def __call__(self, *inputs: Any) -> Any: ...
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any: ...
 
-    def forward(self, *inputs: Any) -> Any: ...
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any: ...
 
     def train_step(self, inputs: Any, targets: Any, loss_fn: Any) -> torch.Tensor | None: ...
 
@@ -95,6 +99,54 @@ class Pipeline(Protocol):
     def load_checkpoint(self, path: Any, optimizer: Any = None) -> Any: ...
 
     def close(self) -> None: ...
+
+
+Signature = list[tuple[str, bool, Any]]  # the model's inputs: (name, has a default, default)
+
+
+def signature_of(gm: fx.GraphModule) -> Signature:
+    """The traced forward's inputs in order, with the defaults fx recorded on them."""
+    return [
+        (str(n.target), bool(n.args), n.args[0] if n.args else None)
+        for n in gm.graph.nodes
+        if n.op == "placeholder"
+    ]
+
+
+def bind_inputs(sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """``args``/``kwargs`` as the model's positional inputs, defaults filled in.
+
+    So ``c(x, scale=3.0)`` is ``model(x, scale=3.0)``: the pipeline's inputs are
+    positional (one value per traced placeholder), the model's are its signature's.
+    """
+    if not kwargs and len(args) == len(sig):
+        return args
+    names = [name for name, _, _ in sig]
+    unknown = [k for k in kwargs if k not in names]
+    twice = [k for k in kwargs if k in names[: len(args)]]
+    if unknown or twice or len(args) > len(sig):
+        rule = (
+            f"got an unexpected keyword argument {unknown[0]!r}"
+            if unknown
+            else f"got argument {twice[0]!r} twice (by position and by name)"
+            if twice
+            else f"takes {len(sig)} inputs but {len(args)} were given"
+        )
+        raise InputError(
+            f"the model's forward {rule}; it takes {names}",
+            value={"positional": len(args), "keywords": sorted(kwargs)},
+            remedy="call the compiled module as you call the model",
+        )
+    out = list(args)
+    for name, has_default, default in sig[len(args) :]:
+        if name not in kwargs and not has_default:
+            raise InputError(
+                f"the model's forward is missing its input {name!r}; it takes {names}",
+                value={"positional": len(args), "keywords": sorted(kwargs)},
+                remedy="call the compiled module as you call the model",
+            )
+        out.append(kwargs.get(name, default))
+    return tuple(out)
 
 
 class _RefuseBackward(torch.autograd.Function):

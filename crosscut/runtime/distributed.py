@@ -68,7 +68,7 @@ from crosscut.precision import autocast
 from crosscut.runtime.batchnorm import install_step_batchnorm
 from crosscut.runtime.bn_commit import StepCommit
 from crosscut.runtime.checkpoint import RankState
-from crosscut.runtime.contract import inference_only
+from crosscut.runtime.contract import bind_inputs, inference_only, signature_of
 from crosscut.runtime.engine import StageEngine
 from crosscut.runtime.group_comm import GroupLink
 from crosscut.runtime.group_role import GroupRole
@@ -82,7 +82,7 @@ from crosscut.runtime.plan_rules import (
     check_one_stage_per_device,
     group_widths,
 )
-from crosscut.runtime.recompute import recompute_flags, recomputing
+from crosscut.runtime.recompute import recompute_flags, recomputing, written_inputs
 from crosscut.runtime.stage_io import StageIO
 from crosscut.runtime.thread_state import ThreadState
 from crosscut.runtime.wire_dtypes import WireDtypes
@@ -208,7 +208,8 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
                 value={"stage": self.stage_index, "width": self.width, "split": self.split},
                 remedy="recompute only the one-rank stages (a list of flags), or run locally",
             )
-        run = recomputing(self.stage, lambda: self._rng) if again else None
+        writes = written_inputs(program.stages[self.stage_index])
+        run = recomputing(self.stage, lambda: self._rng, writes) if again else None
         self._engine = StageEngine.for_stage(
             program, self.stage_index, self.microbatches, run=run or self._call_stage
         )
@@ -262,6 +263,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             k: v for k, v in program.shard_sources.items() if v[0] == self.stage_index
         }
         self._placeholders = list(program.placeholders)
+        self._signature = signature_of(gm)
         self._template = program.output_template
         self._output_sources = dict(program.output_sources)
         self.key_sources = dict(program.key_sources)
@@ -445,7 +447,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             total = total / self.replicas
         return total
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Inference through the pipeline; the output on last-stage ranks, else None.
 
         Under grad mode the output requires grad as eager's would, but its
@@ -454,8 +456,9 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
 
         Each replica computes its shard; the output is this replica's shard, its
         micro-batches merged by the ``output_merge`` rules (a ``"sum"`` is this
-        replica's sum).
+        replica's sum). Keywords bind to the model's forward as on the model.
         """
+        inputs = bind_inputs(self._signature, inputs, kwargs)
         with torch.no_grad(), self._autocast():
             self._rng.start(enabled=True)
             _, results = self._bn.run(self.stage, lambda: self._run("infer", inputs, None, None))

@@ -15,11 +15,10 @@ first one's state:
   only when no draw scope is active (ops draw from the caller's generator,
   one thread) does checkpoint save and restore that generator
   (``preserve_rng_state``);
-* **batch norm** normalises by the batch statistics again but does not update
-  the running statistics (or count the batch) a second time: during the
-  recomputation each batch norm runs with ``momentum=0`` (the running update
-  then leaves its buffers bit for bit as they are) and its batch counter is
-  put back.
+* **state** (every buffer the forward writes: batch norm's running statistics
+  and counter, leaf or traced through, counters, EMAs) is read as the first
+  pass read it and written only once: the recomputation runs against copies
+  of the values it had before the first pass (runtime/state_replay.py).
 
 Only a forward that may be backpropagated recomputes (grad mode: a
 ``train_step``, or a local differentiable ``forward``); inference under
@@ -28,49 +27,24 @@ Only a forward that may be backpropagated recomputes (grad mode: a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from crosscut.codegen.batch_split import BatchSplitStage
 from crosscut.codegen.rng import RandomScope
+from crosscut.codegen.split import Stage
 from crosscut.errors import InputError
+from crosscut.runtime.state_replay import Snapshot, StateReplay
 
-__all__ = ["recompute_flags", "recomputing"]
+__all__ = ["recompute_flags", "recomputing", "written_inputs"]
 
 RunStage = Callable[[list[Any], int, bool], tuple[Sequence[Any], torch.Tensor | None]]
-
-
-@contextmanager
-def _no_stat_updates(module: nn.Module) -> Iterator[None]:
-    """Batch norms use batch statistics without moving their running buffers.
-
-    ``momentum=0`` makes the running update ``(1 - 0) * running + 0 * batch``,
-    which leaves the buffers bit for bit as they are, and the batch counter is
-    put back afterwards. (Turning ``track_running_stats`` off instead would
-    change what the op saves for backward, which checkpoint refuses.)
-    """
-    norms = [
-        m
-        for m in module.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-    ]
-    saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
-             for m in norms]  # fmt: skip
-    for m in norms:
-        m.momentum = 0.0
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for m, (momentum, count) in zip(norms, saved):
-                m.momentum = momentum
-                if count is not None and m.num_batches_tracked is not None:
-                    m.num_batches_tracked.copy_(count)
 
 
 @contextmanager
@@ -86,40 +60,81 @@ def _sequential(stages: list[BatchSplitStage]) -> Iterator[None]:
             st.parallel = flag
 
 
-def recomputing(module: nn.Module, scope: Callable[[], RandomScope | None]) -> RunStage:
+class _EachTime:
+    """A context entered afresh each time: a retained graph's second backward recomputes again
+    (checkpoint enters the one object ``context_fn`` gave it once per recomputation)."""
+
+    def __init__(self, make: Callable[[], ExitStack]) -> None:
+        self.make = make
+        self.stacks: list[ExitStack] = []
+
+    def __enter__(self) -> None:
+        self.stacks.append(self.make())
+
+    def __exit__(self, *exc: object) -> None:
+        self.stacks.pop().close()
+
+
+def written_inputs(stage: Stage) -> list[int]:
+    """Positions of the inputs ``stage`` writes in place (``Stage.mutated_inputs``)."""
+    return [i for i, (name, _) in enumerate(stage.inputs) if name in stage.mutated_inputs]
+
+
+def _copies(xs: tuple[Any, ...], writes: Collection[int]) -> list[Any]:
+    return [
+        pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
+        if i in writes
+        else x
+        for i, x in enumerate(xs)
+    ]
+
+
+def recomputing(
+    module: nn.Module, scope: Callable[[], RandomScope | None], writes: Collection[int] = ()
+) -> RunStage:
     """A stage ``run`` callable that recomputes ``module``'s activations in backward.
 
     ``scope()``: the program's :class:`~crosscut.codegen.rng.RandomScope`, whose
-    pre-hook on ``module`` gave the first pass its draw key.
+    pre-hook on ``module`` gave the first pass its draw key. ``writes``: the
+    positions of the inputs the stage writes in place (:func:`written_inputs`).
+    Each pass writes a copy of those made inside it: checkpoint keeps the
+    inputs it was given and recomputes from them, so a first pass writing them
+    would hand the recomputation changed values (and an input whose version
+    moved since autograd saved it, which backward refuses: "modified by an
+    inplace operation", seen with stochastic depth's ``x += shortcut`` on a
+    received value).
     """
 
     # checkpoint matches the tensors a recomputation saves to the first pass's by order, so
     # a batch-split stage runs its shares one after another in both (bit-identical to the
     # threads: codegen/batch_split.py), and to the end (an early stop raises in the forward)
     shares = [sub for sub in module.modules() if isinstance(sub, BatchSplitStage)]
+    state = StateReplay(module)
 
     def run(ins: list[Any], m: int, training: bool) -> tuple[Sequence[Any], torch.Tensor | None]:
         if not torch.is_grad_enabled():  # nothing will be backpropagated
             return list(module(*ins)), None
         key: list[tuple[int, int] | None] = [None]
+        snap: list[Snapshot] = [{}]
 
         @contextmanager
         def first_pass() -> Iterator[None]:
+            versions, before = state.before()
             with _sequential(shares):
                 yield
+            snap[0] = state.after(versions, before)
             rng = scope()
             key[0] = rng.last_key(module) if rng is not None else None
 
-        @contextmanager
-        def recompute() -> Iterator[None]:
-            with ExitStack() as stack:
+        def recompute() -> ExitStack:
+            with ExitStack() as stack:  # closed again if one of them fails to enter
                 stack.enter_context(RandomScope.replaying(key[0]))
-                stack.enter_context(_no_stat_updates(module))
+                stack.enter_context(state.replaying(snap[0]))
                 stack.enter_context(_sequential(shares))
-                yield
+                return stack.pop_all()
 
-        def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
-            return first_pass(), recompute()
+        def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[Any]]:
+            return first_pass(), _EachTime(recompute)
 
         # With a draw scope every random op of the stage draws from its own seeded key,
         # which the replay restores; saving and restoring the process-wide generator as
@@ -129,7 +144,7 @@ def recomputing(module: nn.Module, scope: Callable[[], RandomScope | None]) -> R
         rng = scope()
         eager_draws = rng is None or rng.seed is None
         outs = checkpoint(
-            lambda *xs: tuple(module(*xs)),
+            lambda *xs: tuple(module(*_copies(xs, writes))),
             *ins,
             use_reentrant=False,
             context_fn=contexts,

@@ -31,14 +31,25 @@ def resnet18() -> nn.Module:
 @pytest.fixture(scope="module")
 def plan_2dev(resnet18: nn.Module) -> crosscut.Plan:
     return crosscut.partition(
-        resnet18, ["cpu", "cpu"], X, microbatches=2, require_all_devices=True, time_limit=5
+        resnet18,
+        ["cpu", "cpu"],
+        X,
+        microbatches=2,
+        require_all_devices=True,
+        time_limit=5,
+        replicas=1,
     )
 
 
 def test_compile_trains_like_eager(resnet18: nn.Module) -> None:
     eager = copy.deepcopy(resnet18)
     compiled = crosscut.compile(
-        copy.deepcopy(resnet18), ["cpu"] * 2, X, require_all_devices=True, microbatches=1
+        copy.deepcopy(resnet18),
+        ["cpu"] * 2,
+        X,
+        require_all_devices=True,
+        microbatches=1,
+        replicas=1,
     )
     assert compiled.plan.num_stages == 2
     # state_dict equals the original bit for bit right after compile
@@ -67,10 +78,19 @@ def test_replay_saved_plan(resnet18: nn.Module, plan_2dev: crosscut.Plan, tmp_pa
 def test_require_all_devices_is_honoured_or_refused() -> None:
     net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     x = torch.randn(4, 4)
-    spread = crosscut.compile(copy.deepcopy(net), ["cpu"] * 2, x, require_all_devices=True)
+    spread = crosscut.compile(
+        copy.deepcopy(net), ["cpu"] * 2, x, require_all_devices=True, microbatches=1, replicas=1
+    )
     assert spread.plan.num_stages == 2
     with pytest.raises(crosscut.PartitionError, match="at least one node per device"):
-        crosscut.compile(nn.Sequential(nn.Linear(4, 4)), ["cpu"] * 3, x, require_all_devices=True)
+        crosscut.compile(
+            nn.Sequential(nn.Linear(4, 4)),
+            ["cpu"] * 3,
+            x,
+            require_all_devices=True,
+            microbatches=1,
+            replicas=1,
+        )
 
 
 def test_plan_for_another_model_is_refused(plan_2dev: crosscut.Plan) -> None:
@@ -91,8 +111,8 @@ def test_plan_for_another_batch_is_refused(resnet18: nn.Module, plan_2dev: cross
 
 def test_same_inputs_same_plan_json(resnet18: nn.Module) -> None:
     # a limit long enough that time never ends the strategy search early
-    a = crosscut.partition(resnet18, "4xV100", X, microbatches=2, time_limit=60)
-    b = crosscut.partition(resnet18, "4xV100", X, microbatches=2, time_limit=60)
+    a = crosscut.partition(resnet18, "4xV100", X, microbatches=2, time_limit=60, replicas=1)
+    b = crosscut.partition(resnet18, "4xV100", X, microbatches=2, time_limit=60, replicas=1)
     for p in (a, b):
         assert all(row.outcome != "not tried" for row in p.strategy.alternatives)
         p.solver.wall_time_s = p.strategy.wall_time_s = 0.0  # measured, not deterministic
@@ -109,7 +129,13 @@ def test_plan_fits_memory_one_device_cannot_hold() -> None:
     small = [dataclasses.replace(preset("V100"), name=f"gpu{i}", mem_cap=CAP) for i in range(4)]
     cluster = Cluster.from_specs(small, "nvlink")
     plan = crosscut.partition(
-        model, cluster, torch.randn(2, 3, 64, 64), optimizer="momentum", time_limit=5
+        model,
+        cluster,
+        torch.randn(2, 3, 64, 64),
+        optimizer="momentum",
+        time_limit=5,
+        microbatches=1,
+        replicas=1,
     )
     total = sum(n.resident_bytes for n in plan.nodes)
     assert total > CAP  # one device cannot hold it
@@ -125,7 +151,13 @@ def test_infeasible_memory_names_the_numbers() -> None:
         dataclasses.replace(preset("V100"), name=f"gpu{i}", mem_cap=50_000_000) for i in range(2)
     ]
     with pytest.raises(InfeasiblePlanError) as info:
-        crosscut.partition(model, Cluster.from_specs(tiny, "nvlink"), torch.randn(2, 3, 64, 64))
+        crosscut.partition(
+            model,
+            Cluster.from_specs(tiny, "nvlink"),
+            torch.randn(2, 3, 64, 64),
+            microbatches=1,
+            replicas=1,
+        )
     msg = str(info.value)
     assert "50" in msg and "remedy" in msg
 
@@ -134,8 +166,26 @@ def test_latency_objective_on_branches() -> None:
     """googlenet at batch 1 on 2 devices: the makespan is at most the one-device time."""
     model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False)
     x = torch.randn(1, 3, 224, 224)
-    one = crosscut.partition(model, "1xV100", x, mode="infer", objective="latency", time_limit=5)
-    two = crosscut.partition(model, "2xV100", x, mode="infer", objective="latency", time_limit=5)
+    one = crosscut.partition(
+        model,
+        "1xV100",
+        x,
+        mode="infer",
+        objective="latency",
+        time_limit=5,
+        microbatches=1,
+        replicas=1,
+    )
+    two = crosscut.partition(
+        model,
+        "2xV100",
+        x,
+        mode="infer",
+        objective="latency",
+        time_limit=5,
+        microbatches=1,
+        replicas=1,
+    )
     assert two.predicted.makespan_s <= one.predicted.makespan_s * (1 + 1e-6)
     if two.num_stages == 1:
         assert any("does not pay" in n for n in two.solver.notes)
@@ -171,23 +221,25 @@ def test_bad_options(
 )
 def test_bad_devices(resnet18: nn.Module, devices: object, match: str) -> None:
     with pytest.raises(DeviceError, match=match):
-        crosscut.compile(copy.deepcopy(resnet18), devices, X)
+        crosscut.compile(copy.deepcopy(resnet18), devices, X, microbatches=1, replicas=1)
 
 
 def test_not_a_module() -> None:
     with pytest.raises(InputError, match=r"nn\.Module"):
-        crosscut.compile(torchvision.models.resnet18, ["cpu"], X)  # type: ignore[arg-type]
+        crosscut.compile(torchvision.models.resnet18, ["cpu"], X, microbatches=1, replicas=1)  # type: ignore[arg-type]
 
 
 def test_bad_example_inputs(resnet18: nn.Module) -> None:
     with pytest.raises(InputError, match="Tensor"):
-        crosscut.compile(copy.deepcopy(resnet18), ["cpu"], [[1, 2, 3]])
+        crosscut.compile(copy.deepcopy(resnet18), ["cpu"], [[1, 2, 3]], microbatches=1, replicas=1)
     with pytest.raises(InputError):  # one channel into a 3-channel conv
-        crosscut.compile(copy.deepcopy(resnet18), ["cpu"], torch.randn(2, 1, 64, 64))
+        crosscut.compile(
+            copy.deepcopy(resnet18), ["cpu"], torch.randn(2, 1, 64, 64), microbatches=1, replicas=1
+        )
 
 
 def test_compiled_module_refuses_to_move(resnet18: nn.Module) -> None:
-    compiled = crosscut.compile(copy.deepcopy(resnet18), ["cpu"], X)
+    compiled = crosscut.compile(copy.deepcopy(resnet18), ["cpu"], X, microbatches=1, replicas=1)
     with pytest.raises(crosscut.CrosscutError, match="plan"):
         compiled.to("cpu")
 
@@ -197,6 +249,8 @@ def test_one_device_partition_is_one_optimal_stage() -> None:
     # cluster (there are none) and crashed before solving
     model = torchvision.models.resnet18(num_classes=10)
     for cluster in (["cpu"], "1xV100"):
-        plan = crosscut.partition(model, cluster, torch.randn(2, 3, 32, 32))
+        plan = crosscut.partition(
+            model, cluster, torch.randn(2, 3, 32, 32), microbatches=1, replicas=1
+        )
         assert plan.solver.status == "OPTIMAL"
         assert [s.devices for s in plan.stages] == [[plan.cluster.devices[0].name]]

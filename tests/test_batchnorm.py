@@ -365,10 +365,10 @@ def test_compile_passes_bn_mode_and_refuses_it_under_torchrun(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     x = torch.randn(8, 3, 6, 6)
-    c = crosscut.compile(Calib(), ["cpu", "cpu"], x, microbatches=2, bn_mode="step")
+    c = crosscut.compile(Calib(), ["cpu", "cpu"], x, microbatches=2, bn_mode="step", replicas=1)
     assert c.bn_mode == "step"
     assert any(isinstance(m, StepBatchNorm) for m in c.modules())
     c.close()
     monkeypatch.setattr(crosscut.api, "_distributed_run", lambda: True)
     with pytest.raises(InputError, match="distributed runtime runs batch norm in bn_mode"):
-        crosscut.compile(Calib(), None, x, microbatches=2, bn_mode="exact")
+        crosscut.compile(Calib(), None, x, microbatches=2, bn_mode="exact", replicas=1)

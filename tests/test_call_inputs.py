@@ -33,7 +33,9 @@ def test_keyword_arguments_and_defaults_bind_like_the_model(m: int) -> None:
     torch.manual_seed(0)
     model = Scaled()
     x = torch.randn(4, 3, 8, 8)
-    c = crosscut.compile(model, ["cpu", "cpu"], x, microbatches=m, require_all_devices=True)
+    c = crosscut.compile(
+        model, ["cpu", "cpu"], x, microbatches=m, require_all_devices=True, replicas=1
+    )
     calls = [
         ((x,), {"scale": 3.0}),
         ((x,), {"shift": 2.0, "scale": 0.5}),
@@ -67,7 +69,7 @@ class Unread(nn.Module):
 
 def test_an_unread_non_persistent_buffer_is_listed_like_the_model() -> None:
     model = Unread()
-    c = crosscut.compile(model, ["cpu", "cpu"], torch.randn(2, 3, 8, 8))
+    c = crosscut.compile(model, ["cpu", "cpu"], torch.randn(2, 3, 8, 8), microbatches=1, replicas=1)
     names = [k for k, _ in c.named_buffers()]
     assert names == [k for k, _ in model.named_buffers()] == ["table", "offset"]
     assert [b.tolist() for b in c.buffers()] == [b.tolist() for b in model.buffers()]

@@ -25,7 +25,9 @@ def test_local_runtime_keeps_the_contract(k: int, m: int, tmp_path: Path) -> Non
     torch.manual_seed(0)
     model = Small()
     x, _ = batch()
-    pipe = crosscut.compile(model, ["cpu"] * k, x, microbatches=m, require_all_devices=True)
+    pipe = crosscut.compile(
+        model, ["cpu"] * k, x, microbatches=m, require_all_devices=True, replicas=1
+    )
     assert check_contract(pipe, model, m, tmp_path) is not None
 
 

@@ -287,7 +287,9 @@ def local_step_bn(name: str, n: int, size: int, chunks: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     try:
         x, y = batch(n, size)
-        c = crosscut.compile(build(name), ["cpu"] * 2, x, microbatches=chunks, bn_mode="step")
+        c = crosscut.compile(
+            build(name), ["cpu"] * 2, x, microbatches=chunks, bn_mode="step", replicas=1
+        )
         opt = torch.optim.SGD(c.parameters(), lr=0.1, momentum=0.9)
         opt.zero_grad()
         loss = float(c.train_step(x, y, nn.functional.cross_entropy))
@@ -498,7 +500,7 @@ def test_crosscut_run_with_a_user_script(tmp_path: Path) -> None:
 
     x, y = user_script.data()
     plan = crosscut.partition(
-        user_script.model(), ["cpu", "cpu"], x, microbatches=2, require_all_devices=True
+        user_script.model(), ["cpu", "cpu"], x, microbatches=2, require_all_devices=True, replicas=1
     )
     path = plan.save(tmp_path / "plan.json")
     script = Path(user_script.__file__)

@@ -32,7 +32,12 @@ class Tiny(nn.Module):
 @pytest.fixture(scope="module")
 def compiled() -> nn.Module:
     return crosscut.compile(
-        Tiny(), ["cpu", "cpu"], torch.randn(4, 1, 8, 8), require_all_devices=True
+        Tiny(),
+        ["cpu", "cpu"],
+        torch.randn(4, 1, 8, 8),
+        require_all_devices=True,
+        microbatches=1,
+        replicas=1,
     )
 
 

@@ -110,8 +110,16 @@ def test_trace_partition_compile_leave_the_callers_model_unchanged(mode: str) ->
         before = state(model)
         x = torch.randn(4, 3, 8, 8)
         crosscut.trace(model, x, mode=mode)
-        crosscut.partition(model, ["cpu", "cpu"], x, mode=mode)
-        crosscut.compile(model, ["cpu", "cpu"], x, mode=mode, require_all_devices=True)
+        crosscut.partition(model, ["cpu", "cpu"], x, mode=mode, microbatches=1, replicas=1)
+        crosscut.compile(
+            model,
+            ["cpu", "cpu"],
+            x,
+            mode=mode,
+            require_all_devices=True,
+            microbatches=1,
+            replicas=1,
+        )
         after = model.state_dict()
         assert list(after) == list(before)
         assert all(torch.equal(before[k], after[k]) for k in before), [
@@ -124,7 +132,9 @@ def test_buffer_counter_and_ema_update_on_every_call_like_eager(k: int) -> None:
     torch.manual_seed(0)
     model = Counter()
     x = torch.randn(4, 3, 8, 8)
-    c = crosscut.compile(model, ["cpu"] * k, x, microbatches=1, require_all_devices=True)
+    c = crosscut.compile(
+        model, ["cpu"] * k, x, microbatches=1, require_all_devices=True, replicas=1
+    )
     ref = copy.deepcopy(model)
     for _ in range(3):
         out, sd = compiled_step(c, x)
@@ -138,7 +148,7 @@ def test_buffer_counter_and_ema_update_on_every_call_like_eager(k: int) -> None:
 def test_buffer_written_in_forward_with_microbatches_is_refused_by_name() -> None:
     model = Counter()
     with pytest.raises(CrosscutError, match="'calls' is written in forward by node 'add_'") as e:
-        crosscut.compile(model, ["cpu", "cpu"], torch.randn(4, 3, 8, 8), microbatches=2)
+        crosscut.compile(model, ["cpu", "cpu"], torch.randn(4, 3, 8, 8), microbatches=2, replicas=1)
     assert "microbatches=1" in str(e.value)
 
 
@@ -147,7 +157,9 @@ def test_batch_norm_counter_traced_through_keeps_bn_mode_with_microbatches() -> 
     torch.manual_seed(0)
     model = FusedNet()
     x = torch.randn(4, 3, 8, 8)
-    c = crosscut.compile(model, ["cpu", "cpu"], x, microbatches=2, require_all_devices=True)
+    c = crosscut.compile(
+        model, ["cpu", "cpu"], x, microbatches=2, require_all_devices=True, replicas=1
+    )
     ref = copy.deepcopy(model)
     out, sd = compiled_step(c, x)
     expected, ref_sd = eager_step(ref, x, 2)
@@ -162,7 +174,9 @@ def test_no_grad_blocks_in_forward_run_without_autograd_like_eager(k: int) -> No
     torch.manual_seed(0)
     model = NoGradUpdates()
     x = torch.randn(4, 8)
-    c = crosscut.compile(model, ["cpu"] * k, x, microbatches=1, require_all_devices=True)
+    c = crosscut.compile(
+        model, ["cpu"] * k, x, microbatches=1, require_all_devices=True, replicas=1
+    )
     ref = copy.deepcopy(model)
     for _ in range(3):  # the second backward failed when the EMA joined the graph
         out, sd = compiled_step(c, x)
@@ -228,12 +242,14 @@ def test_traced_through_batch_norm_under_step_or_exact_with_microbatches_is_refu
     norm's statistics itself (its forward traced through) is refused by name."""
     x = torch.randn(4, 3, 8, 8)
     with pytest.raises(CrosscutError, match=r"'bn\.(running_mean|num_batches_tracked)'") as e:
-        crosscut.compile(FusedNet(), ["cpu", "cpu"], x, microbatches=2, bn_mode=bn_mode)
+        crosscut.compile(FusedNet(), ["cpu", "cpu"], x, microbatches=2, bn_mode=bn_mode, replicas=1)
     assert "bn_mode='micro'" in str(e.value)
     leaf = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(3))
     leaf(x)  # materialise the lazy layer
-    crosscut.compile(leaf, ["cpu", "cpu"], x, microbatches=2, bn_mode="step")  # leaf: fine
-    crosscut.compile(FusedNet(), ["cpu", "cpu"], x, microbatches=1, bn_mode=bn_mode)
+    crosscut.compile(
+        leaf, ["cpu", "cpu"], x, microbatches=2, bn_mode="step", replicas=1
+    )  # leaf: fine
+    crosscut.compile(FusedNet(), ["cpu", "cpu"], x, microbatches=1, bn_mode=bn_mode, replicas=1)
 
 
 # ---- state the graph cannot hold: refused by name (issue 27, item 5) --------------------
@@ -306,7 +322,7 @@ def test_python_state_written_in_forward_is_refused_by_name(
     model = factory()
     before = dict(vars(model.inner if isinstance(model, Holder) else model))
     with pytest.raises(CrosscutError, match=name) as e:
-        crosscut.compile(model, ["cpu", "cpu"], torch.randn(4, 3, 8, 8))
+        crosscut.compile(model, ["cpu", "cpu"], torch.randn(4, 3, 8, 8), microbatches=1, replicas=1)
     assert remedy in str(e.value) and "likely a crosscut bug" not in str(e.value)
     after = vars(model.inner if isinstance(model, Holder) else model)
     assert {k: v for k, v in after.items() if not k.startswith("_")} == {
@@ -338,11 +354,13 @@ def test_functional_batch_norm_on_plain_buffers_with_microbatches_is_refused(
     x = torch.randn(4, 3, 8, 8)
     with pytest.raises(CrosscutError, match=r"'(mean|var)' is written in forward by node "
                        r"'batch_norm'") as e:  # fmt: skip
-        crosscut.compile(OwnNorm(), ["cpu", "cpu"], x, microbatches=2, bn_mode=bn_mode)
+        crosscut.compile(OwnNorm(), ["cpu", "cpu"], x, microbatches=2, bn_mode=bn_mode, replicas=1)
     assert "microbatches=1" in str(e.value)
     torch.manual_seed(0)
     model = OwnNorm()
-    c = crosscut.compile(model, ["cpu", "cpu"], x, require_all_devices=True)
+    c = crosscut.compile(
+        model, ["cpu", "cpu"], x, require_all_devices=True, microbatches=1, replicas=1
+    )
     ref = copy.deepcopy(model)
     for _ in range(2):
         out, sd = compiled_step(c, x)

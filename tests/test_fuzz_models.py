@@ -104,6 +104,7 @@ def test_random_cnns_compile_like_eager(
         schedule=schedule,
         require_all_devices=True,
         time_limit=5,
+        replicas=1,
     )
     validate_plan(plan)
     assert plan.num_stages == devices
@@ -121,12 +122,16 @@ def test_checkpoint_moves_between_plans() -> None:
         (3, 2, "cat", True, False),
     ]
     x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
-    a = crosscut.compile(RandomCNN(spec, 4), ["cpu"] * 2, x, require_all_devices=True)
+    a = crosscut.compile(
+        RandomCNN(spec, 4), ["cpu"] * 2, x, require_all_devices=True, microbatches=1, replicas=1
+    )
     opt = torch.optim.SGD(a.parameters(), lr=0.1)
     nn.functional.cross_entropy(a(x), y).backward()
     opt.step()
     saved = copy.deepcopy(a.state_dict())
-    b = crosscut.compile(RandomCNN(spec, 4), ["cpu"] * 3, x, require_all_devices=True)
+    b = crosscut.compile(
+        RandomCNN(spec, 4), ["cpu"] * 3, x, require_all_devices=True, microbatches=1, replicas=1
+    )
     assert b.plan.num_stages == 3 and b.plan.assignment != a.plan.assignment
     b.load_state_dict(saved)
     got = b.state_dict()
@@ -252,7 +257,13 @@ def test_random_cnns_writing_views_and_buffers_are_eager_or_refused(
     x = torch.randn(4, 3, 8, 8)
     try:
         c = crosscut.compile(
-            model, ["cpu"] * devices, x, microbatches=micro, schedule="1f1b", time_limit=5
+            model,
+            ["cpu"] * devices,
+            x,
+            microbatches=micro,
+            schedule="1f1b",
+            time_limit=5,
+            replicas=1,
         )
     except CrosscutError as exc:
         assert micro > 1 and (counter or ema), exc  # only state written M times is refused
@@ -362,7 +373,13 @@ def test_random_cnns_reading_self_training_switch_modes_like_eager(
     merge = {"1": "sum"} if output == "with_sum" else None
     try:
         c = crosscut.compile(
-            model, ["cpu"] * devices, x, mode=mode, microbatches=micro, output_merge=merge
+            model,
+            ["cpu"] * devices,
+            x,
+            mode=mode,
+            microbatches=micro,
+            output_merge=merge,
+            replicas=1,
         )
     except CrosscutError as exc:  # only a scalar without a merge rule, with micro-batches
         assert output == "with_sum_no_rule" and micro > 1, exc

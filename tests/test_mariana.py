@@ -35,7 +35,14 @@ def test_widened_alexnet_trains_like_eager_across_four_devices() -> None:
     cards = [dataclasses.replace(preset("K20c"), name=f"gpu{i}", mem_cap=CAP) for i in range(4)]
     cluster = Cluster.from_specs(cards, "pcie")
     plan = crosscut.partition(
-        model, cluster, x, optimizer="momentum", cross_shaped=True, time_limit=5
+        model,
+        cluster,
+        x,
+        optimizer="momentum",
+        cross_shaped=True,
+        time_limit=5,
+        microbatches=1,
+        replicas=1,
     )
     resident = sum(n.resident_bytes for n in plan.nodes)
     assert resident > CAP  # one card cannot hold it

@@ -112,7 +112,9 @@ def run_both_ways(model: nn.Module, x: torch.Tensor, k: int, mode: str) -> None:
     model.train(mode == "train")
     ref = copy.deepcopy(model)
     before = copy.deepcopy(model.state_dict())
-    c = crosscut.compile(model, ["cpu"] * k, x, mode=mode, require_all_devices=True)
+    c = crosscut.compile(
+        model, ["cpu"] * k, x, mode=mode, require_all_devices=True, microbatches=1, replicas=1
+    )
     assert_state(model, ref)  # compiling leaves the caller's model alone
     assert all(torch.equal(v, model.state_dict()[key]) for key, v in before.items())
     for flag in (mode != "train", mode == "train", mode != "train"):
@@ -150,7 +152,9 @@ def test_eval_with_microbatches_equals_eager_eval() -> None:
     torch.manual_seed(0)
     model = Branchy().train()
     x = torch.randn(8, 3, 12, 12)
-    c = crosscut.compile(model, ["cpu"] * 3, x, microbatches=4, require_all_devices=True)
+    c = crosscut.compile(
+        model, ["cpu"] * 3, x, microbatches=4, require_all_devices=True, replicas=1
+    )
     ref = copy.deepcopy(model)
     c.eval()
     ref.eval()
@@ -196,7 +200,9 @@ def test_graphs_equal_in_both_modes_need_no_second_program() -> None:
     model = torchvision.models.resnet18(num_classes=10)
     graph = crosscut.trace(model, torch.randn(2, 3, 32, 32))
     assert other_mode_graph(model, graph) is None
-    c = crosscut.compile(model, ["cpu", "cpu"], torch.randn(2, 3, 32, 32))
+    c = crosscut.compile(
+        model, ["cpu", "cpu"], torch.randn(2, 3, 32, 32), microbatches=1, replicas=1
+    )
     assert c._other is None  # one program: leaf modules switch by their own flags
     c.close()
 
@@ -287,7 +293,7 @@ def test_a_mode_the_model_cannot_run_at_these_inputs_is_refused_by_name() -> Non
     """inception_v3 at 80 px runs in eval, but its training-only aux head cannot."""
     model = torchvision.models.inception_v3(weights=None, init_weights=False).eval()
     x = torch.randn(2, 3, 80, 80)
-    c = crosscut.compile(model, ["cpu", "cpu"], x, mode="infer")
+    c = crosscut.compile(model, ["cpu", "cpu"], x, mode="infer", microbatches=1, replicas=1)
     assert c(x).shape == (2, 1000)
     c.train()
     with pytest.raises(RuntimeError_, match=r"compiled in eval mode.*cannot be traced.*avg_pool2d"):
@@ -334,7 +340,9 @@ def test_timm_classifiers_switch_modes_like_eager(name: str) -> None:
     for mode in ("train", "infer"):
         model.train(mode == "train")
         ref = copy.deepcopy(model)
-        c = crosscut.compile(model, ["cpu"] * 3, x, mode=mode, require_all_devices=True)
+        c = crosscut.compile(
+            model, ["cpu"] * 3, x, mode=mode, require_all_devices=True, microbatches=1, replicas=1
+        )
         # train step, then eval, then train again: each against eager on the same state
         for flag in (True, False, True):
             c.train(flag)
@@ -381,7 +389,9 @@ def test_named_parameters_and_buffers_follow_the_model() -> None:
     model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False)
     x = torch.randn(2, 3, 64, 64)
     for k in (2, 3):
-        c = crosscut.compile(model, ["cpu"] * k, x, require_all_devices=True)
+        c = crosscut.compile(
+            model, ["cpu"] * k, x, require_all_devices=True, microbatches=1, replicas=1
+        )
         got = list(c.named_parameters())
         want = list(model.named_parameters())
         assert [n for n, _ in got] == [n for n, _ in want]
@@ -448,7 +458,9 @@ def test_deepcopy_and_pickle_rebuild_the_executor(mb: int) -> None:
     torch.manual_seed(0)
     model = Branchy()
     x = torch.randn(4, 3, 12, 12)
-    c = crosscut.compile(model, ["cpu"] * 2, x, microbatches=mb, require_all_devices=True)
+    c = crosscut.compile(
+        model, ["cpu"] * 2, x, microbatches=mb, require_all_devices=True, replicas=1
+    )
     c.eval()
     want = c(x)
     for twin in (copy.deepcopy(c), pickle.loads(pickle.dumps(c))):

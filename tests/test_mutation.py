@@ -283,7 +283,9 @@ def test_solver_plan_on_three_devices_with_two_microbatches_equals_eager() -> No
     torch.manual_seed(0)
     model = ConvWrites()
     x = torch.randn(8, 3, 16, 16)
-    c = crosscut.compile(model, ["cpu"] * 3, x, microbatches=2, require_all_devices=True)
+    c = crosscut.compile(
+        model, ["cpu"] * 3, x, microbatches=2, require_all_devices=True, replicas=1
+    )
     assert len(c.program.stages) == 3
     ref = copy.deepcopy(model)
     out, sd = compiled_step(c, x)
@@ -351,7 +353,9 @@ def test_writes_and_counters_follow_train_eval_switches(mode: str) -> None:
     torch.manual_seed(0)
     model = ModalWriter().train(mode == "train")
     x = torch.randn(4, 3, 8, 8)
-    c = crosscut.compile(model, ["cpu"] * 3, x, mode=mode, require_all_devices=True)
+    c = crosscut.compile(
+        model, ["cpu"] * 3, x, mode=mode, require_all_devices=True, microbatches=1, replicas=1
+    )
     ref = copy.deepcopy(model)
     for flag in (True, False, True, False):
         c.train(flag)

@@ -56,9 +56,9 @@ def test_bf16_predicts_a_faster_step_on_ampere() -> None:
     """Issue 17: resnet50 at batch 256 on 4xA100-80GB, 8 micro-batches: >= 1.5x faster."""
     model = torchvision.models.resnet50(weights=None)
     x = torch.empty(256, 3, 224, 224, device="meta")
-    fp32 = crosscut.partition(model, "4xA100-80GB", x, microbatches=8, time_limit=10)
+    fp32 = crosscut.partition(model, "4xA100-80GB", x, microbatches=8, time_limit=10, replicas=1)
     bf16 = crosscut.partition(
-        model, "4xA100-80GB", x, microbatches=8, precision="bf16", time_limit=10
+        model, "4xA100-80GB", x, microbatches=8, precision="bf16", time_limit=10, replicas=1
     )
     assert bf16.options.precision == "bf16" and fp32.options.precision == "fp32"
     assert fp32.predicted.step_time_s >= 1.5 * bf16.predicted.step_time_s
@@ -72,13 +72,15 @@ def test_bf16_predicts_a_faster_step_on_ampere() -> None:
 
 def test_bad_precision_and_bf16_without_hardware_are_refused() -> None:
     with pytest.raises(InputError, match="precision must be one of"):
-        crosscut.partition(Net(), "2xV100", X, precision="int8")
+        crosscut.partition(Net(), "2xV100", X, precision="int8", microbatches=1, replicas=1)
     with pytest.raises(InputError, match="V100 cannot") as info:
-        crosscut.partition(Net(), "2xV100", X, precision="bf16")
+        crosscut.partition(Net(), "2xV100", X, precision="bf16", microbatches=1, replicas=1)
     assert "fp16" in str(info.value)
     with pytest.raises(InputError, match="V100 cannot"):
-        crosscut.compile(Net(), "2xV100", X, precision="bf16")
-    plan = crosscut.partition(Net(), "2xV100", X, precision="fp16", time_limit=5)
+        crosscut.compile(Net(), "2xV100", X, precision="bf16", microbatches=1, replicas=1)
+    plan = crosscut.partition(
+        Net(), "2xV100", X, precision="fp16", time_limit=5, microbatches=1, replicas=1
+    )
     assert plan.options.precision == "fp16"
 
 
@@ -89,7 +91,13 @@ def test_compiled_bf16_equals_eager_under_the_same_autocast(m: int) -> None:
     eager = Net()
     eager.load_state_dict(model.state_dict())
     compiled = crosscut.compile(
-        model, ["cpu", "cpu"], X, microbatches=m, precision="bf16", require_all_devices=True
+        model,
+        ["cpu", "cpu"],
+        X,
+        microbatches=m,
+        precision="bf16",
+        require_all_devices=True,
+        replicas=1,
     )
     try:
         assert compiled.plan.options.precision == "bf16" and compiled.plan.num_stages == 2
@@ -118,7 +126,14 @@ def test_compiled_bf16_equals_eager_under_the_same_autocast(m: int) -> None:
 
 def test_a_plan_replays_in_its_own_precision() -> None:
     plan = crosscut.partition(
-        Net(), ["cpu", "cpu"], X, precision="bf16", require_all_devices=True, time_limit=5
+        Net(),
+        ["cpu", "cpu"],
+        X,
+        precision="bf16",
+        require_all_devices=True,
+        time_limit=5,
+        microbatches=1,
+        replicas=1,
     )
     compiled = crosscut.compile(Net(), ["cpu", "cpu"], X, plan=plan)
     try:
@@ -164,7 +179,13 @@ def test_a_differentiable_forward_gives_the_same_gradients_every_time(precision:
     torch.manual_seed(0)
     model = Net()
     compiled = crosscut.compile(
-        model, ["cpu", "cpu"], X, microbatches=4, precision=precision, require_all_devices=True
+        model,
+        ["cpu", "cpu"],
+        X,
+        microbatches=4,
+        precision=precision,
+        require_all_devices=True,
+        replicas=1,
     )
     try:
         seen = []

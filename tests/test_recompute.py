@@ -161,9 +161,13 @@ def test_refusals_name_the_rule() -> None:
     with pytest.raises(InputError, match="one bool per stage"):
         CompiledModule(model, gm, _stage_of(gm, 2), ["cpu"] * 2, recompute=[True])
     with pytest.raises(InputError, match="recompute must be"):
-        crosscut.compile(model, ["cpu"] * 2, torch.randn(2, 3, 6, 6), recompute="yes")
+        crosscut.compile(
+            model, ["cpu"] * 2, torch.randn(2, 3, 6, 6), recompute="yes", microbatches=1, replicas=1
+        )
     # through the front door: every stage recomputes
-    c = crosscut.compile(model, ["cpu"] * 2, torch.randn(4, 3, 6, 6), recompute=True)
+    c = crosscut.compile(
+        model, ["cpu"] * 2, torch.randn(4, 3, 6, 6), recompute=True, microbatches=1, replicas=1
+    )
     assert c._recompute == [True] * len(c.program.stages)
 
 

@@ -230,9 +230,11 @@ def test_a_mixed_plan_round_trips(two: Plan, tmp_path: Path) -> None:
 
 def test_bad_recompute_value_is_refused() -> None:
     with pytest.raises(InputError, match="recompute must be one of"):
-        crosscut.partition(Net(), "2xV100", X, recompute="sometimes")
+        crosscut.partition(Net(), "2xV100", X, recompute="sometimes", microbatches=1, replicas=1)
     with pytest.raises(InputError, match="recompute must be one of"):
-        crosscut.compile(Net(), ["cpu", "cpu"], X, recompute="sometimes")
+        crosscut.compile(
+            Net(), ["cpu", "cpu"], X, recompute="sometimes", microbatches=1, replicas=1
+        )
 
 
 def test_compile_runs_what_the_plan_chose_with_eager_numbers() -> None:
@@ -240,7 +242,7 @@ def test_compile_runs_what_the_plan_chose_with_eager_numbers() -> None:
     torch.manual_seed(0)
     model = Net()
     plan = crosscut.partition(
-        model, _cluster(cap), X, microbatches=M, require_all_devices=True, time_limit=5
+        model, _cluster(cap), X, microbatches=M, require_all_devices=True, time_limit=5, replicas=1
     )
     flags = [s.recompute for s in plan.stages]
     assert flags == [True, False]  # per stage: the last one fits without
@@ -278,7 +280,9 @@ def test_bn_step_mode_plans_without_recomputation() -> None:
     cap = _tight_cap()
     with pytest.raises(InfeasiblePlanError):
         torch.manual_seed(0)
-        crosscut.compile(Net(), _cluster(cap), X, microbatches=M, bn_mode="step", time_limit=5)
+        crosscut.compile(
+            Net(), _cluster(cap), X, microbatches=M, bn_mode="step", time_limit=5, replicas=1
+        )
 
 
 @pytest.mark.parametrize(("name", "batch"), [("resnet152", 512), ("vgg16", 1024)])
@@ -288,8 +292,10 @@ def test_issue_acceptance_on_4xK20c(name: str, batch: int) -> None:
     model = torchvision.models.get_model(name, weights=None)
     x = torch.empty(batch, 3, 224, 224, device="meta")
     with pytest.raises(InfeasiblePlanError):
-        crosscut.partition(model, "4xK20c", x, microbatches=8, recompute="never", time_limit=10)
-    plan = crosscut.partition(model, "4xK20c", x, microbatches=8, time_limit=10)
+        crosscut.partition(
+            model, "4xK20c", x, microbatches=8, recompute="never", time_limit=10, replicas=1
+        )
+    plan = crosscut.partition(model, "4xK20c", x, microbatches=8, time_limit=10, replicas=1)
     assert plan.options.recompute and plan.num_stages >= 2
     assert any(s.recompute for s in plan.stages)
     assert not plan.stages[-1].recompute  # 1F1B: the last stage keeps one micro-batch anyway

@@ -119,7 +119,13 @@ def test_recomputation_writes_every_buffer_once_like_eager(recompute: Any) -> No
     model = Stateful()
     x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 3, (4,))
     c = crosscut.compile(
-        copy.deepcopy(model), ["cpu"] * 3, x, recompute=recompute, require_all_devices=True
+        copy.deepcopy(model),
+        ["cpu"] * 3,
+        x,
+        recompute=recompute,
+        require_all_devices=True,
+        microbatches=1,
+        replicas=1,
     )
     assert all(c._recompute) and len(c._recompute) == 3
     want, got = _train(copy.deepcopy(model), x, y, 2), _train(c, x, y, 2)
@@ -137,7 +143,9 @@ def test_recomputation_with_microbatches_matches_the_plan_without_it() -> None:
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3),
     )  # fmt: skip
     x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 3, (8,))
-    plan = crosscut.partition(model, ["cpu"] * 3, x, microbatches=2, require_all_devices=True)
+    plan = crosscut.partition(
+        model, ["cpu"] * 3, x, microbatches=2, require_all_devices=True, replicas=1
+    )
     runs = []
     for flag in (False, True):
         c = crosscut.compile(copy.deepcopy(model), ["cpu"] * 3, x, plan=plan, recompute=flag)
@@ -153,7 +161,7 @@ def test_a_retained_graph_recomputes_from_the_same_state_twice() -> None:
     model = Stateful()
     x = torch.randn(4, 3, 8, 8)
     c = crosscut.compile(copy.deepcopy(model), ["cpu"] * 3, x, recompute=True,
-                         require_all_devices=True)  # fmt: skip
+                         require_all_devices=True, microbatches=1, replicas=1)  # fmt: skip
     ref = copy.deepcopy(model)
     out, want = c(x), ref(x)
     assert torch.equal(out, want)
@@ -289,12 +297,14 @@ def test_a_parameter_written_in_forward_is_not_recomputed_but_refused_by_name() 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 8, 8)
     c = crosscut.compile(ParamWriter(), ["cpu", "cpu"], x, recompute=True,
-                         require_all_devices=True)  # fmt: skip
+                         require_all_devices=True, microbatches=1, replicas=1)  # fmt: skip
     with pytest.raises(RuntimeError_, match=r"parameter 'c1\.weight'") as e:
         c(x).sum().backward()
     assert "recompute=False" in str(e.value)
     model = ParamWriter()
-    c = crosscut.compile(copy.deepcopy(model), ["cpu", "cpu"], x, recompute=False)
+    c = crosscut.compile(
+        copy.deepcopy(model), ["cpu", "cpu"], x, recompute=False, microbatches=1, replicas=1
+    )
     assert torch.equal(c(x), model(x))
 
 

@@ -54,7 +54,9 @@ def main() -> None:
 
         box: list[object] = [None]
         if rank == 0:
-            base = crosscut.partition(model, ["cpu", "cpu"], x, microbatches=2, solver="dp")
+            base = crosscut.partition(
+                model, ["cpu", "cpu"], x, microbatches=2, solver="dp", replicas=1
+            )
             box[0] = widen(base, ((2, "channel"), (2, "batch"))).to_json()
         dist.broadcast_object_list(box, src=0)
         plan = Plan.from_json(str(box[0]))

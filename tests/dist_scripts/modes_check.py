@@ -44,7 +44,9 @@ def main() -> None:
     cd.init(timeout_s=60)
     torch.manual_seed(0)
     x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
-    pipe = crosscut.compile(Branchy(), None, x, require_all_devices=True)
+    pipe = crosscut.compile(
+        Branchy(), None, x, require_all_devices=True, microbatches=1, replicas=1
+    )
     loss = pipe.train_step((x,), y, F.cross_entropy)
     pipe.eval()
     refused = False

@@ -34,7 +34,9 @@ def _model() -> nn.Module:
 
 
 def test_default_partition_has_no_groups() -> None:
-    plan = partition(_model(), "4xV100", torch.randn(8, 3, 64, 64), time_limit=2)
+    plan = partition(
+        _model(), "4xV100", torch.randn(8, 3, 64, 64), time_limit=2, microbatches=1, replicas=1
+    )
     assert all(len(s.devices) == 1 and s.split == "none" for s in plan.stages)
     assert plan.options.widths == [1] and plan.options.splits == []
 
@@ -42,7 +44,9 @@ def test_default_partition_has_no_groups() -> None:
 def test_cross_plan_round_trips_and_replays_exactly(tmp_path: object) -> None:
     model = _model()
     x = torch.randn(8, 3, 64, 64)
-    plan = partition(model, "4xV100", x, cross_shaped=True, time_limit=2)
+    plan = partition(
+        model, "4xV100", x, cross_shaped=True, time_limit=2, microbatches=1, replicas=1
+    )
     assert any(len(s.devices) > 1 for s in plan.stages), [s.devices for s in plan.stages]
     assert plan.predicted.bottleneck_s <= min(plan.solver.baselines.values()) * (1 + 1e-9)
     path = plan.save(f"{tmp_path}/plan.json")
@@ -72,9 +76,13 @@ def test_cross_plan_round_trips_and_replays_exactly(tmp_path: object) -> None:
 def test_bad_cross_options_are_refused() -> None:
     x = torch.randn(4, 3, 64, 64)
     with pytest.raises(InputError, match="splits"):
-        partition(_model(), "4xV100", x, cross_shaped=True, splits=("rows",))
+        partition(
+            _model(), "4xV100", x, cross_shaped=True, splits=("rows",), microbatches=1, replicas=1
+        )
     with pytest.raises(InputError, match="widths"):
-        partition(_model(), "4xV100", x, cross_shaped=True, widths=(0, 2))
+        partition(
+            _model(), "4xV100", x, cross_shaped=True, widths=(0, 2), microbatches=1, replicas=1
+        )
 
 
 def test_plan_problem_knows_the_model_inputs_and_outputs() -> None:
@@ -91,7 +99,7 @@ def test_plan_problem_knows_the_model_inputs_and_outputs() -> None:
             feats = self.conv(x).mean((2, 3))
             return self.head(feats), feats + x.mean()  # x read twice, two outputs
 
-    plan = partition(TwoHeads(), ["cpu"] * 2, torch.randn(8, 3, 16, 16), microbatches=2)
+    plan = partition(TwoHeads(), ["cpu"] * 2, torch.randn(8, 3, 16, 16), microbatches=2, replicas=1)
     pb, _, _ = plan_to_problem(plan)
     ((nbytes, readers),) = pb.graph_inputs
     assert nbytes == 4 * 3 * 16 * 16 * 4  # one micro-batch of 4 float32 images
@@ -113,8 +121,10 @@ def test_cross_shaped_plans_where_no_pipeline_fits() -> None:
         )
     x = torch.empty(512, 3, 224, 224, device="meta")
     with pytest.raises(crosscut.InfeasiblePlanError):
-        partition(model, "4xK20c", x, time_limit=5)
-    plan = partition(model, "4xK20c", x, cross_shaped=True, time_limit=5)
+        partition(model, "4xK20c", x, time_limit=5, microbatches=1, replicas=1)
+    plan = partition(
+        model, "4xK20c", x, cross_shaped=True, time_limit=5, microbatches=1, replicas=1
+    )
     assert all(s.split in ("batch", "channel") and len(s.devices) > 1 for s in plan.stages)
     assert any("no pipeline-only plan" in note for note in plan.solver.notes)
     assert all(len(note) < 2000 for note in plan.solver.notes)  # caps summarised, not listed

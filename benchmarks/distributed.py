@@ -12,7 +12,10 @@ Run (about 10 minutes for both models on a 2-core machine, 3 rounds)::
         --models resnet50,googlenet --batch 64 --size 128 --microbatches 8
 
 Input is 3×128×128 by default (224×224 runs too, ~3× slower). Each rank is
-started with OMP_NUM_THREADS=1 and ``torch.set_num_threads(1)``.
+started with OMP_NUM_THREADS=1 and ``torch.set_num_threads(1)``. ``unet``
+(benchmarks/unet.py) is a model name here too. crosscut with default options
+(the planner's own choice of replicas, stages and micro-batches) against
+DistributedDataParallel and this pipelining peer: ``benchmarks/default_vs_peers.py``.
 """
 
 from __future__ import annotations

@@ -79,7 +79,9 @@ def crosscut_worker(ns: argparse.Namespace) -> int:
     import crosscut.distributed
 
     torch.set_num_threads(1)
-    ctx = crosscut.distributed.init()
+    # crosscut's default wait (300 s) unless --init-timeout: on a loaded VM rank 0's profiling
+    # can outlast it while the other ranks wait for the plan (docs/BENCHMARKS.md, issue 23)
+    ctx = crosscut.distributed.init(**({"timeout_s": ns.init_timeout} if ns.init_timeout else {}))
     model = build(ns.model)
     x, y = data(ns.batch, ns.size, ns.model)
     t0 = time.perf_counter()
@@ -175,7 +177,7 @@ def _launch(args: list[str], ns: argparse.Namespace, tmp: Path, tag: str) -> dic
             procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
         logs.append(log)
     deadline = time.monotonic() + ns.timeout
-    while any(p.poll() is None for p in procs):
+    while None in [p.poll() for p in procs]:  # a list: every rank polled, none skipped
         failed = any(p.returncode not in (None, 0) for p in procs)
         if failed or time.monotonic() > deadline:
             time.sleep(2 if failed else 0)  # let a failing rank's peer print its side
@@ -190,10 +192,13 @@ def _launch(args: list[str], ns: argparse.Namespace, tmp: Path, tag: str) -> dic
         return got
     if any(p.returncode == -9 for p in procs) and time.monotonic() > deadline:
         return {"error": f"timed out after {ns.timeout:g} s"}
-    bad = next((i for i, p in enumerate(procs) if p.returncode not in (0, -9)), 0)
-    lines = [ln for ln in logs[bad].read_text().splitlines() if ln.strip()]
-    last = lines[-1][:200] if lines else f"exit {procs[bad].returncode}"
-    return {"error": f"rank {bad}: {last}"}
+    errors = []
+    for r, (p, log) in enumerate(zip(procs, logs)):
+        if p.returncode not in (0, -9):
+            lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
+            errors.append(f"rank {r}: " + (lines[-1][:200] if lines else f"exit {p.returncode}"))
+    errors.sort(key=lambda e: "Connection closed" in e)  # the cause, not its peer's echo
+    return {"error": errors[0] if errors else "no report"}
 
 
 def _best_split(name: str, ns: argparse.Namespace, tmp: Path) -> str:
@@ -254,8 +259,9 @@ def run_model(name: str, ns: argparse.Namespace, tmp: Path) -> list[list[str]]:
     for r in range(ns.rounds):
         load = os.getloadavg()[0]
         for cost in ns.costs:
-            got = _launch(["--role", "crosscut", "--model", name, "--cost", cost], ns, tmp,
-                          f"{name}-xc-{cost}")  # fmt: skip
+            args = ["--role", "crosscut", "--model", name, "--cost", cost]
+            args += ["--init-timeout", str(ns.init_timeout)]
+            got = _launch(args, ns, tmp, f"{name}-xc-{cost}")
             xc[cost].append(got.get("step_s", NAN))
             chose[cost] = got.get("chose") or chose[cost]
             took, err = got.get("step_s", NAN), got.get("error", "")
@@ -309,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-microbatches", type=int, default=8)
     ap.add_argument("--peer-tries", type=int, default=4, help="pipelining splits tried; 0: none")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per 2-rank run")
+    ap.add_argument("--init-timeout", type=float, default=0,
+                    help="crosscut.distributed.init(timeout_s=...); 0: its default")  # fmt: skip
     # worker-side arguments (the driver starts this file again as each rank)
     ap.add_argument("--role", default="", choices=["", "crosscut", "ddp"])
     ap.add_argument("--model", default="")

@@ -236,9 +236,18 @@ def _chose_text(chose: dict[str, Any] | None) -> str:
             f"pred={chose['predicted_step_s']:.2f}s")  # fmt: skip
 
 
+def _ran(values: list[float]) -> list[float]:
+    """The rounds that ran (a failed run is NaN in its series, and shown as nan)."""
+    return [v for v in values if v == v]
+
+
 def verdict(ours: list[float], theirs: list[float]) -> tuple[float, float, bool]:
-    """(median ratio, spread, at least as fast): ours ≤ theirs + the larger range over rounds."""
-    if not ours or not theirs or any(t != t for t in ours + theirs):
+    """(median ratio, spread, at least as fast): ours ≤ theirs + the larger range over rounds.
+
+    Over the rounds that ran: a failed round drops out rather than failing the row.
+    """
+    ours, theirs = _ran(ours), _ran(theirs)
+    if not ours or not theirs:
         return NAN, NAN, False
     spread = max(max(ours) - min(ours), max(theirs) - min(theirs))
     mine, best = statistics.median(ours), statistics.median(theirs)
@@ -290,8 +299,8 @@ def run_model(name: str, ns: argparse.Namespace, tmp: Path) -> list[list[str]]:
     for cost in ns.costs:
         picked = chose[cost]
         m = ddp_microbatches(picked) if picked else 1
-        peers = [s for s in (ddp.get(m, []), pipe) if s and not any(v != v for v in s)]
-        faster = min(peers, key=statistics.median) if peers else []
+        peers = [s for s in (ddp.get(m, []), pipe) if _ran(s)]
+        faster = min(peers, key=lambda s: statistics.median(_ran(s))) if peers else []
         ratio, spread, ok = verdict(xc[cost], faster)
         rows.append([name, cost, _chose_text(chose[cost]), _series(xc[cost]), str(m),
                      _series(ddp.get(m, [])), _series(pipe), f"{ratio:.2f}", f"{spread:.2f}",

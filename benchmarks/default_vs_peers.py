@@ -99,20 +99,30 @@ def crosscut_worker(ns: argparse.Namespace) -> int:
 
     times = _timed_steps(ns, step)
     if ctx.rank == 0:
-        plan = pipe.plan
-        chose = {
-            "replicas": int(plan.replication.replicas),
-            "running_replicas": int(pipe.replicas),  # what the runtime started
-            "stages": int(plan.num_stages),
-            "microbatches": int(plan.options.microbatches),
-            "schedule": str(plan.options.schedule),
-            "predicted_step_s": float(plan.predicted.step_time_s),
-            "cost_source": str(plan.options.cost_source),
-        }
+        chose = _chose(pipe)
         report = {"step_s": statistics.mean(times), "times": times, "compile_s": compile_s}
         Path(ns.report).write_text(json.dumps({**report, "chose": chose}))
     dist.destroy_process_group()
     return 0
+
+
+def _chose(pipe: Any) -> dict[str, Any]:
+    """What the planner chose, read from the returned pipeline's plan.
+
+    ``running_replicas`` is what the runtime started (``pipe.replicas``), the
+    plan's own count where the pipeline does not say.
+    """
+    plan = pipe.plan
+    replicas = int(plan.replication.replicas)
+    return {
+        "replicas": replicas,
+        "running_replicas": int(getattr(pipe, "replicas", replicas)),
+        "stages": int(plan.num_stages),
+        "microbatches": int(plan.options.microbatches),
+        "schedule": str(plan.options.schedule),
+        "predicted_step_s": float(plan.predicted.step_time_s),
+        "cost_source": str(plan.options.cost_source),
+    }
 
 
 def ddp_worker(ns: argparse.Namespace) -> int:

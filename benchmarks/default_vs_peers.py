@@ -264,6 +264,15 @@ def verdict(ours: list[float], theirs: list[float]) -> tuple[float, float, bool]
     return mine / best, spread, mine <= best + spread
 
 
+def _per_round(ours: list[float], *peers: list[float]) -> list[float]:
+    """Each round's crosscut ÷ the faster peer of that round (NaN where a run failed)."""
+    out = []
+    for i, mine in enumerate(ours):
+        theirs = _ran([p[i] for p in peers if i < len(p)])
+        out.append(mine / min(theirs) if theirs else NAN)
+    return out
+
+
 def _series(values: list[float]) -> str:
     return "/".join(f"{v:.2f}" for v in values) if values else "-"
 
@@ -312,14 +321,15 @@ def run_model(name: str, ns: argparse.Namespace, tmp: Path) -> list[list[str]]:
         peers = [s for s in (ddp.get(m, []), pipe) if _ran(s)]
         faster = min(peers, key=lambda s: statistics.median(_ran(s))) if peers else []
         ratio, spread, ok = verdict(xc[cost], faster)
+        per_round = _per_round(xc[cost], ddp.get(m, []), pipe)
         rows.append([name, cost, _chose_text(chose[cost]), _series(xc[cost]), str(m),
-                     _series(ddp.get(m, [])), _series(pipe), f"{ratio:.2f}", f"{spread:.2f}",
-                     "yes" if ok else "no"])  # fmt: skip
+                     _series(ddp.get(m, [])), _series(pipe), _series(per_round), f"{ratio:.2f}",
+                     f"{spread:.2f}", "yes" if ok else "no"])  # fmt: skip
     return rows
 
 
-COLUMNS = ["model", "costs", "crosscut-chose", "crosscut-s", "DDP-M", "DDP-s",
-           "pipelining-s", "crosscut/faster-peer", "spread", "at-least-as-fast"]  # fmt: skip
+COLUMNS = ["model", "costs", "crosscut-chose", "crosscut-s", "DDP-M", "DDP-s", "pipelining-s",
+           "ratio-per-round", "crosscut/faster-peer", "spread", "at-least-as-fast"]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in ns.models.split(","):
             rows += run_model(name, ns, Path(tmp))
     print(
-        "\ns/step per round (a/b = round 1/round 2); ratio of medians; DDP at crosscut's "
+        "\ns/step per round (a/b = round 1/round 2); ratio-per-round: crosscut ÷ the faster "
+        "peer in that round; crosscut/faster-peer: of medians; DDP at crosscut's "
         f"micro-batch size; pipelining at its best tried split, M={ns.peer_microbatches}"
     )
     table = [COLUMNS, *rows]

@@ -80,7 +80,7 @@ def test_the_pipelining_peer_runs_in_the_same_rounds() -> None:
 
 
 DEFAULT_VS_PEERS_COLUMNS = ["model", "costs", "crosscut-chose", "crosscut-s", "DDP-M", "DDP-s",
-                            "pipelining-s", "crosscut/faster-peer", "spread",
+                            "pipelining-s", "ratio-per-round", "crosscut/faster-peer", "spread",
                             "at-least-as-fast"]  # fmt: skip
 
 
@@ -106,4 +106,5 @@ def test_default_vs_peers_prints_what_crosscut_chose_and_every_column() -> None:
         ours, ddp, pipe = (float(row[k]) for k in ("crosscut-s", "DDP-s", "pipelining-s"))
         assert min(ours, ddp, pipe) > 0, row  # every one really ran
         assert ratio_fits(float(row["crosscut/faster-peer"]), ours, min(ddp, pipe))
+        assert ratio_fits(float(row["ratio-per-round"]), ours, min(ddp, pipe))  # one round
         assert row["at-least-as-fast"] == ("yes" if ours <= min(ddp, pipe) else "no")

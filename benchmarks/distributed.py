@@ -12,7 +12,10 @@ Run (about 10 minutes for both models on a 2-core machine, 3 rounds)::
         --models resnet50,googlenet --batch 64 --size 128 --microbatches 8
 
 Input is 3×128×128 by default (224×224 runs too, ~3× slower). Each rank is
-started with OMP_NUM_THREADS=1 and ``torch.set_num_threads(1)``.
+started with OMP_NUM_THREADS=1 and ``torch.set_num_threads(1)``. ``unet``
+(benchmarks/unet.py) is a model name here too. crosscut with default options
+(the planner's own choice of replicas, stages and micro-batches) against
+DistributedDataParallel and this pipelining peer: ``benchmarks/default_vs_peers.py``.
 """
 
 from __future__ import annotations
@@ -34,12 +37,16 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipelining_peer as peer
+import unet
 
 __all__ = ["eager_step_time", "main", "pipeline_step_time"]
 
 
 def build(name: str) -> nn.Module:
+    """A torchvision model by name, or ``"unet"`` (benchmarks/unet.py); seeded, so ranks agree."""
     torch.manual_seed(0)
+    if name == "unet":
+        return unet.UNet()
     kw: dict[str, Any] = {"num_classes": 1000}
     if name in ("googlenet", "inception_v3"):
         kw.update(aux_logits=False, init_weights=False)
@@ -47,9 +54,13 @@ def build(name: str) -> nn.Module:
     return model
 
 
-def data(batch: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def data(batch: int, size: int, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """One global batch: images and targets (class ids; per-pixel ones for ``"unet"``)."""
     g = torch.Generator().manual_seed(1)
-    return torch.randn(batch, 3, size, size, generator=g), torch.randint(0, 1000, (batch,))
+    x = torch.randn(batch, 3, size, size, generator=g)
+    if name == "unet":
+        return x, unet.targets(batch, size, g)
+    return x, torch.randint(0, 1000, (batch,))
 
 
 def eager_step_time(
@@ -58,7 +69,7 @@ def eager_step_time(
     """Seconds per SGD step of eager training on one thread (batch cut in ``chunks``)."""
     torch.set_num_threads(1)
     model = build(name)
-    x, y = data(batch, size)
+    x, y = data(batch, size, name)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     times = []
     for i in range(warmup + steps):
@@ -81,7 +92,7 @@ def _worker(ns: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     ctx = cd.init(timeout_s=300)
-    x, y = data(ns.batch, ns.size)
+    x, y = data(ns.batch, ns.size, ns.worker)
     pipe = cd.compile_distributed(build(ns.worker), x, ns.plan, timeout_s=300)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
     times = []

@@ -79,7 +79,7 @@ def worker(ns: argparse.Namespace, build: Any, data: Any) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    x, y = data(ns.batch, ns.size)
+    x, y = data(ns.batch, ns.size, ns.peer_worker)
     model = build(ns.peer_worker)
     mb = x[: ns.batch // ns.microbatches]
     pipe = pipeline(model, mb_args=(mb,), split_spec={ns.split: SplitPoint.BEGINNING})
@@ -127,10 +127,17 @@ def peer_step_time(
         procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
     errors = []
     for p in procs:
-        _, err = p.communicate(timeout=ns.timeout)
+        try:
+            _, err = p.communicate(timeout=ns.timeout)
+        except subprocess.TimeoutExpired:  # a hung rank: end both, report, go on
+            for q in procs:
+                q.kill()
+                q.wait()
+            return {"error": f"timed out after {ns.timeout:g} s"}
         if p.returncode != 0:
             errors.append(err.strip().splitlines()[-1] if err.strip() else f"exit {p.returncode}")
-    if errors:
+    if errors:  # the crashed rank's own error, not its peer's "connection closed"
+        errors.sort(key=lambda e: "Connection closed" in e)
         return {"error": errors[0][:200]}
     data: dict[str, Any] = json.loads(report.read_text())
     return data

@@ -1,15 +1,17 @@
-"""The distributed benchmark still runs end to end, at a toy size.
+"""The distributed benchmarks still run end to end, at a toy size.
 
 Why: benchmarks are run by hand, rarely, and rot silently when the APIs they
-call change. This runs ``benchmarks/distributed.py`` with a tiny model and
-checks its table: the rows exist and the speed-up column is the ratio of the
-columns it claims to divide. The figures themselves are not checked; timing
+call change. This runs ``benchmarks/distributed.py`` and
+``benchmarks/default_vs_peers.py`` with tiny models and checks their tables:
+the rows and columns exist and the ratio columns are the ratios of the
+columns they claim to divide. The figures themselves are not checked; timing
 belongs to the benchmark, not to a unit test.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +77,34 @@ def test_the_pipelining_peer_runs_in_the_same_rounds() -> None:
     for row in peer_rows:
         seconds = float(row[-4])
         assert 0 < seconds < 300, row  # a finite time: the peer really ran
+
+
+DEFAULT_VS_PEERS_COLUMNS = ["model", "costs", "crosscut-chose", "crosscut-s", "DDP-M", "DDP-s",
+                            "pipelining-s", "ratio-per-round", "crosscut/faster-peer", "spread",
+                            "at-least-as-fast"]  # fmt: skip
+
+
+def test_default_vs_peers_prints_what_crosscut_chose_and_every_column() -> None:
+    """crosscut default (both cost sources), DDP and pipelining in one round, toy U-Net."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "default_vs_peers.py"),
+           "--models", "unet", "--batch", "8", "--size", "32", "--steps", "1", "--warmup", "0",
+           "--rounds", "1", "--peer-tries", "1", "--timeout", "300"]  # fmt: skip
+    out = _run(cmd).stdout
+    for run in ("crosscut analytic", "crosscut profiled", "DDP", "pipelining split at"):
+        assert f"unet round 1: {run}" in out, out
+    lines = out.splitlines()
+    (header,) = [line.split() for line in lines if line.startswith("model ")]
+    assert header == DEFAULT_VS_PEERS_COLUMNS
+    cells = [line.split() for line in lines if line.startswith("unet ")]
+    assert all(len(c) == len(header) for c in cells), out  # no cell missing or split
+    rows = [dict(zip(header, c)) for c in cells]
+    assert [r["costs"] for r in rows] == ["analytic", "profiled"], out
+    for row in rows:
+        assert re.fullmatch(
+            r"R=\d+(\(ran:\d+\))?,S=\d+,M=\d+,\w+,pred=[\d.]+s", row["crosscut-chose"]
+        )
+        ours, ddp, pipe = (float(row[k]) for k in ("crosscut-s", "DDP-s", "pipelining-s"))
+        assert min(ours, ddp, pipe) > 0, row  # every one really ran
+        assert ratio_fits(float(row["crosscut/faster-peer"]), ours, min(ddp, pipe))
+        assert ratio_fits(float(row["ratio-per-round"]), ours, min(ddp, pipe))  # one round
+        assert row["at-least-as-fast"] == ("yes" if ours <= min(ddp, pipe) else "no")

@@ -185,7 +185,7 @@ def _plan_cluster(devices: Any, ranks: int, device: torch.device) -> Any:
     if cluster.nodes > 1:  # e.g. devices="torchrun" on a job of several nodes
         raise InputError(
             "under torchrun, compile plans the job's ranks on one node; a cluster of several "
-            "nodes is planned by partition()",
+            "nodes is planned as replicas × pipeline by partition()",
             value=cluster.name,
             remedy="`crosscut partition MODEL --devices ... -o plan.json` (or "
             "crosscut.partition(model, cluster, global_batch)), then `crosscut run --plan "

@@ -31,9 +31,9 @@ COSTS = ("analytic", "profiled")
 def _positive_or_auto(label: str, value: Any, example: str) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise InputError(
-            f"{label} must be a positive integer, or None for the planner's choice",
+            f"{label} must be a positive integer",
             value=value,
-            remedy=example,
+            remedy=f"{example} (None: the planner's choice)",
         )
 
 
@@ -60,11 +60,9 @@ def check_options(
     _positive_or_auto(
         "microbatches",
         microbatches,
-        "use 1 for no pipelining, e.g. 4 or 8, or None (the planner's)",
+        "use 1 for no pipelining, e.g. 4 or 8",
     )
-    _positive_or_auto(
-        "replicas", replicas, "e.g. replicas=2 (two data-parallel copies), or None (the planner's)"
-    )
+    _positive_or_auto("replicas", replicas, "e.g. replicas=2 (two data-parallel copies)")
     if not isinstance(time_limit, (int, float)) or not time_limit > 0:
         raise InputError(
             "time_limit must be a positive number of seconds",

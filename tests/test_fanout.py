@@ -146,7 +146,9 @@ def test_googlenet_on_two_gloo_ranks_is_bit_exact(tmp_path: Path) -> None:
     from crosscut.api import partition
 
     x, y = batch(16, 64)
-    plan = partition(build("googlenet"), ["cpu", "cpu"], x, microbatches=4, time_limit=5)
+    plan = partition(
+        build("googlenet"), ["cpu", "cpu"], x, microbatches=4, replicas=1, time_limit=5
+    )
     gm = fx.symbolic_trace(build("googlenet"))
     plan.assignment = inception_cut(gm, ("inception3b_branch1", "inception3b_branch3"))
     plan.save(tmp_path / "plan.json")

@@ -60,8 +60,8 @@ def main() -> None:
             box[0] = widen(base, ((2, "channel"), (2, "batch"))).to_json()
         dist.broadcast_object_list(box, src=0)
         plan = Plan.from_json(str(box[0]))
-    if case == "replicas":
-        os.environ["CROSSCUT_REPLICAS"] = "2"
+    # replicas fixed as `crosscut run` fixes them: 2, or 1 for the pipeline case
+    os.environ["CROSSCUT_REPLICAS"] = "2" if case == "replicas" else "1"
     pipe = crosscut.compile(model, None, x, microbatches=2, plan=plan)
     if case == "replicas":
         assert pipe.replicas == 2 and pipe._reducer is not None

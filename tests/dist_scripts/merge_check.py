@@ -76,7 +76,7 @@ def main() -> int:
     ctx = cd.init(timeout_s=60)
     x, y = batch()
     seen: dict[str, Any] = {}
-    kw: dict[str, Any] = {"microbatches": 2, "schedule": "gpipe", "timeout_s": 60}
+    kw: dict[str, Any] = {"microbatches": 2, "replicas": 1, "schedule": "gpipe", "timeout_s": 60}
     try:
         try:
             cd.compile_distributed(build(), x, **kw)

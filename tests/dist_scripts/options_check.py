@@ -22,7 +22,7 @@ CASES = {
     "bogus-schedule": {"schedule": "bogus"},
     "zero-microbatches": {"microbatches": 0},
     "three-devices": {"devices": ["cpu", "cpu", "cpu"]},
-    "latency": {"objective": "latency", "devices": "2xV100"},
+    "latency": {"objective": "latency", "devices": "2xV100", "replicas": 1},
 }
 
 

@@ -31,7 +31,9 @@ def main() -> None:
     model = Stateful()
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-    pipe = cd.compile_distributed(model, x, None, microbatches=1, recompute=True, timeout_s=60)
+    pipe = cd.compile_distributed(
+        model, x, None, microbatches=1, replicas=1, recompute=True, timeout_s=60
+    )
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     for _ in range(2):
         opt.zero_grad()

@@ -406,8 +406,10 @@ def plan_strategy(
         tried = "; ".join(
             f"{a.replicas}×{a.devices} M={a.microbatches}: {a.outcome}" for a in search.rows
         )
+        last = "" if err is None else f" (the last: {err.rule})"
         raise InfeasiblePlanError(
-            f"no strategy of replicas × pipeline × micro-batches fits the memory caps: {tried}",
+            f"no strategy of replicas × pipeline × micro-batches fits the memory caps{last}: "
+            f"{tried}",
             value=None if err is None else err.value,
             remedy=None if err is None else err.remedy,
         ) from err

@@ -63,7 +63,14 @@ def _cluster(cap: int, n: int = 2) -> Cluster:
 def _plan(cap: int, recompute: str, **kw: object) -> Plan:
     torch.manual_seed(0)
     return crosscut.partition(
-        Net(), _cluster(cap), X, microbatches=M, recompute=recompute, time_limit=5, **kw
+        Net(),
+        _cluster(cap),
+        X,
+        microbatches=M,
+        replicas=1,
+        recompute=recompute,
+        time_limit=5,
+        **kw,
     )
 
 

@@ -254,6 +254,8 @@ def _attempt(
     search.quickest = wall if search.quickest == 0.0 else min(search.quickest, wall)
     span = replica_span(plan, lay.replicas)
     if span > 1 and not runs_in_rank_order(plan, span):
+        plan = _in_rank_order(plan)
+    if span > 1 and not runs_in_rank_order(plan, span):
         raise PartitionError(
             "a replica spanning nodes runs stage s on its s-th rank, node by node; this "
             "plan's stages sit on other nodes",
@@ -313,6 +315,23 @@ def _one(
     search.row(lay, m, "priced", plan=plan)
     search.keep(plan)
     return plan
+
+
+def _in_rank_order(plan: Plan) -> Plan:
+    """``plan`` with stage ``s`` moved to the replica's ``s``-th device, as torchrun runs it.
+
+    A spanning replica's devices are identical, so each stage keeps its compute
+    and memory; only the links its transfers cross change, and ``annotate``
+    prices them again. Stages on device groups are left as they are."""
+    from crosscut.partitioner.annotate import annotate
+
+    if any(len(st.devices) != 1 for st in plan.stages):
+        return plan
+    names = [d.name for d in plan.cluster.devices]
+    for k, st in enumerate(plan.stages):
+        st.devices = [names[k]]
+    plan.solver.notes.append("stages moved to the devices of their torchrun ranks, node by node")
+    return annotate(plan)
 
 
 def _layout(

@@ -1,6 +1,6 @@
 """One rank of the default-strategy check (tests/test_strategy.py): ``compile`` with no options.
 
-Every rank calls ``crosscut.compile(model, "torchrun", x)`` as a user would;
+Every rank calls ``crosscut.compile(model, None, x)`` as a user would;
 rank 0 plans the whole strategy for the job's ranks and every rank runs what
 it chose. The script trains one SGD step and writes, per rank, the plan's
 choice and the state after the step to ``<out>/rank<r>.pt``.
@@ -35,7 +35,7 @@ def main() -> None:
     cd.init(timeout_s=60)
     out = Path(sys.argv[1])
     x, y = batch()
-    pipe = crosscut.compile(build(), "torchrun", x)
+    pipe = crosscut.compile(build(), None, x)  # None: the ranks own devices (as "torchrun")
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     loss = pipe.train_step((x,), y, nn.functional.cross_entropy)
     opt.step()

@@ -29,8 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from crosscut import schedule as sched
-from crosscut.cost_models.calibration import step_overhead_s, update_seconds
-from crosscut.cost_models.devices import PRESETS
 from crosscut.errors import PlanError
 from crosscut.partitioner.build import plan_groups, plan_to_problem
 from crosscut.partitioner.evaluate import Evaluation, evaluate
@@ -180,6 +178,11 @@ def simulate(plan: Plan) -> Simulation:
 
 def _stage_update(plan: Plan, k: int) -> float:
     """Seconds of stage ``k``'s optimizer update on its leading device."""
+    # imported here: the cost models' package loads torch, and the simulator (which
+    # the drawings use) must not (tests/test_viz.py)
+    from crosscut.cost_models.calibration import update_seconds
+    from crosscut.cost_models.devices import PRESETS
+
     dev = plan.cluster.devices[plan.cluster.index(plan.stages[k].devices[0])]
     params = [n.param_bytes for n in plan.nodes if plan.assignment.get(n.name) == k]
     preset = PRESETS.get(dev.kind)
@@ -228,6 +231,8 @@ def _step_tail(plan: Plan, events: list[Event]) -> tuple[float, float, float]:
             for dev in stage.devices:
                 events.append(Event(dev, -1, "U", k, done, done + up))
         end_all = max(end_all, done + up)
+    from crosscut.cost_models.calibration import step_overhead_s  # see _stage_update
+
     lead = plan.cluster.devices[plan.cluster.index(plan.stages[0].devices[0])]
     return end_all + step_overhead_s(lead.device), exposed, update
 

@@ -171,20 +171,25 @@ def test_refusals_name_the_rule() -> None:
     assert c._recompute == [True] * len(c.program.stages)
 
 
-@pytest.mark.distributed
-@pytest.mark.xdist_group("dist")
-def test_torchrun_recomputation_changes_no_number(tmp_path: Path) -> None:
-    """2 gloo ranks, 2 micro-batches, dropout and batch norm: recomputing vs not, bit for bit."""
-    script = Path(__file__).parent / "dist_scripts" / "recompute_check.py"
+def run_two_ranks(script: str, out: Path) -> None:
+    """``tests/dist_scripts/<script> <out>`` on 2 gloo ranks (torchrun), which must succeed."""
+    path = Path(__file__).parent / "dist_scripts" / script
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     done = subprocess.run(
-        [*cmd, str(script), str(tmp_path)],
+        [*cmd, str(path), str(out)],
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("dist")
+def test_torchrun_recomputation_changes_no_number(tmp_path: Path) -> None:
+    """2 gloo ranks, 2 micro-batches, dropout and batch norm: recomputing vs not, bit for bit."""
+    run_two_ranks("recompute_check.py", tmp_path)
     for rank in (0, 1):
         count, verdict = (tmp_path / f"rank{rank}.txt").read_text().split()
         assert verdict == "EQUAL" and int(count) > 4, (rank, count, verdict)

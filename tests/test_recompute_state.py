@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -180,16 +177,9 @@ def test_a_retained_graph_recomputes_from_the_same_state_twice() -> None:
 @pytest.mark.xdist_group("dist")
 def test_torchrun_recomputation_writes_every_buffer_once(tmp_path: Path) -> None:
     """2 gloo ranks, one micro-batch, the stateful model: recomputing vs eager, bit for bit."""
-    script = Path(__file__).parent / "dist_scripts" / "recompute_state_check.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    done = subprocess.run(
-        [*cmd, str(script), str(tmp_path)],
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    from tests.test_recompute import run_two_ranks
+
+    run_two_ranks("recompute_state_check.py", tmp_path)
     got: dict[str, torch.Tensor] = {}
     for rank in (0, 1):
         got.update(torch.load(tmp_path / f"rank{rank}.pt"))

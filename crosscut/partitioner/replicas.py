@@ -291,7 +291,8 @@ def reduction(
     for name in _algorithms(replicas, nodes, node_link, (1.0, net_lat)):
         positions = []
         for k, share in enumerate(shares):
-            b_net = nics * net_bw * share if nodes > 1 else 1.0
+            # a position with no gradient ships nothing: any bandwidth prices it at 0 bytes
+            b_net = nics * net_bw * (share or 1.0) if nodes > 1 else 1.0
             alpha, beta = _algorithms(replicas, nodes, node_link, (b_net, net_lat))[name]
             positions.append(PositionReduction(alpha, beta, bucket_lists[k]))
         seconds = max((p.seconds for p in positions), default=0.0)

@@ -75,8 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--cross-shaped",
-        action="store_true",
-        help="let stages run on device groups split by batch or channels",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let stages run on device groups split by batch or channels "
+        "(default: batch-split groups where the planner finds them faster; "
+        "--no-cross-shaped: none)",
     )
     p.add_argument(
         "--no-colocate",

@@ -24,6 +24,16 @@ early and the time limit is honoured:
   devices of several kinds this is the only layout: identical replicas need
   identical devices.
 
+Stages replicated to their own degrees: in a layout of one replica a stage
+may run on a batch-split group of devices (data parallelism inside the
+stage), so a model's many-FLOP, few-parameter layers take many devices and
+its parameter-heavy layers few (:meth:`PlanRequest.stage_groups` says when;
+the cross-shaped solver, ``partitioner/solvers/cross.py``, chooses them with
+the stage boundaries). Such a stage never hands on a value a batch split
+cannot join (``PartitionProblem.batch_major``), and a replicated layout whose
+stages would — locally each stage position's replicas are one batch-split
+group — is refused with that reason.
+
 Micro-batches: each layout tries 1, 2, 4, ... dividing the replica's batch
 (:func:`microbatch_candidates`) in increasing order and stops once the step
 grows again, once the plan has one stage (nothing to overlap), or when time
@@ -167,6 +177,12 @@ def _as_replicas(plan: Plan, cluster: Cluster, replicas: int) -> Plan:
     return annotate(plan)  # prices the all-reduce and the step from the plan's own numbers
 
 
+def _widths(plan: Plan) -> list[int]:
+    """Devices of each stage, where some stage runs on a group; else empty."""
+    widths = [len(st.devices) for st in plan.stages]
+    return widths if any(w > 1 for w in widths) else []
+
+
 class _Search:
     """The strategies tried so far: the best plan, every attempt's row, the quickest attempt."""
 
@@ -202,6 +218,7 @@ class _Search:
                 step_time_s=0.0 if plan is None else plan.predicted.step_time_s,
                 reduction="none" if plan is None else plan.replication.reduction,
                 allreduce_s=0.0 if plan is None else plan.replication.allreduce_s,
+                widths=[] if plan is None else _widths(plan),
             )
         )
 
@@ -237,12 +254,13 @@ def _attempt(
     costs = cache.costs(size, node)
     search.trace_s = max(search.trace_s, time.monotonic() - t0)
     t0 = time.monotonic()
+    groups, splits = request.stage_groups(lay.replicas)
     req = dataclasses.replace(
         request,
         microbatches=m,
         require_all_devices=lay.require_all,
-        # device groups inside a stage only where one replica holds the cluster
-        cross_shaped=request.cross_shaped and lay.replicas == 1,
+        cross_shaped=groups,
+        splits=splits,
     )
     shapes = [[cache.batch // lay.replicas, *t.shape[1:]] for t in cache.inputs]
     by = share() if search.best is not None else search.deadline
@@ -250,6 +268,8 @@ def _attempt(
         graph, costs, node, req, input_shapes=shapes, progress=progress, deadline=by
     )
     plan = _as_replicas(plan, cluster, lay.replicas)
+    if lay.replicas > 1:
+        _check_replica_exports(plan)
     wall = time.monotonic() - t0
     search.quickest = wall if search.quickest == 0.0 else min(search.quickest, wall)
     span = replica_span(plan, lay.replicas)
@@ -263,6 +283,28 @@ def _attempt(
             remedy="a fixed device order would avoid it; the layout is skipped",
         )
     return plan
+
+
+def _check_replica_exports(plan: Plan) -> None:
+    """Refuse replicas of a pipeline whose stages hand on values a batch split cannot join.
+
+    Locally the replicas of a stage position run as one batch-split group
+    (``codegen/grouped_stages.local_groups``), which concatenates its shares'
+    copies of everything it hands on: a ``x.size(0)`` or a mean over the batch
+    crossing a cut — or returned by the model — would be each share's own."""
+    from crosscut.partitioner.build import plan_to_problem
+    from crosscut.partitioner.group_costs import batch_split_exports
+
+    pb, stage_of, _ = plan_to_problem(plan)
+    for k in range(plan.num_stages):
+        names = batch_split_exports(pb, stage_of, k)
+        if names:
+            raise PartitionError(
+                f"replicas split every stage by batch, and stage {k} hands on values "
+                "that are not batch-major tensors",
+                value=names[:4],
+                remedy="the layout is skipped; one replica plans without this rule",
+            )
 
 
 def _share_of(within: Deadline, parts: int) -> Deadline:

@@ -121,7 +121,8 @@ def solve_traced(
     from crosscut.partitioner.partition import partition_graph
 
     r = request
-    widths, splits = cross_options(r.cross_shaped, r.widths, r.splits, len(cluster.devices))
+    groups, allowed = r.stage_groups(1)
+    widths, splits = cross_options(groups, r.widths, allowed, len(cluster.devices))
     options = PlanOptions(
         objective=r.objective,
         schedule=r.schedule,

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from crosscut.partitioner.evaluate import check, evaluate, lower_bound, single_groups
-from crosscut.partitioner.group_costs import share
+from crosscut.partitioner.group_costs import batch_split_exports, share
 from crosscut.partitioner.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.solvers import solve
 from crosscut.partitioner.solvers.bruteforce import brute_force_groups
@@ -384,3 +384,45 @@ def test_group_dp_matches_brute_force_with_heavy_tails(seed: int) -> None:
     stage_of, groups = found
     obj = evaluate(pb, stage_of, [g.leader for g in groups], groups).objective
     assert obj == pytest.approx(brute.objective, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_batch_split_stages_never_hand_on_values_that_are_not_batch_major(seed: int) -> None:
+    """A ``x.size(0)`` or a batch mean leaving a batch-split stage would be each share's
+    own (codegen refuses it): the DP respects it and still finds brute force's optimum."""
+    rng = random.Random(300 + seed)
+    pb = make(rng, rng.randint(4, 6), chain=seed % 2 == 0, microbatches=1)
+    pb = dataclasses.replace(
+        pb,
+        splits=("batch",),
+        batch=8,
+        batch_major=[rng.random() < 0.6 for _ in range(pb.n)],
+    )
+    brute = brute_force_groups(pb)
+    found = cross_dp(pb)
+    assert found is not None
+    stage_of, groups = found
+    leaders = [g.leader for g in groups]
+    assert not check(pb, stage_of, leaders, groups)
+    for k, g in enumerate(groups):
+        if g.split == "batch":
+            assert batch_split_exports(pb, stage_of, k) == []
+    if seed % 2 == 0:  # chains: the DP's space is brute force's
+        assert evaluate(pb, stage_of, leaders, groups).objective == pytest.approx(
+            brute.objective, rel=1e-9
+        )
+
+
+def test_check_names_a_shape_leaving_a_batch_split_stage() -> None:
+    pb = dataclasses.replace(
+        make(random.Random(1), 4, chain=True),
+        batch=8,
+        splits=("batch",),
+        batch_major=[True, False, True, True],  # n1 is a size read by n2
+    )
+    groups = [StageGroup((0, 1), "batch"), StageGroup((2,))]
+    errors = check(pb, [0, 0, 1, 1], [0, 2], groups)
+    assert any("hands on 'n1'" in e for e in errors), errors
+    # the same cut after the reader, or the stage on one device, is fine
+    assert not check(pb, [0, 0, 0, 1], [0, 2], groups)
+    assert not check(pb, [0, 0, 1, 1], [0, 2], [StageGroup((0,)), StageGroup((2,))])

@@ -136,6 +136,58 @@ def test_strategy_round_trips_and_is_drawn(tmp_path: Path) -> None:
     assert "id='strategy'" in html and "data parallel, 4 replicas" in html
 
 
+def test_stages_replicated_to_their_own_degrees_where_that_is_fastest() -> None:
+    """AlexNet on 8 K20c (PCIe): its convolutions are many FLOPs and few parameters, its
+    classifier the reverse. Default options give the convolutions batch-split groups (a
+    stage's own data parallelism) and the classifier few devices, faster than data
+    parallelism, which all-reduces the classifier over every device; groups are batch
+    splits only, and only while the replicas are the planner's."""
+    model = torchvision.models.alexnet(weights=None)
+    plan = crosscut.partition(model, "8xK20c", _meta(256))
+    widths = [len(st.devices) for st in plan.stages]
+    assert max(widths) > 1 and len(set(widths)) > 1, strategy_line(plan)
+    assert {st.split for st in plan.stages if len(st.devices) > 1} == {"batch"}
+    dp = plan.strategy.data_parallel()
+    assert dp is not None and plan.predicted.step_time_s < dp.step_time_s
+    chosen = next(a for a in plan.strategy.alternatives if a.outcome == "chosen")
+    assert chosen.widths == widths and "stages on " + "+".join(map(str, widths)) in chosen.label()
+    assert "groups " in strategy_line(plan)
+    for pinned in ({"cross_shaped": False}, {"replicas": 1}):
+        plain = crosscut.partition(model, "8xK20c", _meta(256), **pinned)  # type: ignore[arg-type]
+        assert all(len(st.devices) == 1 for st in plain.stages), pinned
+
+
+class _SharesAStatistic(nn.Module):
+    """Returns a batch statistic beside the logits: each replica's share has its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU())
+        self.head = nn.Linear(16 * 16 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.body(x)
+        z = self.head(y.view(y.size(0), -1))
+        return z, z.mean()
+
+
+def test_replicas_that_could_not_join_an_output_are_not_chosen() -> None:
+    """Locally a stage position's replicas run as one batch-split group, which can only
+    concatenate batch-major values: data parallelism here would hand on the 0-d mean
+    (codegen refused the plan the planner had chosen). The planner refuses that layout,
+    says why, and the plan it returns compiles and equals eager."""
+    model = _SharesAStatistic()
+    x = torch.randn(16, 3, 16, 16)
+    compiled = crosscut.compile(model, ["cpu"] * 2, x, output_merge={1: "mean"}, time_limit=5)
+    dp = compiled.plan.strategy.data_parallel()
+    assert dp is not None and dp.outcome == "refused" and "batch-major" in dp.reason
+    assert compiled.plan.replication.replicas == 1
+    out, ref = compiled(x), model(x)
+    torch.testing.assert_close(out[0], ref[0])
+    torch.testing.assert_close(out[1], ref[1])
+
+
 class _NoBN(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -63,9 +63,15 @@ def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[
                 param_bytes=0 if n.is_io else int(n.param_bytes),
                 shard=shard,
                 channels=channels,
+                batch_major=_batch_major(n.shapes, graph.batch_size),
             )
         )
     return out
+
+
+def _batch_major(shapes: Sequence[Sequence[int]], batch: int) -> bool:
+    """Whether a node's output is one tensor whose dim 0 is the (micro-)batch."""
+    return len(shapes) == 1 and len(shapes[0]) >= 1 and int(shapes[0][0]) == batch
 
 
 def assigned_names(nodes: Sequence[PlanNode]) -> list[str]:
@@ -148,6 +154,7 @@ def problem_from_parts(
         shard=[by_name[n].shard for n in names],
         channels=[by_name[n].channels for n in names],
         param_bytes=[by_name[n].param_bytes for n in names],
+        batch_major=[by_name[n].batch_major for n in names],
         batch=batch,
         graph_inputs=[(by_name[p].out_bytes, cs) for p, cs in readers.items() if cs],
         graph_outputs=returned,

@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from crosscut.partitioner.group_costs import (
+    batch_split_exports,
     collective_time,
     group_problems,
     node_share,
@@ -413,6 +414,13 @@ def check(
     for k in range(num_stages):
         if k not in used:
             errors.append(f"stage {k} is empty (renumber the stages)")
+    for k, g in enumerate(groups or []):
+        if g.split == "batch":
+            for name in batch_split_exports(problem, stage_of, k):
+                errors.append(
+                    f"stage {k} is split by batch but hands on {name!r}, which is not a "
+                    "tensor with the batch as dim 0 (each share would compute its own)"
+                )
     if groups is None and len(set(stage_device)) != len(stage_device):
         errors.append(f"stage_device {stage_device} uses a device twice")
     if any(not 0 <= d < problem.num_devices for d in stage_device):

@@ -47,6 +47,8 @@ from collections.abc import Sequence
 from crosscut.partitioner.problem import PartitionProblem, StageGroup
 
 __all__ = [
+    "batch_split_exports",
+    "batch_split_refused",
     "collective_time",
     "colocated",
     "group_link",
@@ -157,3 +159,32 @@ def group_problems(problem: PartitionProblem, groups: Sequence[StageGroup]) -> l
                 "some devices would get no sample"
             )
     return errors
+
+
+def batch_split_exports(problem: PartitionProblem, stage_of: Sequence[int], k: int) -> list[str]:
+    """Nodes of stage ``k`` that leave it (for a later stage or the model's output) and
+    are not batch-major tensors: a batch-split stage cannot hand them on, because each
+    share would compute its own (``x.size(0)`` of its rows, a mean of its rows)."""
+    if not problem.batch_major:
+        return []
+    leaves = set(problem.graph_outputs)
+    leaves.update(u for u, v in problem.edges if stage_of[u] == k and stage_of[v] != k)
+    return [
+        problem.names[v]
+        for v in sorted(leaves)
+        if stage_of[v] == k and not problem.is_batch_major(v)
+    ]
+
+
+def batch_split_refused(problem: PartitionProblem) -> list[tuple[int, int]]:
+    """``(v, last)`` for every node ``v`` whose value no batch-split chunk may hand on:
+    a chunk ``[a, b)`` of the node order with ``a <= v < b <= last`` is refused
+    (``last``: its last reader's index, or ``n`` when the model returns it)."""
+    if not problem.batch_major:
+        return []
+    last = [-1] * problem.n
+    for u, v in problem.edges:
+        last[u] = max(last[u], v)
+    for v in problem.graph_outputs:
+        last[v] = problem.n
+    return [(v, last[v]) for v in range(problem.n) if not problem.is_batch_major(v) and last[v] > v]

@@ -90,6 +90,8 @@ def _coarse_nodes(
                 activation_bytes=sum(g.activation_bytes for g in group),
                 time_s={k: sum(g.time_s[k] for g in group) for k in kinds},
                 bwd_s={k: sum(g.bwd_s.get(k, 0.0) for g in group) for k in kinds},
+                # conservative: a member's value may be what leaves the coarse node
+                batch_major=all(g.batch_major for g in group),
             )
         )
     return out

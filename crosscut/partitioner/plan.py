@@ -95,6 +95,8 @@ class PlanNode:
     param_bytes: int = 0  # parameter (= gradient) bytes: what a batch-split group all-reduces
     shard: str = "full"  # in a channel split: "split" | "channel" | "full" (problem.SHARD_KINDS)
     channels: int = 0  # output channels a channel split divides (0: unknown)
+    # one tensor with the micro-batch as dim 0: a batch-split stage may hand it on
+    batch_major: bool = True
 
 
 @dataclass
@@ -218,15 +220,22 @@ class Alternative:
     step_time_s: float = 0.0
     reduction: str = "none"
     allreduce_s: float = 0.0
+    # devices of each stage where some stage runs on a group (a stage's own data
+    # parallelism); empty: one device per stage
+    widths: list[int] = field(default_factory=list)
 
     @property
     def data_parallel(self) -> bool:
         return self.devices == 1
 
     def label(self) -> str:
-        """``"2 replicas × 4 devices (4 stages), M=8"``; data parallelism says so."""
+        """``"2 replicas × 4 devices (4 stages), M=8"``; groups (``"1 replica, stages on
+        1+2+4+1, M=16"``) and data parallelism say so."""
         if self.data_parallel:
             shape = f"data parallel, {self.replicas} replicas"
+        elif self.widths:  # stages on groups: each stage's devices
+            many = "s" if self.replicas > 1 else ""
+            shape = f"{self.replicas} replica{many}, stages on {'+'.join(map(str, self.widths))}"
         else:
             each = f"{self.devices} devices" + (f" ({self.stages} stages)" if self.stages else "")
             shape = f"{self.replicas} replica{'s' if self.replicas > 1 else ''} × {each}"

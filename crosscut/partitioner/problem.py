@@ -104,6 +104,11 @@ class PartitionProblem:
     shard: list[str] = field(default_factory=list)  # [node] one of SHARD_KINDS
     channels: list[int] = field(default_factory=list)  # [node] output channels (0: unknown)
     param_bytes: list[int] = field(default_factory=list)  # [node] gradient bytes to reduce
+    # [node] its output is one tensor whose dim 0 is the micro-batch (empty: all are). A
+    # batch-split stage concatenates its shares' copies of every value it hands on, so
+    # it may not hand on any other (``x.size(0)``, a batch mean): each share would
+    # compute it from its own rows (codegen/batch_shares.py refuses it at compile time)
+    batch_major: list[bool] = field(default_factory=list)
     batch: int = 0  # samples per micro-batch (0: unknown, shares priced as 1/w)
     # the model's own inputs and outputs, which a batch-split stage scatters and gathers:
     # (bytes per micro-batch, the nodes that read it) per input; nodes the model returns
@@ -128,6 +133,9 @@ class PartitionProblem:
 
     def channels_of(self, v: int) -> int:
         return self.channels[v] if self.channels else 0
+
+    def is_batch_major(self, v: int) -> bool:
+        return self.batch_major[v] if self.batch_major else True
 
     def grad_bytes(self, v: int) -> int:
         return self.param_bytes[v] if self.param_bytes else 0

@@ -170,8 +170,13 @@ def strategy_line(plan: Plan) -> str:
         f"M={o.microbatches}",
         o.schedule,
     ]
-    if groups:
-        parts.append(f"{groups} device group(s)")
+    if groups:  # each stage's devices and split: "groups 1+2(batch)+4(batch)+1"
+        parts.append(
+            "groups "
+            + "+".join(
+                f"{len(s.devices)}({s.split})" if len(s.devices) > 1 else "1" for s in plan.stages
+            )
+        )
     if any(s.recompute for s in plan.stages):
         parts.append(
             "recomputation on " + ", ".join(str(s.index) for s in plan.stages if s.recompute)

@@ -349,6 +349,7 @@ def tree_relaxation(problem: PartitionProblem, fraction: float = 0.05) -> Relaxa
         shard=[pb.shard[v] for v in kept] if pb.shard else [],
         channels=[pb.channels[v] for v in kept] if pb.channels else [],
         param_bytes=[pb.param_bytes[v] for v in kept] if pb.param_bytes else [],
+        batch_major=[pb.batch_major[v] for v in kept] if pb.batch_major else [],
     )
     roots = [v for v in range(pb.n) if side[v] and not side[cons[v][0]]]
     floating = sum(size[v] - charge[v] for v in roots) if not pb.overlap_comm else 0.0

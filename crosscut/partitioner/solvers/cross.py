@@ -49,6 +49,7 @@ from crosscut.partitioner.evaluate import (
     lower_bound,
     single_groups,
 )
+from crosscut.partitioner.group_costs import batch_split_refused
 from crosscut.partitioner.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.solvers.baselines import allowed_cuts, device_order
 from crosscut.partitioner.solvers.cpsat import caps_summary
@@ -120,6 +121,7 @@ def cross_dp_search(
     ok = np.asarray(allowed_cuts(pb))
     valid = np.arange(n + 1)[:, None] < np.arange(n + 1)[None, :]
     types = group_types(pb)
+    batch_bad = _batch_bad(pb)
     shapes: dict[tuple[int, int, str], StageShape] = {}
 
     def shape(d: int, w: int, split: str) -> StageShape:
@@ -139,7 +141,7 @@ def cross_dp_search(
         if deadline is not None and deadline.expired():
             complete = False
             break
-        se = _Search(pb, tb, order, total, types, ok, valid, shape, deadline)
+        se = _Search(pb, tb, order, total, types, ok, valid, shape, deadline, batch_bad)
         plans, done = _dp(se, s_loop, colocate)
         complete = complete and done
         for plan in plans:
@@ -151,6 +153,18 @@ def cross_dp_search(
             if key < best_key:
                 best, best_key = plan, key
     return best, complete
+
+
+def _batch_bad(pb: PartitionProblem) -> np.ndarray | None:
+    """``bad[a, b]``: chunk ``[a, b)`` hands on a value a batch split cannot join
+    (:func:`~crosscut.partitioner.group_costs.batch_split_refused`); None if none does."""
+    refused = batch_split_refused(pb)
+    if not refused:
+        return None
+    bad = np.zeros((pb.n + 1, pb.n + 1), dtype=bool)
+    for v, last in refused:
+        bad[: v + 1, v + 1 : last + 1] = True
+    return bad
 
 
 @dataclass
@@ -166,6 +180,8 @@ class _Search:
     valid: np.ndarray
     shape: Callable[[int, int, str], StageShape]
     deadline: Deadline | None = None
+    # chunk [a, b) may not be split by batch: it hands on a value that is not batch-major
+    batch_bad: np.ndarray | None = None
 
     def expired(self) -> bool:
         return self.deadline is not None and self.deadline.expired()
@@ -245,6 +261,8 @@ def _dp(se: _Search, exact_count: bool, colocate: bool = True) -> tuple[list[Gro
                 t, lead_mem, other_mem = se.priced(d, w, split, k, k > 0, d + w < num)
                 cap_lead, cap_other = se.caps(d, w)
                 bad = bad_cut | (lead_mem > cap_lead) | (other_mem > cap_other)
+                if split == "batch" and se.batch_bad is not None:
+                    bad = bad | se.batch_bad
                 cand = np.where(bad, np.inf, np.maximum(row[:, None], t))
                 a_best = np.argmin(cand, axis=0)
                 v_best = cand[a_best, np.arange(n + 1)]
@@ -309,6 +327,11 @@ def _colocated_tail(
                     bad = bad_first | ~se.ok[None, :] | ~se.valid[:, n][None, :]
                     bad |= lm1 + lm2[:, n][None, :] > cap_lead
                     bad |= om1 + om2[:, n][None, :] > cap_other
+                    if se.batch_bad is not None:  # [a, c) first, [c, n) second
+                        if s1 == "batch":
+                            bad |= se.batch_bad
+                        if s2 == "batch":
+                            bad |= se.batch_bad[:, n][None, :]
                     cand = np.where(bad, np.inf, np.maximum(row[:, None], tot))
                     flat = int(np.argmin(cand))
                     val = float(cand.flat[flat])

@@ -57,6 +57,9 @@ class OpNode:
     module_path: str = ""  # owning submodule path, for grouping in the visualizer
     members: list[str] = field(default_factory=list)  # original nodes, for coarse graphs
     leaf_reason: str | None = None  # set when a submodule was made a leaf automatically
+    # its value holds something besides tensors (an int from ``x.size(0)``, a shape,
+    # None): a batch split cannot join such a value from its shares
+    non_tensor: bool = False
 
     @property
     def is_io(self) -> bool:

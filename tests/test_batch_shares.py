@@ -6,6 +6,10 @@ runs them end to end.
 
 from __future__ import annotations
 
+import collections
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from torch import fx, nn
@@ -51,7 +55,16 @@ def test_rule_functions() -> None:
     assert input_kind((x[:1], 2), 5) == "whole"
     assert input_kind((1, "a"), 5) == "const"
     check_output(torch.zeros(3, 1), 3, "0", "s")
-    for bad in (torch.zeros(()), torch.zeros(2, 3), 3, (torch.zeros(3),)):
+    check_output((torch.zeros(3), {"aux": torch.zeros(3, 2)}), 3, "0", "s")  # a pytree
+    bad_values = (
+        torch.zeros(()),
+        torch.zeros(2, 3),
+        3,
+        (),
+        (torch.zeros(3), 3),  # a leaf that is not a tensor
+        (torch.zeros(3), torch.zeros(2)),  # a leaf without the batch
+    )
+    for bad in bad_values:
         with pytest.raises(CodegenError, match="cannot be concatenated"):
             check_output(bad, 3, "0", "s")
 
@@ -104,3 +117,66 @@ def test_whole_pytree_inputs_reach_every_share() -> None:
     got = dict(c.named_parameters())
     for k, p in model.named_parameters():
         assert torch.allclose(got[k].grad, p.grad, atol=1e-5), k
+
+
+class _TwoHeads(nn.Module):
+    """Returns a named pair of batch-major tensors (logits and auxiliary logits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = nn.Conv2d(3, 6, 3, padding=1)
+        self.fc = nn.Linear(6, 4)
+        self.aux = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = torch.relu(self.c1(x)).mean((2, 3))
+        return _Heads(self.fc(h), self.aux(h))
+
+
+_Heads = collections.namedtuple("_Heads", ["logits", "aux"])
+
+
+def test_a_batch_split_stage_joins_a_named_tuple_of_batch_major_tensors() -> None:
+    """googlenet and inception return a named tuple in training: a batch-split stage (or
+    local replicas, which are one) joins it leaf by leaf; outputs and gradients as eager."""
+    model, eager = _TwoHeads(), _TwoHeads()
+    x = torch.randn(8, 3, 8, 8)
+    gm = trace(model, x).gm
+    assert gm is not None
+    stage_of = {n.name: 0 for n in gm.graph.nodes}
+    c = CompiledModule(model, gm, stage_of, ["cpu"], groups=[(["cpu", "cpu"], "batch")])
+    out, ref = c(x), eager(x)
+    assert type(out) is _Heads
+    torch.testing.assert_close(out.logits, ref.logits)
+    torch.testing.assert_close(out.aux, ref.aux)
+    (out.logits.sum() + out.aux.pow(2).sum()).backward()
+    (ref.logits.sum() + ref.aux.pow(2).sum()).backward()
+    for (k, p), q in zip(c.named_parameters(), eager.parameters()):
+        assert p.grad is not None and q.grad is not None, k
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("dist")
+def test_a_torchrun_batch_group_joins_a_tuple_output(tmp_path: Path) -> None:
+    """The same join on two gloo ranks, where each member sends its leaves to the leader."""
+    import tests.test_distributed as td
+
+    script = td.ROOT / "tests" / "dist_scripts" / "tuple_group_check.py"
+    from tuple_group_check import batch, build, loss_fn  # type: ignore[import-not-found]
+
+    td.ok(td.launch(2, ["--out", str(tmp_path)], timeout=180, script=script))
+    ranks = [torch.load(tmp_path / f"tuple_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    model, (x, y) = build(), batch()
+    want = model(x)
+    lead = ranks[0]
+    assert lead["infer_type"] == "Heads"  # the leader rebuilt the named tuple
+    for got, ref in zip(lead["infer"], want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    loss = loss_fn(want, y)
+    assert lead["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
+    loss.backward()
+    for key, p in model.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(lead["grads"][key], p.grad, rtol=1e-4, atol=1e-6, msg=key)

@@ -16,12 +16,13 @@ copied the pytree and refused the constant). The rule, written once:
   are one row larger when the batch does not divide); any other input that
   holds tensors goes whole to every share; the rest are constants;
 * the group uses ``min(width, batch)`` devices (no empty shares);
-* an output must be a tensor whose dim 0 is the batch: the shares' outputs
-  are concatenated. Anything else is refused, at compile time where the trace
-  knows the value: a 0-d or otherwise shaped tensor cannot be joined without
-  a rule, and a non-tensor (``x.size(0)``, a shape) would be computed by each
-  share on its own rows — the leader's ``4`` where the model computed ``8``,
-  which a later ``view`` turns into wrong numbers or a crash.
+* an output must be a tensor whose dim 0 is the batch, or a tuple (list, named
+  tuple, dict) of such tensors only: the shares' outputs are concatenated,
+  leaf by leaf (:func:`join`). Anything else is refused, at compile time where
+  the trace knows the value: a 0-d or otherwise shaped tensor cannot be joined
+  without a rule, and a non-tensor (``x.size(0)``, a shape) would be computed
+  by each share on its own rows — the leader's ``4`` where the model computed
+  ``8``, which a later ``view`` turns into wrong numbers or a crash.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch.utils import _pytree as pytree
 from crosscut.codegen.width import shard_bounds
 from crosscut.errors import CodegenError
 
-__all__ = ["batch_of", "check_output", "input_kind", "share_bounds"]
+__all__ = ["batch_of", "check_output", "input_kind", "join", "share_bounds"]
 
 
 def batch_of(values: Sequence[Any], where: str) -> int:
@@ -64,11 +65,18 @@ def input_kind(value: Any, batch: int) -> str:
     return "const"
 
 
+def _rows(t: Any, rows: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() > 0 and int(t.shape[0]) == rows
+
+
 def check_output(value: Any, rows: int, name: str, where: str) -> None:
-    """Refuse an output of a batch-split stage that is not a tensor of ``rows`` rows."""
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and int(value.shape[0]) == rows:
+    """Refuse an output of a batch-split stage that is not tensors of ``rows`` rows (one,
+    or a pytree of them: a model's named tuple of logits and auxiliary logits)."""
+    leaves = pytree.tree_leaves(value)
+    if leaves and all(_rows(t, rows) for t in leaves):
         return
-    what = "a non-tensor value" if not isinstance(value, torch.Tensor) else "not batch-major"
+    tensors = all(isinstance(t, torch.Tensor) for t in leaves)
+    what = "not batch-major" if leaves and tensors else "a non-tensor value"
     raise CodegenError(
         f"output {name} of {where} is {what}, so its shares cannot be concatenated "
         "(each share computes it on its own rows)",
@@ -76,3 +84,13 @@ def check_output(value: Any, rows: int, name: str, where: str) -> None:
         remedy="cut the stage elsewhere (after the value is used), split it by channel, "
         "or do not split it",
     )
+
+
+def join(values: Sequence[Any], device: torch.device | str) -> Any:
+    """The shares' copies of one output joined into the whole batch's, on ``device``: a
+    tensor concatenated on dim 0, a pytree of them leaf by leaf (its structure from the
+    first share; :func:`check_output` has checked every share)."""
+    flat = [pytree.tree_flatten(v) for v in values]
+    spec = flat[0][1]
+    leaves = [torch.cat([f[0][i].to(device) for f in flat], 0) for i in range(len(flat[0][0]))]
+    return pytree.tree_unflatten(leaves, spec)

@@ -30,7 +30,7 @@ from torch import fx, nn
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
-from crosscut.codegen.batch_shares import batch_of, check_output, input_kind, share_bounds
+from crosscut.codegen.batch_shares import batch_of, check_output, input_kind, join, share_bounds
 from crosscut.codegen.share_threads import (
     draws_random,
     module_view,
@@ -218,4 +218,4 @@ class BatchSplitStage(nn.Module):
         bounds = share_bounds(batch, len(self.devices))
         for (lo, hi), v in zip(bounds, values):
             check_output(v, hi - lo, str(j), "a batch-split stage")
-        return torch.cat([v.to(self.devices[0]) for v in values], 0)
+        return join(values, self.devices[0])

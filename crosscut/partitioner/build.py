@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from crosscut.errors import PlanError
-from crosscut.graph import OpGraph
+from crosscut.graph import OpGraph, OpNode
 from crosscut.partitioner.plan import Plan, PlanCluster, PlanNode, PlanOptions
 from crosscut.partitioner.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.shard import shard_kind
@@ -63,15 +63,21 @@ def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[
                 param_bytes=0 if n.is_io else int(n.param_bytes),
                 shard=shard,
                 channels=channels,
-                batch_major=_batch_major(n.shapes, graph.batch_size),
+                batch_major=_batch_major(n, graph.batch_size),
             )
         )
     return out
 
 
-def _batch_major(shapes: Sequence[Sequence[int]], batch: int) -> bool:
-    """Whether a node's output is one tensor whose dim 0 is the (micro-)batch."""
-    return len(shapes) == 1 and len(shapes[0]) >= 1 and int(shapes[0][0]) == batch
+def _batch_major(node: OpNode, batch: int) -> bool:
+    """Whether a node's value is tensors only (one, or a tuple of them), each with the
+    (micro-)batch as dim 0: what a batch split joins by concatenating its shares'."""
+    shapes = node.shapes
+    return (
+        not node.non_tensor
+        and bool(shapes)
+        and all(len(s) >= 1 and int(s[0]) == batch for s in shapes)
+    )
 
 
 def assigned_names(nodes: Sequence[PlanNode]) -> list[str]:

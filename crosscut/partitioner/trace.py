@@ -369,6 +369,7 @@ def _build_nodes(gm: torch.fx.GraphModule, prop: Propagator, auto: dict[str, str
             out_bytes=0 if n.op == "output" else _tensor_bytes(val),
             module_path=_module_path(n),
             leaf_reason=auto.get(str(n.target)) if n.op == "call_module" else None,
+            non_tensor=first is None or any(not isinstance(t, Tensor) for t in tensors),
         )
         node.fwd_flops, node.bwd_flops = prop.flops.get(n.name, (0, 0))
         own: dict[int, Tensor] = {}

@@ -331,9 +331,10 @@ class BatchMember(nn.Module):
             for leaf in leaves if spec.kind != "const" else []:
                 for i in range(1, self.width):
                     ops[("in", j, leaf, i)] = len(ops)
-        for j in range(len(self.outputs)):
-            for i in range(1, self.width):
-                ops[("out", j, 0, i)] = len(ops)
+        for j, (_, v) in enumerate(self.outputs):  # a tensor, or a pytree of them: per leaf
+            for leaf in range(len(pytree.tree_leaves(v))):
+                for i in range(1, self.width):
+                    ops[("out", j, leaf, i)] = len(ops)
         return ops, len(ops)
 
     def forward(self, *args: Any) -> tuple[Any, ...]:
@@ -364,16 +365,20 @@ class BatchMember(nn.Module):
         outs = self.inner(*mine)
         merged: list[Any] = []
         for j, (name, v) in enumerate(self.outputs):
-            parts = [outs[j]]
-            for i in range(1, self.width):
-                lo, hi = self.bounds[i]
-                op = self._ops[0][("out", j, 0, i)]
-                shape = (hi - lo, *tuple(v.shape[1:]))
-                token, part = recv(
-                    token, self.link, op, i, name, v.is_floating_point(), shape, v.dtype
-                )
-                parts.append(part)
-            merged.append(torch.cat(parts, 0) if len(parts) > 1 else parts[0])
+            mine_leaves, tree = pytree.tree_flatten(outs[j])
+            joined = []
+            for leaf, t in enumerate(pytree.tree_leaves(v)):
+                parts = [mine_leaves[leaf]]
+                for i in range(1, self.width):
+                    lo, hi = self.bounds[i]
+                    op = self._ops[0][("out", j, leaf, i)]
+                    shape = (hi - lo, *tuple(t.shape[1:]))
+                    token, part = recv(
+                        token, self.link, op, i, name, t.is_floating_point(), shape, t.dtype
+                    )
+                    parts.append(part)
+                joined.append(torch.cat(parts, 0) if len(parts) > 1 else parts[0])
+            merged.append(pytree.tree_unflatten(joined, tree))
         return (*merged, token)
 
     def _op(
@@ -413,6 +418,9 @@ class BatchMember(nn.Module):
             mine.append(pytree.tree_unflatten(built, tree))
         outs = self.inner(*mine)
         for j, (name, v) in enumerate(self.outputs):
-            op = self._ops[0][("out", j, 0, k)]
-            token = send(token, outs[j], self.link, op, 0, name, v.is_floating_point())
+            for leaf, (t, mine_t) in enumerate(
+                zip(pytree.tree_leaves(v), pytree.tree_leaves(outs[j]))
+            ):
+                op = self._ops[0][("out", j, leaf, k)]
+                token = send(token, mine_t, self.link, op, 0, name, t.is_floating_point())
         return (token,)

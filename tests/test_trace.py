@@ -306,3 +306,57 @@ def test_segmentation_models_trace(name: str) -> None:
     g.lint()
     assert g.nodes[-1].shapes[0] == [2, 21, 64, 64]
     assert g.total_fwd_flops > 0
+
+
+class _ConvKinds(nn.Module):
+    """Every convolution and linear shape the analytic backward count covers, and a frozen
+    layer (no weight gradient) and a first layer (no input gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv1d(3, 8, 3, stride=2)
+        self.c2 = nn.Conv2d(8, 16, 3, padding=2, dilation=2)
+        self.grouped = nn.Conv2d(16, 16, 3, padding=1, groups=4)
+        self.depthwise = nn.Conv2d(16, 16, 5, stride=2, padding=2, groups=16)
+        self.frozen = nn.Conv2d(16, 8, 1, bias=False).requires_grad_(False)
+        self.c3 = nn.Conv3d(1, 2, 3, padding=1)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)  # not covered: counted by autograd
+        self.seq = nn.Linear(4, 6)  # a 3-d input
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.relu(self.c1(x))  # (N, 8, L)
+        z = y.unsqueeze(-1).expand(-1, -1, -1, 8)
+        z = self.frozen(self.depthwise(self.grouped(self.c2(z))))
+        v = self.c3(z[:, :1].unsqueeze(1)).mean(1)
+        z = self.up(z + v)
+        t = self.seq(z.flatten(2).transpose(1, 2))  # (N, positions, 6)
+        return self.head(t.mean(1))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_analytic_backward_flops_equal_autograd_counts(precision: str) -> None:
+    """The shortcut that prices conv/linear backward from torch's formulas gives the very
+    numbers a backward run counts, node by node (and torchvision models with grouped,
+    depthwise and dilated convolutions: tests above trace them too)."""
+    import torchvision
+
+    from crosscut.partitioner.propagate import Propagator
+
+    image = torch.empty(2, 3, 64, 64, device="meta")
+    cases: list[tuple[nn.Module, Tensor]] = [
+        (_ConvKinds(), torch.randn(2, 3, 33)),
+        (torchvision.models.resnext50_32x4d(weights=None), image),
+        (torchvision.models.mobilenet_v3_small(weights=None), image),
+    ]
+    for model, x in cases:
+        counts = {}
+        for analytic in (False, True):
+            Propagator.analytic_backward = analytic
+            try:
+                graph = trace(model, x, precision=precision)
+            finally:
+                Propagator.analytic_backward = True
+            counts[analytic] = {n.name: (n.fwd_flops, n.bwd_flops) for n in graph.nodes}
+        assert counts[True] == counts[False], type(model).__name__
+        assert sum(b for _, b in counts[True].values()) > 0

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import conv_backward_flop, flop_registry
 
 from crosscut.errors import InputError
 from crosscut.partitioner.alias import record_writes, versions
@@ -41,6 +41,11 @@ def first_line(exc: BaseException) -> str:
 
 class Propagator(torch.fx.Interpreter):
     """Runs the graph on fake tensors, recording per-node outputs and FLOPs."""
+
+    # convolution and linear modules' backward FLOPs from torch's own formulas at the
+    # traced shapes, without running their backward (a quarter of a trace's time);
+    # tests/test_trace.py checks both ways agree on every kind of convolution
+    analytic_backward = True
 
     def __init__(
         self, gm: torch.fx.GraphModule, mode: FakeTensorMode, device: torch.device, train: bool
@@ -151,8 +156,48 @@ class Propagator(torch.fx.Interpreter):
             isinstance(t, Tensor) and t.is_floating_point() for t in tree_flatten(out)[0]
         )
         needs = self.train and floating and (grad_in or self._grad_params(n))
-        bwd = self._backward_flops(fn, args, kwargs, grad_in) if needs and fwd > 0 else 0
+        bwd = 0
+        if needs and fwd > 0:
+            known = self._module_backward_flops(fn, args, out, grad_in)
+            bwd = known if known is not None else self._backward_flops(fn, args, kwargs, grad_in)
         return out, fwd, bwd, needs
+
+    def _module_backward_flops(
+        self, fn: Callable[..., Any], args: Any, out: Any, grad_in: bool
+    ) -> int | None:
+        """Backward FLOPs of a plain convolution or linear module, by torch's formulas for
+        the ops its backward runs (``convolution_backward``; two ``mm``); None otherwise."""
+        if not self.analytic_backward or not isinstance(out, Tensor) or not args:
+            return None
+        x = args[0]
+        if not isinstance(x, Tensor) or x.dtype != out.dtype:
+            return None
+        w = getattr(fn, "weight", None)
+        if type(fn) in _CONVS and isinstance(w, Tensor) and isinstance(fn, nn.modules.conv._ConvNd):
+            if fn.padding_mode != "zeros" or isinstance(fn.padding, str):
+                return None
+            bias = fn.bias
+            return int(
+                conv_backward_flop(  # type: ignore[call-arg]  # registered form: out_val, not out_shape
+                    out,
+                    x,
+                    w,
+                    None,
+                    fn.stride,
+                    fn.padding,
+                    fn.dilation,
+                    False,
+                    fn.output_padding,
+                    fn.groups,
+                    [grad_in, w.requires_grad, bias is not None and bias.requires_grad],
+                    out_val=[x, w, bias],
+                )
+            )
+        if type(fn) is nn.Linear and isinstance(w, Tensor):
+            rows = out.numel() // max(1, out.shape[-1]) if out.dim() else 1
+            each = 2 * rows * fn.in_features * fn.out_features  # one mm of the forward's size
+            return each * (int(grad_in) + int(w.requires_grad))
+        return None
 
     def _grad_params(self, n: torch.fx.Node) -> bool:
         if n.op != "call_module":
@@ -180,6 +225,9 @@ class Propagator(torch.fx.Interpreter):
         start = self.flops_mode.total
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
         return self.flops_mode.total - start
+
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 class _FlopMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]

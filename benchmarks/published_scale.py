@@ -18,7 +18,11 @@ are priced as the cheapest of crosscut's ring, tree and 2d. The table says
 where each run's step goes, and sets the published per-GPU rate against the
 papers' own scaling efficiencies: the rate one GPU of each paper's framework
 reached alone (published rate ÷ efficiency) against the rate crosscut prices
-one GPU at. One validation pass
+one GPU at, and the scaling efficiency crosscut predicts (the step of the
+GPUs the paper's efficiency was measured against over the step at the GPU
+count it was published for) against the published one: a ratio of one
+framework's own steps, so it checks the communication model apart from how
+fast each framework computed. One validation pass
 of 50,000 images per epoch is priced as a column of its own and not added: no
 paper says whether its time includes it (it is at most ~1 % of each run).
 
@@ -54,6 +58,7 @@ them from the papers.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -88,12 +93,25 @@ class PublishedRun:
     published_s: float
     algorithm: str | None = None  # the all-reduce the run used ("ring" | "tree" | "2d")
     overlap: bool = True  # whether its all-reduce overlapped the backward
-    scaling: float = 0.0  # the paper's scaling efficiency (0: not published)
+    scaling: float = 0.0  # the paper's scaling efficiency (0: not published) ...
+    scaling_gpus: int = 0  # ... at this many GPUs (0: the run's) ...
+    scaling_base: int = 1  # ... against this many (1: one GPU; Goyal et al.: one server)
 
 
 RUNS: list[PublishedRun] = [
     PublishedRun(
-        "Goyal et al. 2017", "32x8xP100+eth50", 32, "fp32", 4.0, 90, 3600.0, None, True, 0.90
+        "Goyal et al. 2017",
+        "32x8xP100+eth50",
+        32,
+        "fp32",
+        4.0,
+        90,
+        3600.0,
+        None,
+        True,
+        0.90,
+        256,
+        8,
     ),
     PublishedRun(
         "Akiba et al. 2017",
@@ -111,7 +129,17 @@ RUNS: list[PublishedRun] = [
         "Jia et al. 2018", "256x8xP40+eth100", 32, "fp16", 2.0, 90, 6.6 * 60.0, None, True, 0.879
     ),
     PublishedRun(
-        "Mikami et al. 2018", "544x4xV100+2xib100", 32, "fp16", 2.0, 90, 224.0, None, True, 0.9162
+        "Mikami et al. 2018",
+        "544x4xV100+2xib100",
+        32,
+        "fp16",
+        2.0,
+        90,
+        224.0,
+        None,
+        True,
+        0.9162,
+        1088,
     ),
 ]
 
@@ -125,25 +153,39 @@ def _slowest_link(cluster: Cluster) -> list[float]:
     ]
 
 
-def data_parallel_plan(run: PublishedRun, model: torch.nn.Module | None = None) -> Plan:
-    """One GPU's plan at the per-GPU batch, priced as a replica of every GPU of the run."""
-    cluster = Cluster.from_spec(run.cluster)
-    model = model or torchvision.models.resnet50(weights=None)
+def one_gpu_plan(run: PublishedRun, model: torch.nn.Module | None = None) -> Plan:
+    """One GPU's training plan at the run's per-GPU batch and precision."""
+    kind = Cluster.from_spec(run.cluster).devices[0].kind
     x = torch.empty(run.per_gpu_batch, 3, 224, 224, device="meta")
-    plan = crosscut.partition(
-        model,
-        f"1x{cluster.devices[0].kind}",
+    return crosscut.partition(
+        model or torchvision.models.resnet50(weights=None),
+        f"1x{kind}",
         x,
         precision=run.precision,
         optimizer="momentum",
     )
-    plan.cluster.nodes, plan.cluster.nics = cluster.nodes, cluster.nics
-    plan.cluster.network = list(cluster.network)
-    plan.cluster.network_name = cluster.network_name
-    plan.cluster.node_link = _slowest_link(cluster)
-    plan.replication.replicas = cluster.total_devices
-    plan.replication.grad_bytes = run.grad_bytes
-    return annotate(plan)
+
+
+def replicated(plan: Plan, run: PublishedRun, gpus: int = 0) -> Plan:
+    """``plan`` priced as a replica on every GPU of the run (or of ``gpus`` of its GPUs)."""
+    spec = run.cluster
+    if gpus:  # the same nodes, fewer of them
+        node = spec.split("x", 1)[1]
+        spec = f"{max(1, gpus // len(Cluster.from_spec('1x' + node).devices))}x{node}"
+    cluster = Cluster.from_spec(spec)
+    out = copy.deepcopy(plan)
+    out.cluster.nodes, out.cluster.nics = cluster.nodes, cluster.nics
+    out.cluster.network = list(cluster.network)
+    out.cluster.network_name = cluster.network_name
+    out.cluster.node_link = _slowest_link(cluster)
+    out.replication.replicas = gpus or cluster.total_devices
+    out.replication.grad_bytes = run.grad_bytes
+    return annotate(out)
+
+
+def data_parallel_plan(run: PublishedRun, model: torch.nn.Module | None = None) -> Plan:
+    """One GPU's plan at the per-GPU batch, priced as a replica of every GPU of the run."""
+    return replicated(one_gpu_plan(run, model), run)
 
 
 @dataclass(frozen=True)
@@ -163,51 +205,66 @@ class Breakdown:
     gpu_rate: float  # images/s one GPU is priced at, alone (no all-reduce)
     published_rate: float  # images/s per GPU the published time implies
     framework_rate: float  # published_rate / the paper's scaling efficiency (0: unknown)
+    scaling: float = 0.0  # the scaling efficiency crosscut predicts where the paper measured it
+
+
+def _exposed(plan: Plan, run: PublishedRun, bwd: float) -> tuple[float, float, str]:
+    """(exposed, on the wire, algorithm) of ``plan``'s all-reduce as ``run`` did it."""
+    names = [run.algorithm] if run.algorithm else None
+    replicas = plan.replication.replicas
+    if replicas <= 1:
+        return 0.0, 0.0, "none"
+    if run.overlap:
+        red = reduction(plan, replicas, algorithms=names)
+        return max(0.0, red.positions[0].finish(0.0, bwd, bwd) - bwd), red.seconds, red.algorithm
+    # one call on one fused buffer after the backward (ChainerMN's pack_params)
+    grads = [int(b * run.grad_bytes / 4.0) for b in stage_gradient_bytes(plan)]
+    red = reduction(plan, replicas, grads, algorithms=names)
+    return red.seconds, red.seconds, red.algorithm
 
 
 def breakdown(run: PublishedRun, plan: Plan | None = None) -> Breakdown:
     """Price ``run`` as it ran: its all-reduce algorithm, overlapped or not."""
-    plan = plan or data_parallel_plan(run)
-    kind = plan.cluster.devices[0].kind
-    bwd = sum(n.bwd_s.get(kind, 0.0) for n in plan.nodes)
-    fwd = sum(n.time_s.get(kind, 0.0) for n in plan.nodes) - bwd
-    sim = simulate(plan)
-    overhead = step_overhead_s(plan.cluster.devices[0].device)
-    replicas = plan.replication.replicas
-    names = [run.algorithm] if run.algorithm else None
-    if run.overlap:
-        red = reduction(plan, replicas, algorithms=names)
-        exposed = max(0.0, red.positions[0].finish(0.0, bwd, bwd) - bwd)
-    else:  # one call on one fused buffer after the backward (ChainerMN's pack_params)
-        grads = [b * run.grad_bytes / 4.0 for b in stage_gradient_bytes(plan)]
-        red = reduction(plan, replicas, [int(g) for g in grads], algorithms=names)
-        exposed = red.seconds
-    alone = fwd + bwd + sim.update_s + overhead
-    step = alone + exposed
+    one = plan or one_gpu_plan(run)
+    full = replicated(one, run)
+    kind = full.cluster.devices[0].kind
+    bwd = sum(n.bwd_s.get(kind, 0.0) for n in full.nodes)
+    fwd = sum(n.time_s.get(kind, 0.0) for n in full.nodes) - bwd
+    update = simulate(full).update_s
+    overhead = step_overhead_s(full.cluster.devices[0].device)
+    alone = fwd + bwd + update + overhead
+    exposed, wire, algorithm = _exposed(full, run, bwd)
+    replicas = full.replication.replicas
     steps = run.epochs * IMAGENET_TRAIN / (run.per_gpu_batch * replicas)
     per_gpu_val = math.ceil(IMAGENET_VAL / replicas / run.per_gpu_batch)
     published_rate = run.epochs * IMAGENET_TRAIN / run.published_s / replicas
+    scaling = 0.0
+    if run.scaling:
+        at = replicated(one, run, run.scaling_gpus) if run.scaling_gpus else full
+        base = replicated(one, run, run.scaling_base) if run.scaling_base > 1 else one
+        scaling = (alone + _exposed(base, run, bwd)[0]) / (alone + _exposed(at, run, bwd)[0])
     return Breakdown(
         forward=fwd,
         backward=bwd,
-        update=sim.update_s,
+        update=update,
         overhead=overhead,
         exposed=exposed,
-        wire=red.seconds,
-        algorithm=red.algorithm,
+        wire=wire,
+        algorithm=algorithm,
         eval_s=run.epochs * per_gpu_val * fwd,
-        step=step,
-        total=steps * step,
+        step=alone + exposed,
+        total=steps * (alone + exposed),
         gpu_rate=run.per_gpu_batch / alone,
         published_rate=published_rate,
         framework_rate=published_rate / run.scaling if run.scaling else 0.0,
+        scaling=scaling,
     )
 
 
 def predict_run(run: PublishedRun) -> tuple[float, Plan]:
     """(predicted seconds of the whole run, the priced plan)."""
-    plan = data_parallel_plan(run)
-    return breakdown(run, plan).total, plan
+    one = one_gpu_plan(run)
+    return breakdown(run, one).total, replicated(one, run)
 
 
 def main() -> None:
@@ -224,18 +281,21 @@ def main() -> None:
             f"{(b.update + b.overhead) * 1e3:>7.1f}{b.exposed * 1e3:>8.1f}{b.step * 1e3:>8.1f}"
             f"{b.total:>8.0f}{run.published_s:>8.0f}{b.total / run.published_s:>7.2f}"
             f"{b.eval_s:>7.1f}  ({b.algorithm}{'' if run.overlap else ', after backward'}, "
-            f"wire {b.wire * 1e3:.1f} ms){flag}"
+            f"wire {b.wire * 1e3:.1f} ms){flag}",
+            flush=True,
         )
         rates.append((run, b))
     print()
     print(
-        f"{'run':<20}{'priced img/s/GPU':>17}{'published':>10}{'scaling':>8}"
-        f"{'framework alone':>16}{'priced/framework':>17}"
+        f"{'run':<20}{'img/s/GPU priced':>17}{'published':>10}{'framework alone':>16}"
+        f"{'priced/fw':>10}{'scaling: publ':>14}{'pred':>6}{'  (GPUs vs base)'}"
     )
     for run, b in rates:
+        gpus = run.scaling_gpus or Cluster.from_spec(run.cluster).total_devices
         print(
-            f"{run.name:<20}{b.gpu_rate:>17.0f}{b.published_rate:>10.0f}{run.scaling:>8.3f}"
-            f"{b.framework_rate:>16.0f}{b.gpu_rate / b.framework_rate:>17.2f}"
+            f"{run.name:<20}{b.gpu_rate:>17.0f}{b.published_rate:>10.0f}{b.framework_rate:>16.0f}"
+            f"{b.gpu_rate / b.framework_rate:>10.2f}{run.scaling:>14.3f}{b.scaling:>6.3f}"
+            f"  ({gpus} vs {run.scaling_base})"
         )
 
 

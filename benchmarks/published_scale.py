@@ -34,18 +34,19 @@ Sources (docs/BENCHMARKS.md has the details and what is approximate):
   server, then between servers by Gloo, during backprop; ~90 % scaling
   efficiency from 8 to 256 GPUs;
 * Akiba et al., "Extremely Large Minibatch SGD: Training ResNet-50 on ImageNet in
-  15 Minutes" (arXiv:1711.04325, 2017): 1,024 P100 (PCIe) in 128 nodes of
-  PFN's MN-1, two InfiniBand FDR links per node and a ring all-reduce (PFN's
-  MN-1 blog post, 2017), 32 images/GPU, fp32 compute with fp16 gradients on
-  the wire, 90 epochs, 15 min; ChainerMN overlapped no all-reduce before v1.2
-  (its double buffering, Chainer blog, May 2018); 80 % scaling efficiency;
+  15 Minutes" (arXiv:1711.04325, 2017): 1,024 P100 (PCIe: 4.7 TFLOPS fp64 each
+  in PFN's post) in 128 nodes of PFN's MN-1, two InfiniBand FDR links per node
+  and a ring all-reduce (PFN's MN-1 blog post, 2017), 32 images/GPU, fp32
+  compute with fp16 gradients on the wire, 90 epochs, 15 min; ChainerMN
+  overlapped no all-reduce before v1.2 (its double buffering, Chainer blog,
+  May 2018); 80 % scaling efficiency;
 * Jia et al., "Highly Scalable Deep Learning Training System with
   Mixed-Precision: Training ImageNet in Four Minutes" (arXiv:1807.11205, 2018):
   2,048 P40 in 256 nodes, 100 Gbit Ethernet, hierarchical all-reduce,
   32 images/GPU (64K batch), fp16 with fp16 gradients, 90 epochs, 6.6 min;
   87.9 % scaling efficiency;
-* Mikami et al., "Massively Distributed SGD: ImageNet/ResNet-50 Training in a
-  Flash" (arXiv:1811.05233, 2018): 2,176 V100 on ABCI (544 nodes of 4, two
+* Mikami et al., "ImageNet/ResNet-50 Training in 224 Seconds" (arXiv:1811.05233v1,
+  2018; v2 is "Massively Distributed SGD ... in a Flash"): 2,176 V100 on ABCI (544 nodes of 4, two
   InfiniBand EDR per node), 2D-torus all-reduce, 34K then 68K batch (16 then
   32 images/GPU: we price 32), mixed precision with fp16 gradients, 90
   epochs, 224 s; 91.62 % scaling efficiency on 1,088 GPUs.

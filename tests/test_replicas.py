@@ -21,7 +21,15 @@ import crosscut
 from crosscut.cost_models import Cluster
 from crosscut.errors import InputError
 from crosscut.partitioner.plan import Plan
-from crosscut.partitioner.replicas import layouts, reduction, stage_gradient_bytes
+from crosscut.partitioner.replicas import (
+    NCCL_BASE_S,
+    NCCL_NET_HOP_S,
+    NCCL_NODE_HOP_S,
+    NCCL_TREE_BW,
+    layouts,
+    reduction,
+    stage_gradient_bytes,
+)
 from crosscut.partitioner.simulate import simulate
 from crosscut.partitioner.validate import validate_plan
 from crosscut.strategy import microbatch_candidates
@@ -53,10 +61,19 @@ def test_ring_tree_and_2d_follow_their_formulas() -> None:
     def worst(alpha: float, beta_node: float, beta_net: float) -> float:
         return max(alpha + max(beta_node, beta_net * total / g) * g for g in grads)
 
-    ring = worst(2 * 3 * net[1] + 2 * 4 * link[1], 2 * 7 / 8 / link[0], 2 * 7 / 8 / net[0])
-    tree = worst(2 * 2 * net[1] + 2 * 1 * link[1], 2 * 1 / 2 / link[0], 2 / net[0])
+    # NCCL's latency terms: a base per call, per-step floors inside a node and between nodes
+    base, h_node, h_net = NCCL_BASE_S, NCCL_NODE_HOP_S, max(net[1], NCCL_NET_HOP_S)
+    ring = worst(base + 2 * 3 * h_net + 2 * 4 * h_node, 2 * 7 / 8 / link[0], 2 * 7 / 8 / net[0])
+    tree = worst(
+        base + 2 * (2 * h_net + 1 * h_node),
+        2 * 1 / 2 / link[0] / NCCL_TREE_BW,
+        2 / net[0] / NCCL_TREE_BW,
+    )
     two_d = max(
-        2 * 1 * link[1] + 2 * 3 * net[1] + (1 / link[0] + 2 * 3 / 4 / net[0] * total / g) * g
+        3 * base
+        + 2 * 1 * h_node
+        + 2 * 3 * h_net
+        + (1 / link[0] + 2 * 3 / 4 / net[0] * total / g) * g
         for g in grads
     )
     assert got.seconds == pytest.approx(min(ring, tree, two_d))
@@ -70,12 +87,16 @@ def test_ring_tree_and_2d_follow_their_formulas() -> None:
     # one replica per node: nothing to do inside a node
     one = reduction(plan, 4, grads)
     assert one.algorithm in ("ring", "tree") and "2d" not in one.algorithm
-    ring1 = max(2 * 3 * net[1] + 2 * 3 / 4 / net[0] * total for _ in grads)
+    ring1 = max(base + 2 * 3 * h_net + 2 * 3 / 4 / net[0] * total for _ in grads)
     assert one.seconds <= ring1 + 1e-12
     assert reduction(plan, 1, grads).seconds == 0.0
     # gradients reduced in 16 bits move half the bytes
     half = reduction(plan, 8, grad_bytes=2.0)
     assert half.seconds <= reduction(plan, 8).seconds
+    # a run that used one algorithm is priced with it; one that cannot apply is refused
+    assert reduction(plan, 8, grads, algorithms=["ring"]).seconds == pytest.approx(ring)
+    with pytest.raises(InputError, match="algorithm"):
+        reduction(plan, 4, grads, algorithms=["2d"])
 
 
 def test_many_nodes_prefer_a_logarithmic_latency() -> None:

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from crosscut.cost_models.cluster import Cluster
-from crosscut.cost_models.devices import DeviceSpec
+from crosscut.cost_models.devices import PRESETS, DeviceSpec
 from crosscut.cost_models.efficiency import (
+    GENERATIONS,
     Efficiency,
     MathMode,
     efficiency_of,
@@ -35,7 +37,7 @@ from crosscut.cost_models.memory import _VIEW, _key, activation_bytes, is_alias,
 from crosscut.cost_models.table import CostTable, NodeCost
 from crosscut.graph import OpGraph, OpNode
 
-__all__ = ["MathFlags", "analytic_costs", "node_times", "rates_summary"]
+__all__ = ["MathFlags", "analytic_costs", "node_times", "priced_rate", "rates_summary"]
 
 BWD_BYTES_FACTOR = 2.0
 BN_FWD_PASSES = 1.5  # training batch norm reads its input twice: (2 reads + 1 write) / 2
@@ -145,6 +147,44 @@ def rates_summary(graph: OpGraph, spec: DeviceSpec, flags: MathFlags | None = No
     )
 
 
+def priced_rate(graph: OpGraph, spec: DeviceSpec, flags: MathFlags | None = None) -> dict[str, Any]:
+    """The record ``Plan.rates`` keeps for ``spec``: preset, math modes, efficiency source.
+
+    A user reading a plan has to know whether its times rest on a datasheet
+    and fractions fitted to published measurements, on a default nobody
+    checked (Hopper, a hand-described device), or on this machine's
+    stopwatch; this says which, in words, for the kind ``spec`` prices."""
+    flags = flags or MathFlags.from_torch()
+    eff = efficiency_of(spec.kind, spec.device)
+    base = PRESETS.get(spec.kind)
+    is_preset = spec.kind == "cpu" or (
+        base is not None and base.peak_flops == spec.peak_flops and base.mem_bw == spec.mem_bw
+    )
+    modes = sorted({node_mode(n, spec, flags).name for n in graph.nodes if n.fwd_flops > 0})
+    fractions = (
+        f"fma {eff.fma:.2f}, tensor {eff.tensor:.2f}, tf32 {eff.tf32:.2f}, "
+        f"memory {eff.memory:.2f} of {spec.mem_bw / 1e9:.0f} GB/s"
+    )
+    if eff.generation == "cpu":
+        where = f"analytic: {eff.source} (not calibrated on this machine)"
+    elif spec.kind not in GENERATIONS:
+        where = f"analytic default: '{eff.generation}' fractions ({fractions}), kind not a preset"
+    elif eff.fitted:
+        where = (
+            f"calibrated: '{eff.generation}' fractions ({fractions}; fitted: "
+            f"{', '.join(eff.fitted)}) from {eff.source}"
+        )
+    else:
+        where = f"analytic default: '{eff.generation}' fractions ({fractions}), {eff.source}"
+    return {
+        "kind": spec.kind,
+        "preset": spec.kind if is_preset else "",
+        "math": modes,
+        "efficiency": where,
+        "costs": "analytic",
+    }
+
+
 def analytic_costs(
     graph: OpGraph, cluster: Cluster, *, optimizer: str = "sgd", tf32: bool | None = None
 ) -> CostTable:
@@ -172,5 +212,6 @@ def analytic_costs(
         "fingerprint": graph.fingerprint(),
         "batch_size": graph.batch_size,
         "rates": {kind: rates_summary(graph, spec, flags) for kind, spec in specs.items()},
+        "priced": {kind: priced_rate(graph, spec, flags) for kind, spec in specs.items()},
     }
     return CostTable(nodes, "analytic", graph.mode, optimizer, meta)

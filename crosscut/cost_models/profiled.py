@@ -239,6 +239,19 @@ def _load_cache(path: Path, graph: OpGraph) -> CostTable | None:
     return table
 
 
+def _priced(kind: str, dev: str, method: str, precision: str) -> dict[str, dict[str, Any]]:
+    """``meta["priced"]`` of a profiled table: measured on ``dev``, no preset, no fractions."""
+    return {
+        kind: {
+            "kind": kind,
+            "preset": "",
+            "math": [f"as run under {precision}"],
+            "efficiency": f"profiled on {dev} ({method} timing)",
+            "costs": "profiled",
+        }
+    }
+
+
 def profile_costs(
     graph: OpGraph,
     device: str | torch.device = "cpu",
@@ -275,7 +288,8 @@ def profile_costs(
     stem = f"{cache_key(graph, kind)}-{method}"
     path = Path(cache_dir) / f"{stem}.json" if cache_dir is not None else None
     cached = _load_cache(path, graph) if path is not None else None
-    if cached is not None:
+    if cached is not None:  # a cache written before the record: say how it was priced
+        cached.meta.setdefault("priced", _priced(kind, str(dev), method, graph.precision))
         return _with_memory(cached, graph, optimizer)
     t0 = time.perf_counter()
     with autocast(graph.precision, dev.type):  # time the ops as the plan will run them
@@ -303,6 +317,7 @@ def profile_costs(
             "warmup": warmup,
             "profile_s": time.perf_counter() - t0,
             "cache_hit": False,
+            "priced": _priced(kind, str(dev), method, graph.precision),
         },
     )
     if path is not None:

@@ -103,7 +103,10 @@ class CostTable:
             o = other.nodes[name]
             out[name] = NodeCost({**c.fwd, **o.fwd}, {**c.bwd, **o.bwd}, c.resident, c.activation)
         source = self.source if self.source == other.source else "mixed"
-        return CostTable(out, source, self.mode, self.optimizer, {**self.meta, **other.meta})
+        meta = {**self.meta, **other.meta}
+        if "priced" in self.meta or "priced" in other.meta:  # per kind: the other's kinds win
+            meta["priced"] = {**self.meta.get("priced", {}), **other.meta.get("priced", {})}
+        return CostTable(out, source, self.mode, self.optimizer, meta)
 
     # ---- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from crosscut.partitioner.plan import (
     PlanNode,
     PlanOptions,
     PlanStage,
+    PricedRate,
     SolverRecord,
 )
 from crosscut.partitioner.solvers import PIPELINE_SHARE, SolveResult, solve
@@ -104,6 +105,30 @@ _MEMORY_BOUND = 0.9
 AUTO_RESERVE = 0.25
 # of the time limit, kept for expanding, annotating and simulating the plan
 FINAL_RESERVE = 0.03
+
+
+def priced_rates(costs: CostLookup, kinds: list[str], precision: str) -> list[PricedRate]:
+    """What each device kind in ``kinds`` was priced at, from the cost table's record.
+
+    Analytic and profiled tables record it per kind (``meta["priced"]``); a
+    table without the record (a lookup built by hand, a profile cached before
+    it existed) still says how it was priced, from its ``source``."""
+    meta = getattr(costs, "meta", {}) or {}
+    priced = meta.get("priced", {}) if isinstance(meta, dict) else {}
+    source = str(getattr(costs, "source", "analytic"))
+    out: list[PricedRate] = []
+    for kind in dict.fromkeys(kinds):
+        rec = priced.get(kind)
+        if isinstance(rec, dict):
+            out.append(PricedRate(**{k: rec[k] for k in rec if k in _RATE_FIELDS}))
+        elif source in ("profiled", "mixed"):
+            out.append(PricedRate(kind, "", [f"as run under {precision}"], "profiled", "profiled"))
+        else:
+            out.append(PricedRate(kind, "", [], f"{source} costs: no record of their rates"))
+    return out
+
+
+_RATE_FIELDS = ("kind", "preset", "math", "efficiency", "costs")
 
 
 def partition_graph(
@@ -321,6 +346,7 @@ def _partition_once(
             for k, group in enumerate(groups)
         ],
         ties=[list(t) for t in graph.ties],
+        rates=priced_rates(costs, [d.kind for d in pc.devices], graph.precision),
         solver=SolverRecord(
             solver=result.solver,
             status=result.status,

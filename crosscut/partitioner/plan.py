@@ -34,6 +34,7 @@ __all__ = [
     "PlanStage",
     "PlanTransfer",
     "Prediction",
+    "PricedRate",
     "Replication",
     "SolverRecord",
     "Strategy",
@@ -256,6 +257,20 @@ class Alternative:
 
 
 @dataclass
+class PricedRate:
+    """What one device kind was priced at: the ``preset`` its datasheet came from ("": a
+    device described by hand), the ``math`` modes of its convolutions and matmuls,
+    where its achieved fractions came from (``efficiency``: fitted to which published
+    figures, an analytic default, or profiled where) and ``costs`` (analytic|profiled)."""
+
+    kind: str
+    preset: str = ""
+    math: list[str] = field(default_factory=list)
+    efficiency: str = ""
+    costs: str = "analytic"
+
+
+@dataclass
 class Strategy:
     """Every strategy the planner considered for this plan, in the order it tried them."""
 
@@ -288,6 +303,7 @@ class Plan:
     solver: SolverRecord = field(default_factory=SolverRecord)
     replication: Replication = field(default_factory=Replication)
     strategy: Strategy = field(default_factory=Strategy)
+    rates: list[PricedRate] = field(default_factory=list)  # per device kind: what was priced
     schema_version: int = SCHEMA_VERSION
     crosscut_version: str = ""
     created_at: str = ""
@@ -385,6 +401,7 @@ class Plan:
                     ],
                     wall_time_s=float(data.get("strategy", {}).get("wall_time_s", 0.0)),
                 ),
+                rates=[PricedRate(**r) for r in data.get("rates", [])],
                 schema_version=int(data["schema_version"]),
                 crosscut_version=str(data.get("crosscut_version", "")),
                 created_at=str(data.get("created_at", "")),

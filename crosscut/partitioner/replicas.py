@@ -20,18 +20,26 @@ parameter order), each started as its last gradient lands during the
 stage's last backward, one after another on the wire. Gradients travel in the
 dtype they are reduced in (``grad_bytes`` per element, fp32 master gradients
 under autocast by default). Each bucket costs ``α + β · bytes`` for the chosen
-algorithm, in NCCL's terms (``B_node``/``α_node``: a node's slowest device link;
-``B_net = nics × NIC bandwidth`` per node, ``α_net`` its latency):
+algorithm, with the latency terms NCCL's tuner gives its algorithms
+(``src/graph/tuning.cc``, the Simple protocol that carries MB-sized buckets):
+every call pays ``NCCL_BASE_S`` (8.4 µs), every step inside a node
+``h_node = NCCL_NODE_HOP_S`` (4 µs: a pipelined step, not a whole copy's
+latency ``α_node``) and every step between nodes
+``h_net = max(α_net, NCCL_NET_HOP_S)`` (14 µs: NCCL's per-step cost over a
+NIC, wire included, however fast the wire). ``B_node``: a node's slowest
+device link; ``B_net = nics × NIC bandwidth`` per node, ``α_net`` its latency:
 
 * **ring** over all ``R`` ranks: ``β = 2(R−1)/R · max(1/B_node, 1/B_net)``,
-  ``α = 2(N−1)·α_net + 2(R−N)·α_node`` (only the hops between nodes pay the
-  network's latency);
+  ``α = base + 2(N−1)·h_net + 2(R−N)·h_node`` (NCCL: ``nsteps − nInterSteps``
+  steps inside nodes, ``2(nNodes − 1)`` between them);
 * **tree** (NCCL's double binary tree between nodes, a chain inside):
-  ``β = max(2/B_net, 2(p−1)/p / B_node)``, ``α = 2·⌈log2 N⌉·α_net + 2(p−1)·α_node``;
-* **2d** (hierarchical, as on TPU pods and in NCCL's CollNet): reduce-scatter
-  among the ``p`` replicas inside a node, all-reduce of each ``G/p`` shard across
-  the ``N`` nodes, all-gather inside:
-  ``β = 2(p−1)/p / B_node + 2(N−1)/N / B_net``, ``α = 2(p−1)·α_node + 2(N−1)·α_net``.
+  ``β = max(2/B_net, 2(p−1)/p / B_node) / 0.92`` (NCCL prices a tree all-reduce
+  at 0.92 of the link's bus bandwidth), ``α = base + 2·(⌈log2 N⌉·h_net + (p−1)·h_node)``;
+* **2d** (hierarchical, as on TPU pods, Mikami et al.'s 2D-torus and NCCL's
+  CollNet): reduce-scatter among the ``p`` replicas inside a node, all-reduce of
+  each ``G/p`` shard across the ``N`` nodes, all-gather inside, three calls:
+  ``β = 2(p−1)/p / B_node + 2(N−1)/N / B_net``,
+  ``α = 3·base + 2(p−1)·h_node + 2(N−1)·h_net``.
 
 All positions of a node leave it through the same NICs, so position ``k`` gets
 ``G_k / G_node`` of ``B_net`` (a node always ships a whole model's gradients,
@@ -49,12 +57,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from crosscut.errors import InputError
 from crosscut.partitioner.plan import Plan
 
 __all__ = [
     "BUCKET_BYTES",
     "FIRST_BUCKET_BYTES",
     "MAX_SPAN_DEVICES",
+    "NCCL_BASE_S",
+    "NCCL_NET_HOP_S",
+    "NCCL_NODE_HOP_S",
+    "NCCL_TREE_BW",
     "PositionReduction",
     "Reduction",
     "buckets",
@@ -213,6 +226,16 @@ def buckets(plan: Plan, stage: int, grad_bytes: float = 4.0) -> tuple[tuple[floa
     return tuple(out)
 
 
+# NCCL's tuner constants for the Simple protocol (src/graph/tuning.cc, NVIDIA/nccl at
+# 5067397, baseLatencies and hwLatencies): a call's base latency, the per-step latency
+# inside a node (NVLink: ring 3.4, tree 4.0 µs; PCIe: ring 5.7, tree 4.0 µs: we take 4.0)
+# and over the network (14 µs, ring and tree); a tree all-reduce runs at 0.92 of busBw.
+NCCL_BASE_S = 8.4e-6
+NCCL_NODE_HOP_S = 4.0e-6
+NCCL_NET_HOP_S = 14e-6
+NCCL_TREE_BW = 0.92
+
+
 def _log2(n: int) -> int:
     return max(1, (n - 1).bit_length())
 
@@ -221,24 +244,31 @@ def _algorithms(
     replicas: int, nodes: int, node: tuple[float, float], net: tuple[float, float]
 ) -> dict[str, tuple[float, float]]:
     """``{algorithm: (α, β)}`` for ``replicas`` over ``nodes`` (module docstring)."""
-    (b_node, a_node), (b_net, a_net) = node, net
+    (b_node, _), (b_net, a_net) = node, net
+    h_node = NCCL_NODE_HOP_S  # NCCL's, whatever the link's copy latency
+    h_net = max(a_net, NCCL_NET_HOP_S)
     p = max(1, replicas // nodes)
     if nodes == 1:
-        return {"ring": (2 * (replicas - 1) * a_node, 2 * (replicas - 1) / replicas / b_node)}
+        return {
+            "ring": (
+                NCCL_BASE_S + 2 * (replicas - 1) * h_node,
+                2 * (replicas - 1) / replicas / b_node,
+            )
+        }
     slow = max(1 / b_node if p > 1 else 0.0, 1 / b_net)
     out = {
         "ring": (
-            2 * (nodes - 1) * a_net + 2 * (replicas - nodes) * a_node,
+            NCCL_BASE_S + 2 * (nodes - 1) * h_net + 2 * (replicas - nodes) * h_node,
             2 * (replicas - 1) / replicas * slow,
         ),
         "tree": (
-            2 * _log2(nodes) * a_net + 2 * (p - 1) * a_node,
-            max(2 / b_net, 2 * (p - 1) / p / b_node),
+            NCCL_BASE_S + 2 * (_log2(nodes) * h_net + (p - 1) * h_node),
+            max(2 / b_net, 2 * (p - 1) / p / b_node) / NCCL_TREE_BW,
         ),
     }
     if p > 1:
         out["2d"] = (
-            2 * (p - 1) * a_node + 2 * (nodes - 1) * a_net,
+            3 * NCCL_BASE_S + 2 * (p - 1) * h_node + 2 * (nodes - 1) * h_net,
             2 * (p - 1) / p / b_node + 2 * (nodes - 1) / nodes / b_net,
         )
     return out
@@ -250,6 +280,7 @@ def reduction(
     grads: Sequence[int] | None = None,
     *,
     grad_bytes: float | None = None,
+    algorithms: Sequence[str] | None = None,
 ) -> Reduction:
     """The fastest of ring, tree and 2-D all-reduce for ``replicas`` copies of ``plan``.
 
@@ -259,7 +290,8 @@ def reduction(
     overrides each position's gradient bytes (one bucket each, ready at the
     end of the backward); ``grad_bytes`` is the bytes per gradient element on
     the wire (4: fp32, 2: gradients reduced in fp16/bf16), by default the
-    plan's ``replication.grad_bytes``.
+    plan's ``replication.grad_bytes``. ``algorithms`` limits the choice to
+    those named (a run that used one algorithm: benchmarks/published_scale.py).
     """
     if replicas <= 1:
         return Reduction("none", 0.0)
@@ -289,6 +321,8 @@ def reduction(
         node_link = _intra_link(plan)
     best: Reduction | None = None
     for name in _algorithms(replicas, nodes, node_link, (1.0, net_lat)):
+        if algorithms is not None and name not in algorithms:
+            continue
         positions = []
         for k, share in enumerate(shares):
             # a position with no gradient ships nothing: any bandwidth prices it at 0 bytes
@@ -298,5 +332,10 @@ def reduction(
         seconds = max((p.seconds for p in positions), default=0.0)
         if best is None or seconds < best.seconds:
             best = Reduction(name, seconds, tuple(positions))
-    assert best is not None
+    if best is None:
+        raise InputError(
+            "an all-reduce algorithm must apply to the layout",
+            value=(list(algorithms or ()), replicas, nodes),
+            remedy="name one of ring, tree, or 2d with several replicas per node",
+        )
     return best

@@ -30,6 +30,7 @@ from crosscut.viz.dot import (
     view_groups,
 )
 from crosscut.viz.layout import layout_svg, stage_layers
+from crosscut.viz.rates import rates_html
 from crosscut.viz.summary import alternative_rows, baseline_ratios, stage_cap, strategy_line
 from crosscut.viz.timeline import SimulationLike, action_color, timeline_svg
 
@@ -468,6 +469,7 @@ def plan_to_html(
             _timeline(plan, simulation, colors),
             _dag(plan, groups),
             _transfers(plan),
+            rates_html(plan),
             _solver(plan),
         ]
     )

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from crosscut.partitioner.plan import Plan, PlanStage
 from crosscut.viz.dot import human_bytes, human_time
+from crosscut.viz.rates import RATE_COLUMNS, rates_rows
 
 __all__ = [
     "alternative_rows",
@@ -224,6 +225,25 @@ def _strategy_table(plan: Plan) -> Table:
     return table
 
 
+def _rates_table(plan: Plan) -> Table:
+    table = Table(
+        title="priced at",
+        title_justify="left",
+        box=box.SIMPLE,
+        pad_edge=False,
+        caption=(
+            "the rates every time above rests on: the preset's datasheet, the math PyTorch "
+            "runs, and where the achieved fractions of its peaks came from"
+        ),
+        caption_justify="left",
+    )
+    for col in RATE_COLUMNS:
+        table.add_column(col)
+    for row in rates_rows(plan):
+        table.add_row(*(escape(x) for x in row))
+    return table
+
+
 def print_summary(plan: Plan, console: Console | None = None) -> None:
     """Print the plan's header, stage table and numbers with rich."""
     con = console if console is not None else Console()
@@ -245,6 +265,8 @@ def print_summary(plan: Plan, console: Console | None = None) -> None:
         con.print(_strategy_table(plan))
     con.print(_stages_table(plan))
     con.print(_numbers_table(plan))
+    if plan.rates:
+        con.print(_rates_table(plan))
 
 
 def summary_text(plan: Plan, *, width: int = 80) -> str:

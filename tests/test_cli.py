@@ -33,6 +33,8 @@ def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
             *SMALL,
             "--microbatches",
             "2",
+            "--replicas",  # a pipeline over both devices, whatever the load lets the search try
+            "1",
             "--time-limit",
             "5",
             "-o",

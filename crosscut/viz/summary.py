@@ -171,13 +171,10 @@ def strategy_line(plan: Plan) -> str:
         f"M={o.microbatches}",
         o.schedule,
     ]
-    if groups:  # each stage's devices and split: "groups 1+2(batch)+4(batch)+1"
-        parts.append(
-            "groups "
-            + "+".join(
-                f"{len(s.devices)}({s.split})" if len(s.devices) > 1 else "1" for s in plan.stages
-            )
-        )
+    if groups:  # each stage's devices and the groups' splits: "groups 1+2+4+1 (batch)"
+        kinds = sorted({s.split for s in plan.stages if len(s.devices) > 1})
+        widths = "+".join(str(len(s.devices)) for s in plan.stages)
+        parts.append(f"groups {widths} ({', '.join(kinds)})")
     if any(s.recompute for s in plan.stages):
         parts.append(
             "recomputation on " + ", ".join(str(s.index) for s in plan.stages if s.recompute)

@@ -71,7 +71,7 @@ def compile(
     seed: int = 0,
     require_all_devices: bool = False,
     progress: Callable[[float, float, float], None] | None = None,
-    cross_shaped: bool | None = None,
+    cross_shaped: bool = False,
     widths: Sequence[int] | None = None,
     splits: Sequence[str] = ("batch", "channel"),
     bn_mode: str = "micro",
@@ -140,7 +140,6 @@ def compile(
     if bn_mode == "exact":  # the whole batch's statistics: one micro-batch on one device
         microbatches = 1 if microbatches is None else microbatches
         replicas = 1 if replicas is None else replicas
-        cross_shaped = False if cross_shaped is None else cross_shaped
     request = PlanRequest(
         mode=mode,
         objective=objective,

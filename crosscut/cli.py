@@ -75,11 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--cross-shaped",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="let stages run on device groups split by batch or channels "
-        "(default: batch-split groups where the planner finds them faster; "
-        "--no-cross-shaped: none)",
+        action="store_true",
+        help="let stages run on device groups split by batch or channels",
     )
     p.add_argument(
         "--no-colocate",

@@ -154,7 +154,7 @@ def _plan_on_rank0(
     if dist.get_rank() == 0:
         extra = {**dict(options), "microbatches": microbatches, "schedule": schedule}
         extra.update(replicas=replicas, fill_devices=True)  # one stage per rank
-        if extra.get("cross_shaped") is not False:
+        if extra.get("cross_shaped"):
             extra["colocate"] = False  # ranks are devices: no two stages on one group
         try:
             plan = plan_request(model, cluster, inputs, PlanRequest(**extra))

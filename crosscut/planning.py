@@ -151,7 +151,7 @@ def partition(
     require_all_devices: bool = False,
     model_name: str = "",
     progress: Callable[[float, float, float], None] | None = None,
-    cross_shaped: bool | None = None,
+    cross_shaped: bool = False,
     widths: Sequence[int] | None = None,
     splits: Sequence[str] = ("batch", "channel"),
     colocate: bool = True,
@@ -172,10 +172,6 @@ def partition(
     plan lists every strategy considered (``plan.strategy``). Given an
     OpGraph (traced at one micro-batch), only the pipeline is planned.
 
-    ``cross_shaped=None`` (default) lets the planner run a stage on a group of
-    devices that splits its micro-batch (data parallelism inside the stage:
-    each stage replicated to its own degree) where the replicas are left to it
-    too; ``False`` forbids groups.
     ``cross_shaped=True`` lets a stage run on a group of devices split by
     ``splits`` (``"batch"``: data parallel inside the stage; ``"channel"``:
     conv/linear split by output channels) with group widths from ``widths``

@@ -24,15 +24,17 @@ early and the time limit is honoured:
   devices of several kinds this is the only layout: identical replicas need
   identical devices.
 
-Stages replicated to their own degrees: in a layout of one replica a stage
-may run on a batch-split group of devices (data parallelism inside the
-stage), so a model's many-FLOP, few-parameter layers take many devices and
-its parameter-heavy layers few (:meth:`PlanRequest.stage_groups` says when;
-the cross-shaped solver, ``partitioner/solvers/cross.py``, chooses them with
-the stage boundaries). Such a stage never hands on a value a batch split
-cannot join (``PartitionProblem.batch_major``), and a replicated layout whose
-stages would — locally each stage position's replicas are one batch-split
-group — is refused with that reason.
+Stages replicated to their own degrees, asked for with ``cross_shaped=True``:
+in a layout of one replica a stage may run on a group of devices (batch-split:
+data parallelism inside the stage), so a model's many-FLOP, few-parameter
+layers take many devices and its parameter-heavy layers few (the
+cross-shaped solver, ``partitioner/solvers/cross.py``, chooses them with the
+stage boundaries). Not searched by default: groups are priced at the whole
+micro-batch's per-sample rate (see :mod:`crosscut.options`). A batch-split
+stage never hands on a value its shares cannot join
+(``PartitionProblem.batch_major``), and a replicated layout whose stages
+would — locally each stage position's replicas are one batch-split group —
+is refused with that reason.
 
 Micro-batches: each layout tries 1, 2, 4, ... dividing the replica's batch
 (:func:`microbatch_candidates`) in increasing order and stops once the step

@@ -25,18 +25,30 @@ add the same either way) on two or more stages, unless the pipeline's order
 is already eager's (one other stage whose readers come last in program
 order, the usual contiguous cut). Values read in place (an
 alias would change how autograd sees the mutation) and stages split across a
-device group (whose rewrite knows its own ops) are left as they are. The
-price: a remote reader's alias is its own transfer, so a stage with two
-readers of ``v`` receives ``v`` twice.
+device group (whose rewrite knows its own ops) are left as they are, and so
+are values that are not tensors (a ``torch.Size``, a tuple of shapes: they carry
+no gradient, and ``view_as`` does not exist on them). The price: a remote
+reader's alias is its own transfer, so a stage with two readers of ``v``
+receives ``v`` twice.
+
+A parameter or buffer (a ``get_attr`` node) read on several stages is the same
+case in another guise: the plan puts its node on one stage and prices an edge to
+each remote reader, but ``split_module`` would copy the tensor into every stage
+that reads it, and one tensor cannot live on two stages. ``share_state_reads``
+gives each of its readers an alias on the node's stage instead, so the tensor
+lives there, remote readers receive it as a value and send its gradient back,
+and the aliases add the readers' gradients in eager's order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
-from torch import fx
+import torch
+from torch import fx, nn
 
-__all__ = ["separate_fanout"]
+__all__ = ["separate_fanout", "share_state_reads"]
 
 _SKIP_OPS = ("placeholder", "get_attr", "output")
 
@@ -57,6 +69,106 @@ def _sums_like_eager(home: int, reader_stages: list[int]) -> bool:
     return remote == list(range(len(reader_stages) - len(remote), len(reader_stages)))
 
 
+def _is_tensor_value(v: fx.Node) -> bool:
+    """Whether ``v`` makes a tensor, by the trace's record; a node without one counts as one.
+
+    Graphs made by a bare ``fx.symbolic_trace`` carry no values; there the alias
+    (``alias_of``) checks at run time instead.
+    """
+    for key in ("val", "example_value", "tensor_meta"):
+        if key in v.meta:
+            val = v.meta[key]
+            return isinstance(val, torch.Tensor) or type(val).__name__ == "TensorMetadata"
+    return True
+
+
+def alias_of(v: Any) -> Any:
+    """``v.view_as(v)`` for a tensor (a new autograd node, no copy); anything else as it is."""
+    return v.view_as(v) if isinstance(v, torch.Tensor) else v
+
+
+def _passes_through(gm: fx.GraphModule, u: fx.Node, p: fx.Node) -> bool:
+    """Whether ``u`` returns its input ``p`` itself: no autograd node, so not a reader.
+
+    By the trace's fake values (``nn.Identity``, ``contiguous()`` of a contiguous
+    tensor, dropout with ``p=0``: the op hands back the very object), or, on a
+    graph without them, by ``nn.Identity``.
+    """
+    if "val" in u.meta and "val" in p.meta:
+        return u.meta["val"] is p.meta["val"]
+    return u.op == "call_module" and isinstance(gm.get_submodule(str(u.target)), nn.Identity)
+
+
+def _autograd_readers(gm: fx.GraphModule, v: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """``(reader, node it reads)`` for each op whose backward adds into ``v``'s gradient.
+
+    Ops that return ``v`` itself are looked through: eager's gradient for ``v``
+    comes from THEIR readers, at those readers' places in program order (dla's
+    ``nn.Identity`` downsample read after a sibling convolution).
+    """
+    out: list[tuple[fx.Node, fx.Node]] = []
+    todo = [v]
+    while todo:
+        p = todo.pop()
+        for u in p.users:
+            if u.op == "output":
+                continue
+            if _passes_through(gm, u, p):
+                todo.append(u)
+            else:
+                out.append((u, p))
+    return out
+
+
+def _alias_readers(
+    gm: fx.GraphModule,
+    v: fx.Node,
+    reads: list[tuple[fx.Node, fx.Node]],
+    home: int,
+    stage_of: dict[str, int],
+) -> dict[str, str]:
+    """One alias of ``v`` per ``(reader, node it reads)``, in that order, right after ``v``."""
+    added: dict[str, str] = {}
+    anchor = v
+    for u, p in reads:  # in program order, right after v: older than every reader
+        with gm.graph.inserting_after(anchor):
+            alias = gm.graph.call_function(alias_of, (v,))
+        alias.meta = dict(v.meta)
+        stage_of[alias.name] = home
+        u.replace_input_with(p, alias)  # p is v, or an op that returned v itself
+        added[alias.name] = v.name
+        anchor = alias
+    return added
+
+
+def share_state_reads(
+    gm: fx.GraphModule, stage_of: dict[str, int], mutators: Collection[fx.Node]
+) -> dict[str, str]:
+    """Give each reader of a parameter or buffer read on several stages its own alias.
+
+    The alias sits on the ``get_attr`` node's stage in ``stage_of`` (or, for a
+    hand-made assignment without it, the first reader's), so the tensor has one
+    home; returns alias -> state node. State written in place is left alone
+    (mutation ties keep it on one stage, ``split.py`` checks them).
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    mutated = {n.args[0] for n in mutators if n.args and isinstance(n.args[0], fx.Node)}
+    added: dict[str, str] = {}
+    for v in list(gm.graph.nodes):
+        if v.op != "get_attr" or v in mutated:
+            continue
+        readers = sorted((u for u in v.users if u.op != "output"), key=order.__getitem__)
+        stages = {stage_of[u.name] for u in readers if u.name in stage_of}
+        if len(stages) < 2 or any(u in mutators for u in readers):
+            continue
+        home = stage_of.get(v.name, stage_of[readers[0].name])
+        added |= _alias_readers(gm, v, [(u, v) for u in readers], home, stage_of)
+    if added:
+        gm.graph.lint()
+        gm.recompile()
+    return added
+
+
 def separate_fanout(
     gm: fx.GraphModule,
     stage_of: dict[str, int],
@@ -75,23 +187,16 @@ def separate_fanout(
     added: dict[str, str] = {}
     for v in list(gm.graph.nodes):
         home = stage_of.get(v.name)
-        if v.op in _SKIP_OPS or home is None or v in mutated:
+        if v.op in _SKIP_OPS or home is None or v in mutated or not _is_tensor_value(v):
             continue  # model inputs: every stage reads its own copy already
-        readers = sorted((u for u in v.users if u.op != "output"), key=order.__getitem__)
+        reads = sorted(_autograd_readers(gm, v), key=lambda r: order[r[0]])
+        readers = [u for u, _ in reads]
         if len(readers) < 3 or any(u in mutators or u in mutated for u in readers):
             continue
         stages = {home, *(stage_of[u.name] for u in readers)}
         if _sums_like_eager(home, [stage_of[u.name] for u in readers]) or stages & set(grouped):
             continue
-        anchor = v
-        for u in readers:  # in program order, right after v: older than every reader
-            with gm.graph.inserting_after(anchor):
-                alias = gm.graph.call_method("view_as", (v, v))
-            alias.meta = dict(v.meta)
-            stage_of[alias.name] = home
-            u.replace_input_with(v, alias)
-            added[alias.name] = v.name
-            anchor = alias
+        added |= _alias_readers(gm, v, reads, home, stage_of)
     if added:
         gm.graph.lint()
         gm.recompile()

@@ -35,7 +35,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.fx.passes.split_module import split_module
 
 from crosscut.codegen.attrs import get_attr, set_attr
-from crosscut.codegen.fanout import separate_fanout
+from crosscut.codegen.fanout import separate_fanout, share_state_reads
 from crosscut.codegen.grouped_stages import apply_groups, check_groups
 from crosscut.codegen.order import order_by_stage
 from crosscut.codegen.transfers import INPUT, Transfer, plan_transfers
@@ -309,7 +309,10 @@ def build_stages(
     modules = dict(work.named_modules())
     mutators = [n for n in work.graph.nodes if n.op not in _SKIP_OPS and inplace_target(n, modules)]
     grouped = {k for k, (devs, _) in enumerate(groups or []) if len(devs) > 1}
-    aliases = separate_fanout(work, st, mutators, grouped)  # gradients summed in eager's order
+    placed = {**{k: int(v) for k, v in stage_of.items()}, **st}  # get_attr nodes too
+    aliases = share_state_reads(work, placed, mutators)  # one home per parameter
+    st.update((a, placed[a]) for a in aliases)
+    aliases |= separate_fanout(work, st, mutators, grouped)  # gradients summed in eager's order
     node_bytes = _node_bytes(work, example_inputs)
 
     origin: dict[int, list[str]] = {}

@@ -44,7 +44,9 @@ that reads a member ``X`` after ``L`` is rewired to read
 that puts it no earlier than the write and hands it the written value. These
 identities join the tie, so what crosses a cut is the value after the last
 write. Ties stay small: a class of plain in-place chains (``ReLU(inplace=True)``,
-``out += identity``) without views is left to ``_protect_inplace``, and so is a
+``out += identity``) without views is left to ``_protect_inplace`` (its later
+readers only read the write's result, :func:`_read_after_plain_writes`, an
+edge the solver sees), and so is a
 chain whose every later step reads the previous write's result (timm's
 ``bn -> Identity -> ReLU(inplace=True)``, :func:`_is_chain`): data edges
 already order it.
@@ -296,9 +298,29 @@ def order_mutations(gm: fx.GraphModule) -> list[list[str]]:
             n.meta[GROUP] = group
             names.append(n.name)
         ties.append(names)
+    _read_after_plain_writes(gm, modules)
     gm.graph.lint()
     gm.recompile()
     return [t for t in ties if len(t) > 1]
+
+
+def _read_after_plain_writes(gm: fx.GraphModule, modules: Mapping[str, nn.Module]) -> None:
+    """Readers of ``v`` after a plain in-place op ``w`` on ``v`` read ``w`` instead.
+
+    ``w`` returns ``v`` itself, so nothing changes at run time; what changes is
+    the graph the solver sees: an edge ``w -> u`` that keeps ``u`` no earlier
+    than the write. Without it a plan could put ``u`` on an earlier stage than
+    ``w`` (drop path's ``bernoulli_`` read after ``div_``), which codegen's
+    ``_protect_inplace`` can only refuse — a constraint the solver did not know.
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for w in list(gm.graph.nodes):
+        v = inplace_target(w, modules) if w.op not in ("placeholder", "output") else None
+        if v is None or v.op in ("placeholder", "get_attr"):
+            continue
+        for u in list(v.users):
+            if u is not w and u.op != "output" and order[u] > order[w]:
+                u.replace_input_with(v, w)
 
 
 def _first_touch(cls: AliasClass, order: Mapping[fx.Node, int]) -> fx.Node:

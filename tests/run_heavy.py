@@ -4,7 +4,8 @@ Why one process per model: the 34 largest torchvision classifiers (vit_h_14,
 regnet_y_128gf, ...) each build the model, its traced copy and the compiled
 copy with gradients; in one long pytest process their memory piles up past
 24 GiB and the kernel kills the run, while each alone fits. About 11 minutes
-on a 2-core machine.
+on a 2-core machine, plus one process per timm CNN family
+(``tests/test_timm_families.py``: 2 and 3 devices, M in 1, 2, 4, recompute, bf16).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.test_timm_families import FAMILIES  # noqa: E402
 from tests.test_transparency import HEAVY  # noqa: E402
 
 
@@ -26,9 +28,17 @@ def main() -> int:
         os.environ, CROSSCUT_HEAVY="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2")
     )
     failed = []
-    for name in sorted(HEAVY):
+    tests = [
+        f"tests/test_transparency.py::test_all_classification_models_two_stages[{n}]"
+        for n in sorted(HEAVY)
+    ]
+    tests += [
+        f"tests/test_timm_families.py::test_timm_family_is_eager_or_refused[{f}]"
+        for f in sorted(FAMILIES)
+    ]
+    for test in tests:
+        name = test.rsplit("[", 1)[1].rstrip("]")
         t0 = time.perf_counter()
-        test = f"tests/test_transparency.py::test_all_classification_models_two_stages[{name}]"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         status = "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
@@ -36,7 +46,7 @@ def main() -> int:
         if proc.returncode != 0:
             failed.append(name)
             print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n")
-    print(f"{len(HEAVY) - len(failed)}/{len(HEAVY)} heavy models equal eager; failed: {failed}")
+    print(f"{len(tests) - len(failed)}/{len(tests)} heavy runs eager or refused; failed: {failed}")
     return 1 if failed else 0
 
 

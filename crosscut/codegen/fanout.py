@@ -141,10 +141,17 @@ def _alias_readers(
     return added
 
 
+def _fetch(gm: fx.GraphModule, v: fx.Node) -> Any:
+    obj: Any = gm
+    for part in str(v.target).split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def share_state_reads(
     gm: fx.GraphModule, stage_of: dict[str, int], mutators: Collection[fx.Node]
 ) -> dict[str, str]:
-    """Give each reader of a parameter or buffer read on several stages its own alias.
+    """Give each reader of a parameter read on several stages its own alias.
 
     The alias sits on the ``get_attr`` node's stage in ``stage_of`` (or, for a
     hand-made assignment without it, the first reader's), so the tensor has one
@@ -155,8 +162,8 @@ def share_state_reads(
     mutated = {n.args[0] for n in mutators if n.args and isinstance(n.args[0], fx.Node)}
     added: dict[str, str] = {}
     for v in list(gm.graph.nodes):
-        if v.op != "get_attr" or v in mutated:
-            continue
+        if v.op != "get_attr" or v in mutated or not isinstance(_fetch(gm, v), nn.Parameter):
+            continue  # buffers may be written in forward by ops not named in place
         readers = sorted((u for u in v.users if u.op != "output"), key=order.__getitem__)
         stages = {stage_of[u.name] for u in readers if u.name in stage_of}
         if len(stages) < 2 or any(u in mutators for u in readers):

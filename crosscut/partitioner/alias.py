@@ -316,8 +316,8 @@ def _read_after_plain_writes(gm: fx.GraphModule, modules: Mapping[str, nn.Module
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for w in list(gm.graph.nodes):
         v = inplace_target(w, modules) if w.op not in ("placeholder", "output") else None
-        if v is None or v.op in ("placeholder", "get_attr"):
-            continue
+        if v is None or v.op in ("placeholder", "get_attr") or GROUP in w.meta:
+            continue  # a tie's writes are ordered by its own rewiring above
         for u in list(v.users):
             if u is not w and u.op != "output" and order[u] > order[w]:
                 u.replace_input_with(v, w)

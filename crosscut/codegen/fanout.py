@@ -23,21 +23,28 @@ gradient accumulates as ``((g4 + g3) + g2) + g1`` — eager's sum, bit for bit.
 Only values that need it are rewritten: three or more readers (two gradients
 add the same either way) on two or more stages, unless the pipeline's order
 is already eager's (one other stage whose readers come last in program
-order, the usual contiguous cut). Values read in place (an
-alias would change how autograd sees the mutation) and stages split across a
-device group (whose rewrite knows its own ops) are left as they are, and so
-are values that are not tensors (a ``torch.Size``, a tuple of shapes: they carry
-no gradient, and ``view_as`` does not exist on them). The price: a remote
-reader's alias is its own transfer, so a stage with two readers of ``v``
-receives ``v`` twice.
+order, the usual contiguous cut). Readers are autograd's: an op that returns
+its input itself (``nn.Identity``) is looked through to its own readers, and an
+op whose value holds no tensor (``x.shape``) is no reader. Values written in
+place, directly or through an op that returned them (an alias made before the
+write would read around it: a write into a ``clone`` would land in the value
+itself), and stages split across a device group (whose rewrite knows its own
+ops) are left as they are, and so are values that are not tensors (a
+``torch.Size``, a tuple of shapes: they carry no gradient, and ``view_as`` does
+not exist on them). The price: a remote reader's alias is its own transfer, so
+a stage with two readers of ``v`` receives ``v`` twice.
 
-A parameter or buffer (a ``get_attr`` node) read on several stages is the same
-case in another guise: the plan puts its node on one stage and prices an edge to
-each remote reader, but ``split_module`` would copy the tensor into every stage
-that reads it, and one tensor cannot live on two stages. ``share_state_reads``
-gives each of its readers an alias on the node's stage instead, so the tensor
-lives there, remote readers receive it as a value and send its gradient back,
-and the aliases add the readers' gradients in eager's order.
+A parameter (a ``get_attr`` node) read on several stages is the same case in
+another guise: the plan puts its node on one stage and prices an edge to each
+remote reader, but ``split_module`` would copy the tensor into every stage that
+reads it, and one parameter cannot live on two stages (two gradients, two
+optimizer updates). ``share_state_reads`` gives each of its readers an alias on
+the node's stage instead, so the parameter lives there, remote readers receive
+it as a value and send its gradient back, and the aliases add the readers'
+gradients in eager's order. Buffers are left to ``split_module``'s copies: they
+have no gradient, and one may be written in forward by an op no name marks as
+in place (functional batch norm's running statistics), which a copy sent as a
+value would lose.
 """
 
 from __future__ import annotations
@@ -47,6 +54,9 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_flatten
+
+from crosscut.partitioner.alias import mutated_value, own_value
 
 __all__ = ["separate_fanout", "share_state_reads"]
 
@@ -91,20 +101,42 @@ def _passes_through(gm: fx.GraphModule, u: fx.Node, p: fx.Node) -> bool:
     """Whether ``u`` returns its input ``p`` itself: no autograd node, so not a reader.
 
     By the trace's fake values (``nn.Identity``, ``contiguous()`` of a contiguous
-    tensor, dropout with ``p=0``: the op hands back the very object), or, on a
-    graph without them, by ``nn.Identity``.
+    tensor, dropout with ``p=0``: the op hands back the very object; nodes made
+    after the trace that copy get a value of their own, ``alias.own_value``),
+    or, on a graph without them, by ``nn.Identity``. In-place ops also return
+    their input; :func:`_autograd_readers` stops at them first.
     """
     if "val" in u.meta and "val" in p.meta:
         return u.meta["val"] is p.meta["val"]
     return u.op == "call_module" and isinstance(gm.get_submodule(str(u.target)), nn.Identity)
 
 
-def _autograd_readers(gm: fx.GraphModule, v: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+def _holds_tensor(u: fx.Node) -> bool:
+    """Whether ``u``'s value holds a tensor (a node without a recorded value counts as one).
+
+    An op that makes only a ``torch.Size``, an int or a bool (``x.shape``,
+    ``x.size(0)``, ``x.dim()``) sends no gradient back: it is no reader for the
+    gradient's order, and needs no alias of its own.
+    """
+    if "val" not in u.meta:
+        return True
+    leaves, _ = tree_flatten(u.meta["val"])
+    return any(isinstance(t, torch.Tensor) for t in leaves)
+
+
+def _autograd_readers(
+    gm: fx.GraphModule, v: fx.Node, writes: Collection[fx.Node], written: Collection[fx.Node]
+) -> list[tuple[fx.Node, fx.Node]] | None:
     """``(reader, node it reads)`` for each op whose backward adds into ``v``'s gradient.
 
     Ops that return ``v`` itself are looked through: eager's gradient for ``v``
     comes from THEIR readers, at those readers' places in program order (dla's
-    ``nn.Identity`` downsample read after a sibling convolution).
+    ``nn.Identity`` downsample read after a sibling convolution). ``None`` when
+    ``v`` is written in place on the way: a reader that writes (``writes``: an
+    in-place op also returns its input itself, but a reader rewired past it
+    would read ``v`` around the write), whose result is written (``written``),
+    or that orders a read after a write (``mutated_value``): such values are
+    left alone.
     """
     out: list[tuple[fx.Node, fx.Node]] = []
     todo = [v]
@@ -113,9 +145,11 @@ def _autograd_readers(gm: fx.GraphModule, v: fx.Node) -> list[tuple[fx.Node, fx.
         for u in p.users:
             if u.op == "output":
                 continue
+            if u in writes or u in written or u.target is mutated_value:
+                return None
             if _passes_through(gm, u, p):
                 todo.append(u)
-            else:
+            elif _holds_tensor(u):
                 out.append((u, p))
     return out
 
@@ -133,7 +167,9 @@ def _alias_readers(
     for u, p in reads:  # in program order, right after v: older than every reader
         with gm.graph.inserting_after(anchor):
             alias = gm.graph.call_function(alias_of, (v,))
-        alias.meta = dict(v.meta)
+        alias.meta = (
+            {**v.meta, "val": own_value(v.meta["val"])} if "val" in v.meta else dict(v.meta)
+        )
         stage_of[alias.name] = home
         u.replace_input_with(p, alias)  # p is v, or an op that returned v itself
         added[alias.name] = v.name
@@ -163,7 +199,7 @@ def share_state_reads(
     added: dict[str, str] = {}
     for v in list(gm.graph.nodes):
         if v.op != "get_attr" or v in mutated or not isinstance(_fetch(gm, v), nn.Parameter):
-            continue  # buffers may be written in forward by ops not named in place
+            continue  # buffers: no gradient, stage copies are right (module docstring)
         readers = sorted((u for u in v.users if u.op != "output"), key=order.__getitem__)
         stages = {stage_of[u.name] for u in readers if u.name in stage_of}
         if len(stages) < 2 or any(u in mutators for u in readers):
@@ -196,10 +232,11 @@ def separate_fanout(
         home = stage_of.get(v.name)
         if v.op in _SKIP_OPS or home is None or v in mutated or not _is_tensor_value(v):
             continue  # model inputs: every stage reads its own copy already
-        reads = sorted(_autograd_readers(gm, v), key=lambda r: order[r[0]])
+        found = _autograd_readers(gm, v, mutators, mutated)
+        if found is None or len(found) < 3:
+            continue  # written in place on the way, or two gradients: either order is eager's
+        reads = sorted(found, key=lambda r: order[r[0]])
         readers = [u for u, _ in reads]
-        if len(readers) < 3 or any(u in mutators or u in mutated for u in readers):
-            continue
         stages = {home, *(stage_of[u.name] for u in readers)}
         if _sums_like_eager(home, [stage_of[u.name] for u in readers]) or stages & set(grouped):
             continue

@@ -61,8 +61,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
     "GROUP",
@@ -74,6 +75,7 @@ __all__ = [
     "inplace_target",
     "mutated_value",
     "order_mutations",
+    "own_value",
     "record_writes",
     "versions",
 ]
@@ -98,6 +100,26 @@ _INPLACE_OPERATORS = {
 def mutated_value(x: Any, *after: Any) -> Any:
     """``x`` itself; the other arguments are writes it must follow (graph edges only)."""
     return x
+
+
+def own_value(val: Any) -> Any:
+    """A fake value like ``val`` but a new tensor, for a node made after the trace that copies.
+
+    The trace's fake values keep run-time identity: a node whose value IS its
+    input's object returns that very tensor (``nn.Identity``, ``contiguous()``
+    of a contiguous tensor, an in-place op), and codegen/fanout.py reads it so.
+    A node inserted later that makes a new tensor (``clone``, a ``view_as``
+    alias) must not copy its input's value object, or it claims to hand its
+    input through and a pass that looks through such ops skips the copy.
+    """
+
+    def fresh(t: Any) -> Any:
+        if isinstance(t, FakeTensor):
+            with t.fake_mode:
+                return t.clone()
+        return t.clone() if isinstance(t, Tensor) else t
+
+    return tree_map(fresh, val)
 
 
 def inplace_target(node: fx.Node, modules: Mapping[str, nn.Module]) -> fx.Node | None:
@@ -354,6 +376,8 @@ def _write_a_copy(gm: fx.GraphModule, cls: AliasClass, order: Mapping[fx.Node, i
     with gm.graph.inserting_before(first):
         c = gm.graph.call_method("clone", (x,))
     c.meta = {k: v for k, v in x.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")}
+    if "val" in c.meta:
+        c.meta["val"] = own_value(c.meta["val"])  # a copy, not ``x`` handed through
     for u in list(x.users):
         if u is not c and (u.op == "output" or order[u] >= order[first]):
             u.replace_input_with(x, c)

@@ -1,7 +1,8 @@
 """Every CNN family timm ships, compiled over 2 and 3 CPU devices, against eager.
 
-One model per family at a tiny size (64 px, 5 classes), on 2 and 3 CPU devices
-with M in {1, 2, 4}, plus one run with recomputation and one in bf16. Each
+One model per family at a tiny size (64 px, 5 classes), pipelined over 2 and 3
+CPU devices (``replicas=1``) with M in {1, 2, 4}, plus one run with
+recomputation and one in bf16. Each
 configuration must equal eager — the train step's loss, every gradient, and
 every buffer after the step, against eager running the same micro-batches in
 order (``loss / M``, gradients accumulated) — or be refused at compile time
@@ -88,7 +89,14 @@ def run_config(family: str, devices: int, m: int, precision: str, recompute: boo
     model = build(family)
     x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 5, (4,), generator=torch.Generator().manual_seed(2))
-    options: dict[str, Any] = {"microbatches": m, "time_limit": 5, "recompute": recompute}
+    # replicas=1: a pipeline over the devices, which eager on M micro-batches
+    # reproduces; data parallelism normalises each replica's rows apart
+    options: dict[str, Any] = {
+        "microbatches": m,
+        "time_limit": 5,
+        "recompute": recompute,
+        "replicas": 1,
+    }
     if precision != "fp32":
         options["precision"] = precision
     try:

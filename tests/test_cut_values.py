@@ -129,11 +129,15 @@ def test_a_reader_through_an_identity_sums_in_eagers_order(m: int) -> None:
 
 
 class FreeParameter(nn.Module):
-    """A free ``nn.Parameter`` read at the start and at the end of the network."""
+    """A free ``nn.Parameter`` (or a buffer) read at the start and at the end of the network."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffer: bool = False) -> None:
         super().__init__()
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8).reshape(1, 8, 1, 1))
+        scale = torch.linspace(0.5, 1.5, 8).reshape(1, 8, 1, 1)
+        if buffer:
+            self.register_buffer("scale", scale)
+        else:
+            self.scale = nn.Parameter(scale)
         self.convs = nn.ModuleList(nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1) for i in range(3))
         self.head = nn.Linear(8, 4)
 
@@ -143,11 +147,18 @@ class FreeParameter(nn.Module):
         return self.head((y * self.scale + self.scale).mean((2, 3)))
 
 
+@pytest.mark.parametrize("buffer", [False, True], ids=["parameter", "buffer"])
 @pytest.mark.parametrize("devices,m", [(2, 1), (3, 2)])
-def test_a_free_parameter_read_at_both_ends_compiles_and_is_eager(devices: int, m: int) -> None:
-    """Item 7: the plan puts ``scale`` on one stage; the other stages receive it as a value."""
+def test_a_free_parameter_read_at_both_ends_compiles_and_is_eager(
+    devices: int, m: int, buffer: bool
+) -> None:
+    """Item 7: the plan puts ``scale`` on one stage; the other stages receive it as a value.
+
+    A buffer only read is the same case (codegen refused it as tied state before,
+    on plans ``partition`` made).
+    """
     torch.manual_seed(0)
-    model = FreeParameter()
+    model = FreeParameter(buffer)
     x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
     c = crosscut.compile(
         copy.deepcopy(model), ["cpu"] * devices, x, microbatches=m, require_all_devices=True
@@ -159,6 +170,7 @@ def test_a_free_parameter_read_at_both_ends_compiles_and_is_eager(devices: int, 
     got = dict(c.named_parameters())
     for k, p in ref.named_parameters():
         assert torch.equal(got[k].grad, p.grad), k
+    assert ("scale" in c.program.aliases.values()) is True
     c.close()
 
 

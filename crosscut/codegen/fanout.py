@@ -34,17 +34,17 @@ ops) are left as they are, and so are values that are not tensors (a
 not exist on them). The price: a remote reader's alias is its own transfer, so
 a stage with two readers of ``v`` receives ``v`` twice.
 
-A parameter (a ``get_attr`` node) read on several stages is the same case in
-another guise: the plan puts its node on one stage and prices an edge to each
-remote reader, but ``split_module`` would copy the tensor into every stage that
-reads it, and one parameter cannot live on two stages (two gradients, two
-optimizer updates). ``share_state_reads`` gives each of its readers an alias on
-the node's stage instead, so the parameter lives there, remote readers receive
-it as a value and send its gradient back, and the aliases add the readers'
-gradients in eager's order. Buffers are left to ``split_module``'s copies: they
-have no gradient, and one may be written in forward by an op no name marks as
-in place (functional batch norm's running statistics), which a copy sent as a
-value would lose.
+A parameter or buffer (a ``get_attr`` node) read on several stages is the
+same case in another guise: the plan puts its node on one stage and prices an
+edge to each remote reader, but ``split_module`` would copy the tensor into
+every stage that reads it, and one tensor cannot live on two stages (a
+parameter's two gradients and updates; a stage's ``.to(device)`` moving it
+from under another). ``share_state_reads`` gives each of its readers an alias
+on the node's stage instead, so the tensor lives there, remote readers receive
+it as a value (and send a parameter's gradient back), and the aliases add the
+readers' gradients in eager's order. State written in forward is not sent: a
+copy would take the write (functional batch norm's running statistics move no
+version counter, so ``state_writes`` reads them from the call).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
+from crosscut.codegen.state_writes import state_writes
 from crosscut.partitioner.alias import mutated_value, own_value
 
 __all__ = ["separate_fanout", "share_state_reads"]
@@ -187,19 +188,25 @@ def _fetch(gm: fx.GraphModule, v: fx.Node) -> Any:
 def share_state_reads(
     gm: fx.GraphModule, stage_of: dict[str, int], mutators: Collection[fx.Node]
 ) -> dict[str, str]:
-    """Give each reader of a parameter read on several stages its own alias.
+    """Give each reader of a parameter or buffer read on several stages its own alias.
 
     The alias sits on the ``get_attr`` node's stage in ``stage_of`` (or, for a
     hand-made assignment without it, the first reader's), so the tensor has one
-    home; returns alias -> state node. State written in place is left alone
-    (mutation ties keep it on one stage, ``split.py`` checks them).
+    home; returns alias -> state node. State written in forward is left alone:
+    by name or by version counter (``mutators``, the trace's records) or by a
+    functional batch norm (``state_writes``); a copy sent as a value would take
+    the write instead of the state, and the trace's mutation ties keep such
+    state's readers on one stage.
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     mutated = {n.args[0] for n in mutators if n.args and isinstance(n.args[0], fx.Node)}
+    written = {key for _, key in state_writes(gm)}
     added: dict[str, str] = {}
     for v in list(gm.graph.nodes):
-        if v.op != "get_attr" or v in mutated or not isinstance(_fetch(gm, v), nn.Parameter):
-            continue  # buffers: no gradient, stage copies are right (module docstring)
+        if v.op != "get_attr" or v in mutated or str(v.target) in written:
+            continue
+        if not isinstance(_fetch(gm, v), torch.Tensor):
+            continue
         readers = sorted((u for u in v.users if u.op != "output"), key=order.__getitem__)
         stages = {stage_of[u.name] for u in readers if u.name in stage_of}
         if len(stages) < 2 or any(u in mutators for u in readers):

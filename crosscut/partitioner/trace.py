@@ -459,8 +459,11 @@ class _CallableModule(types.ModuleType):
         *,
         mode: str = "train",
         leaf_modules: Sequence[str | type[nn.Module]] = (),
+        precision: str = "fp32",
     ) -> OpGraph:
-        return trace(model, example_inputs, mode=mode, leaf_modules=leaf_modules)
+        return trace(
+            model, example_inputs, mode=mode, leaf_modules=leaf_modules, precision=precision
+        )
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -27,6 +27,7 @@ from crosscut.partitioner.plan import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cross_check import widen
+from merge_check import batch  # the same 8 images and labels
 
 Heads = collections.namedtuple("Heads", ["logits", "features"])
 
@@ -45,11 +46,6 @@ class TwoHeads(nn.Module):
 def build() -> nn.Module:
     torch.manual_seed(0)
     return TwoHeads()
-
-
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
 
 
 def loss_fn(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:

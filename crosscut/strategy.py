@@ -46,6 +46,12 @@ micro-batch bounded from the sizes already traced (time per sample never
 grows with the batch, and time never shrinks with it). A pruned attempt is
 listed with its bound.
 
+The choice: the quickest prediction, unless the costs are profiled and a
+simpler strategy (fewer stages, then fewer micro-batches) is predicted within
+the profiles' spread of it (``_Search.choose``): a profile is a measurement,
+and on a busy machine two strategies 10 % apart can swap places in the next
+profile. The quicker row is then listed as ``within noise``, with by how much.
+
 The model is traced once per micro-batch size (:class:`TraceCache`): the
 data-parallel layout and a pipeline of ``R/2`` replicas with two micro-batches
 read the same graph.
@@ -198,6 +204,7 @@ class _Search:
         self.last_error: InfeasiblePlanError | None = None
         self.rejected: InputError | None = None  # the model refused a micro-batch size
         self.refusal: PartitionError | None = None  # a rule refused a layout
+        self.priced: list[tuple[int, Plan, int]] = []  # (row, plan, micro-batch size)
 
     def affordable(self, left: float, size: int | None = None) -> bool:
         """Whether another attempt fits in ``left`` seconds (always, before any plan).
@@ -230,10 +237,58 @@ class _Search:
         kind = self.cluster.devices[0].kind
         return m * self.cache.work_bound(size, kind) / lay.devices
 
-    def keep(self, plan: Plan) -> None:
-        """Price ``plan`` (its row just written) against the best so far."""
+    def keep(self, plan: Plan, size: int) -> None:
+        """Price ``plan`` (its row just written, micro-batches of ``size``) against the
+        best so far."""
+        self.priced.append((len(self.rows) - 1, plan, size))
         if self.best is None or plan.predicted.step_time_s < self.best.predicted.step_time_s:
             self.best, self.best_row = plan, len(self.rows) - 1
+
+    def choose(self) -> None:
+        """The simplest plan within the profiles' noise of the quickest becomes ``best``.
+
+        A profiled prediction is a measurement: one taken a moment later may be
+        off by its whole steps' spread (:func:`~crosscut.cost_models.profiled.step_spread`).
+        When a pipeline is predicted faster than data parallelism by less than
+        that, the ranking is the profile's noise, and the simpler strategy —
+        fewer stages, then fewer micro-batches: fewer transfers and less
+        per-micro-batch overhead the model does not price — is the safer bet.
+        Analytic costs have no spread: the quickest plan is chosen, the simplest
+        one on a tie."""
+        if self.best is None:
+            return
+        quick, quick_size = self.best, self._size(self.best_row)
+
+        def simpler(entry: tuple[int, Plan, int]) -> tuple[int, int, float]:
+            _, plan, _ = entry
+            return (plan.num_stages, plan.options.microbatches, plan.predicted.step_time_s)
+
+        step = quick.predicted.step_time_s
+        near = [
+            e
+            for e in self.priced
+            if e[1].predicted.step_time_s
+            <= step * (1.0 + max(self.cache.spread(e[2]), self.cache.spread(quick_size)))
+        ]
+        row, plan, size = min(near, key=simpler)
+        if row == self.best_row:
+            return
+        gap = plan.predicted.step_time_s / step - 1.0
+        noise = max(self.cache.spread(size), self.cache.spread(quick_size))
+        fast = self.rows[self.best_row]
+        fast.outcome = "within noise"
+        fast.reason = (
+            f"the quickest prediction, but the chosen {self.rows[row].label()} is only "
+            f"{gap:.1%} slower: within the profiles' spread ({noise:.1%})"
+        )
+        plan.solver.notes.append(
+            f"chose {self.rows[row].label()} over {fast.label()}: predicted {gap:.1%} "
+            f"slower, within the profiles' spread of {noise:.1%} (the simpler strategy)"
+        )
+        self.best, self.best_row = plan, row
+
+    def _size(self, row: int) -> int:
+        return next(size for r, _, size in self.priced if r == row)
 
 
 def _attempt(
@@ -357,7 +412,7 @@ def _one(
         search.rejected = exc
         return "too small"
     search.row(lay, m, "priced", plan=plan)
-    search.keep(plan)
+    search.keep(plan, size)
     return plan
 
 
@@ -458,6 +513,7 @@ def plan_strategy(
         counts = [fixed] if fixed else microbatch_candidates(batch // lay.replicas)
         within = dl.within(dl.left() / (len(options) - i))  # an equal part of what is left
         _layout(search, lay, share, counts, within, progress)
+    search.choose()
     best = search.best
     if best is None and search.last_error is None:  # nothing failed for memory
         if search.rejected is not None:

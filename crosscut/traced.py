@@ -94,6 +94,14 @@ class TraceCache:
                 self._work[(size, kind)] = sum(n.time_s[kind] for n in nodes)
         return self._costs[key]
 
+    def spread(self, size: int) -> float:
+        """How far the profiles at ``size`` could move (``meta["spread"]``, the largest
+        over the clusters priced so far); 0 for analytic costs."""
+        return max(
+            (float(t.meta.get("spread", 0.0)) for (s, _), t in self._costs.items() if s == size),
+            default=0.0,
+        )
+
     def work_bound(self, size: int, kind: str) -> float:
         """A lower bound on one micro-batch of ``size`` samples' compute on ``kind``.
 

@@ -227,6 +227,31 @@ def test_in_context_and_isolated_methods(tmp_path: Path) -> None:
         profile_costs(g, "cpu", cache_dir=None, method="guess")
 
 
+def test_a_profile_records_how_far_its_whole_steps_spread(tmp_path: Path) -> None:
+    """The strategy search reads the spread to know which predictions it cannot tell apart."""
+    from crosscut.cost_models.context import measure_in_context
+    from crosscut.cost_models.profiled import step_spread
+
+    assert step_spread([]) == 0.0 and step_spread([2.0]) == 0.0
+    assert step_spread([1.0, 1.5, 2.0]) == pytest.approx(0.5 / 1.5 * 2)
+    g = _traced()
+    steps: list[float] = []
+    assert g.gm is not None
+    x = torch.randn(g.node("x").shapes[0])
+    times = measure_in_context(g.gm, [x], torch.device("cpu"), True, 1, 3, steps)
+    assert len(steps) == 3 and all(s > 0 for s in steps)
+    # a whole step holds every node's forward and backward interval (and the interpreter's
+    # own time around them, most of a step on a model this small)
+    total = sum(f + b for f, b in times.values())
+    assert 0 < total <= max(steps) * 1.5
+    table = profile_costs(g, "cpu", repeats=3, warmup=1, cache_dir=tmp_path)
+    assert table.meta["spread"] >= 0.0
+    cached = profile_costs(g, "cpu", repeats=3, warmup=1, cache_dir=tmp_path)
+    assert cached.meta["cache_hit"] and cached.meta["spread"] == table.meta["spread"]
+    other = CostTable(table.nodes, "profiled", table.mode, table.optimizer, {"spread": 9.0})
+    assert table.merge(other).meta["spread"] == 9.0 == other.merge(table).meta["spread"]
+
+
 def test_backward_intervals_tile_the_pass() -> None:
     from crosscut.cost_models.context import _backward_times
 

@@ -104,6 +104,44 @@ def test_never_slower_than_listed_or_fixed_by_hand(name: str, spec: str) -> None
     assert row.best_fixed_s == 0 or row.step_s <= row.best_fixed_s * (1 + 1e-9), row
 
 
+@pytest.mark.parametrize(
+    ("spread", "stages", "microbatches"), [(0.0, 4, 8), (0.6, 2, 1), (1.0, 1, 1)]
+)
+def test_predictions_within_the_profiles_spread_choose_the_simpler_strategy(
+    monkeypatch: pytest.MonkeyPatch, spread: float, stages: int, microbatches: int
+) -> None:
+    """AlexNet on 4 K20c, batch 64: a 4-stage pipeline with 8 micro-batches is predicted
+    quickest (71 ms), 2 replicas of 2 stages with M=1 at 111 ms, data parallelism at 141 ms.
+    With profiles that spread by 60 % (100 %) the planner cannot tell the pipeline from the
+    2-stage (1-stage) strategy, so it keeps the simpler one and says why; without spread the
+    quickest wins."""
+    from crosscut.traced import TraceCache
+
+    monkeypatch.setattr(TraceCache, "spread", lambda self, size: spread)
+    model = torchvision.models.alexnet(weights=None)
+    plan = crosscut.partition(model, "4xK20c", _meta(64), time_limit=10)
+    rows = plan.strategy.alternatives
+    assert (plan.num_stages, plan.options.microbatches) == (stages, microbatches), [
+        a.text() for a in rows
+    ]
+    chosen = next(a for a in rows if a.outcome == "chosen")
+    assert chosen.step_time_s == plan.predicted.step_time_s
+    quickest = min((a for a in rows if a.step_time_s > 0), key=lambda a: a.step_time_s)
+    noisy = [a for a in rows if a.outcome == "within noise"]
+    if spread == 0.0:
+        assert quickest is chosen and not noisy
+    else:
+        assert noisy == [quickest] and quickest.stages == 4
+        assert plan.predicted.step_time_s <= quickest.step_time_s * (1 + spread)
+        assert f"within the profiles' spread ({spread:.1%})" in quickest.reason
+        assert any("the simpler strategy" in n for n in plan.solver.notes)
+        # every strategy with fewer stages than the chosen one is outside the spread
+        for a in rows:
+            if a.step_time_s > 0 and (a.stages, a.microbatches) < (stages, microbatches):
+                assert a.step_time_s > quickest.step_time_s * (1 + spread), a.text()
+        assert Plan.from_dict(plan.to_dict()).strategy == plan.strategy
+
+
 def test_given_counts_are_constraints() -> None:
     model = torchvision.models.resnet18(weights=None)
     fixed = crosscut.partition(model, "4xV100", _meta(64, 64), replicas=2, microbatches=4)

@@ -14,7 +14,10 @@ the same reason. Here each repeat runs the whole graph forward and backward:
   next hook is charged to it. On one device autograd runs the graph in
   reverse order on one thread, so the intervals tile the backward pass.
 
-The median over repeats is kept per node and direction.
+The median over repeats is kept per node and direction. The whole steps'
+times are handed back too (``steps``): how far they spread says how far one
+profile may be from another taken a moment later, which is what the strategy
+search needs to know before it prefers one plan to another by a few per cent.
 """
 
 from __future__ import annotations
@@ -98,13 +101,18 @@ def measure_in_context(
     training: bool,
     warmup: int,
     repeats: int,
+    steps: list[float] | None = None,
 ) -> dict[str, tuple[float, float]]:
-    """(forward s, backward s) of every compute node, medians over ``repeats`` full steps."""
+    """(forward s, backward s) of every compute node, medians over ``repeats`` full steps.
+
+    ``steps``, if given, receives each timed repeat's whole-step seconds."""
     fwd: dict[str, list[float]] = defaultdict(list)
     bwd: dict[str, list[float]] = defaultdict(list)
     names = [n.name for n in gm.graph.nodes if n.op not in _SKIP]
     for i in range(warmup + repeats):
         timer = _Timer(gm, dev, hooks=training)
+        _sync(dev)
+        start = time.perf_counter()
         with torch.enable_grad() if training else torch.no_grad():
             out = timer.run(*inputs)
             loss = _loss(out) if training else None
@@ -115,6 +123,8 @@ def measure_in_context(
         end = time.perf_counter()
         if i < warmup:
             continue
+        if steps is not None:
+            steps.append(end - start)
         back = _backward_times(timer.stamps, end)
         for name in names:
             fwd[name].append(timer.fwd.get(name, 0.0))

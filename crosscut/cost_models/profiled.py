@@ -33,7 +33,7 @@ from crosscut.errors import CostModelError
 from crosscut.graph import OpGraph
 from crosscut.precision import autocast
 
-__all__ = ["cache_key", "device_kind", "profile_costs"]
+__all__ = ["cache_key", "device_kind", "profile_costs", "step_spread"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -203,7 +203,11 @@ def _measure(
 
 
 def _measure_context(
-    graph: OpGraph, dev: torch.device, warmup: int, repeats: int
+    graph: OpGraph,
+    dev: torch.device,
+    warmup: int,
+    repeats: int,
+    steps: list[float] | None = None,
 ) -> dict[str, tuple[float, float]]:
     gm: torch.fx.GraphModule = copy.deepcopy(graph.gm).to(dev)
     training = graph.mode == "train"
@@ -213,7 +217,18 @@ def _measure_context(
         for op in graph.nodes
         if op.op == "placeholder"
     ]
-    return measure_in_context(gm, inputs, dev, training, warmup, repeats)
+    return measure_in_context(gm, inputs, dev, training, warmup, repeats, steps)
+
+
+def step_spread(steps: list[float]) -> float:
+    """How far a profile's whole-step times spread: (slowest − quickest) ÷ median.
+
+    0 for fewer than two steps. A profile taken a moment later may differ by as
+    much, so plans whose predictions differ by less are not told apart by it."""
+    if len(steps) < 2:
+        return 0.0
+    mid = statistics.median(steps)
+    return (max(steps) - min(steps)) / mid if mid > 0 else 0.0
 
 
 def _fetch(gm: torch.nn.Module, target: str) -> Any:
@@ -292,9 +307,10 @@ def profile_costs(
         cached.meta.setdefault("priced", _priced(kind, str(dev), method, graph.precision))
         return _with_memory(cached, graph, optimizer)
     t0 = time.perf_counter()
+    steps: list[float] = []
     with autocast(graph.precision, dev.type):  # time the ops as the plan will run them
         if method == "context":
-            times = _measure_context(graph, dev, warmup, repeats)
+            times = _measure_context(graph, dev, warmup, repeats, steps)
         else:
             times = _measure(graph, dev, warmup, repeats)
     table = CostTable(
@@ -316,6 +332,8 @@ def profile_costs(
             "method": method,
             "warmup": warmup,
             "profile_s": time.perf_counter() - t0,
+            # whole steps' relative spread over the repeats (in-context only; 0: unknown)
+            "spread": step_spread(steps),
             "cache_hit": False,
             "priced": _priced(kind, str(dev), method, graph.precision),
         },

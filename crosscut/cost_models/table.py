@@ -106,6 +106,8 @@ class CostTable:
         meta = {**self.meta, **other.meta}
         if "priced" in self.meta or "priced" in other.meta:  # per kind: the other's kinds win
             meta["priced"] = {**self.meta.get("priced", {}), **other.meta.get("priced", {})}
+        if "spread" in self.meta or "spread" in other.meta:  # the noisier profile counts
+            meta["spread"] = max(self.meta.get("spread", 0.0), other.meta.get("spread", 0.0))
         return CostTable(out, source, self.mode, self.optimizer, meta)
 
     # ---- serialisation -------------------------------------------------------------

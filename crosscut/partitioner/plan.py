@@ -204,7 +204,9 @@ class Alternative:
     """One strategy the planner considered: ``replicas`` × a pipeline over ``devices``.
 
     ``outcome``: ``"chosen"`` (this plan), ``"slower"`` (priced at
-    ``step_time_s``), ``"no fit"`` (no plan fits the memory caps),
+    ``step_time_s``), ``"within noise"`` (predicted quicker than the chosen
+    plan, by less than its profiled costs' spread: the simpler one is kept),
+    ``"no fit"`` (no plan fits the memory caps),
     ``"pruned"`` (a lower bound already at or above the best step),
     ``"refused"`` (the model or a rule refused it), ``"excluded"`` (ruled out
     before planning: the batch does not split, the caller fixed another

@@ -64,7 +64,14 @@ from crosscut.codegen.batch_split import BatchSplitStage
 from crosscut.codegen.split import StagedProgram
 from crosscut.errors import InputError, RuntimeError_
 from crosscut.runtime.device_thread import DeviceThread
-from crosscut.runtime.engine import RunStage, StageEngine, consumers, sum_leaves
+from crosscut.runtime.engine import (
+    RunStage,
+    StageEngine,
+    consumers,
+    incoming_grad,
+    keep_incoming,
+    sum_leaves,
+)
 from crosscut.runtime.microbatch import micro_rows, scatter
 from crosscut.runtime.output_merge import OutputMerge
 from crosscut.runtime.thread_state import ThreadState
@@ -269,7 +276,7 @@ class LocalExecutor:
                 req = t.requires_grad
                 out = out.detach()
                 if req:
-                    out.requires_grad_(True)
+                    keep_incoming(out.requires_grad_(True))
             return out
 
         return pytree.tree_map(one, value)
@@ -423,9 +430,7 @@ class _LocalTransport:
 
     def send_grads(self, a: Action, received: dict[str, Any]) -> None:
         for name, leaf in received.items():
-            flat = [
-                t.grad if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(leaf)
-            ]
+            flat = [incoming_grad(t) for t in pytree.tree_leaves(leaf)]
             with self.run.cond:
                 self.run.grads.setdefault((a.microbatch, name), {})[self.stage] = flat
                 self.run.cond.notify_all()

@@ -26,6 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from crosscut.errors import DistributedError, InputError
+from crosscut.runtime.engine import incoming_grad, keep_incoming, with_strides
 from crosscut.runtime.microbatch import scatter
 from crosscut.runtime.p2p import Edge, Messenger, PendingRecv, Routes
 from crosscut.schedule import Action
@@ -124,8 +125,9 @@ class StageIO:
                 for j in idx
             ]
             tags = [self.routes.tag(i, a.microbatch, j, a.kind == "B") for j in idx]
-            if a.kind == "B":  # and which of them the reader had (a mask: send_grads)
-                templates.append(torch.empty(len(idx), dtype=torch.uint8, device=self.device))
+            if a.kind == "B":  # which of them the reader had, and their strides (send_grads)
+                size = sum(1 + leaves[j].dim() for j in idx)
+                templates.append(torch.empty(size, dtype=torch.int64, device=self.device))
                 tags.append(self.routes.tag(i, a.microbatch, self.routes.mask_leaf, True))
             pend = self.msg.post_recv(
                 e.value, peer, tags, templates, self._what(a, e, a.kind == "B")
@@ -159,7 +161,7 @@ class StageIO:
         sums: dict[str, list[torch.Tensor | None]] = {}
         for _i, p in self.posted.pop(a):
             *got, mask = self.msg.wait_recv(p)
-            have = [g if bool(f) else None for g, f in zip(got, mask.tolist())]
+            have = _laid_out(got, mask.tolist(), self.device)
             if p.value in sums:
                 sums[p.value] = [_add(x, y) for x, y in zip(sums[p.value], have)]
             else:
@@ -176,9 +178,11 @@ class StageIO:
         built = []
         for j, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
-                t = next(it)
+                # a message arrives contiguous; the reader gets the producer's strides, as the
+                # trace recorded them (a channel slice: batch norm reads it in another order)
+                t = with_strides(next(it), self.device, leaf.stride())
                 if grad and self.routes.grad_leaf[value][j]:
-                    t.requires_grad_(True)
+                    keep_incoming(t.requires_grad_(True))
                 built.append(t)
             else:
                 built.append(leaf)
@@ -193,17 +197,19 @@ class StageIO:
 
     def send_grads(self, a: Action, received: dict[str, Any]) -> None:
         """Send the gradient of each received input back to its producer, then a mask of
-        which leaves had one (zeros travel for the others: the receives are posted ahead)."""
+        which leaves had one (zeros travel for the others: the receives are posted ahead)
+        with each one's strides as autograd handed it over (engine.py: layouts)."""
         for i, e in enumerate(self.routes.edges):
             if e.dst != self.stage:
                 continue
             leaves = pytree.tree_leaves(received[e.value])
-            present = []
+            present: list[int] = []
             for j, (t, f) in enumerate(zip(leaves, self.routes.grad_leaf[e.value])):
                 if not f:
                     continue
-                present.append(t.grad is not None)
-                g = t.grad if t.grad is not None else torch.zeros_like(t)
+                got = incoming_grad(t)
+                g = got if got is not None else torch.zeros_like(t)
+                present += [int(got is not None), *g.stride()]
                 self.msg.send(
                     g,
                     self.rank_of(e.src),
@@ -212,7 +218,7 @@ class StageIO:
                 )
             if present:
                 self.msg.send(
-                    torch.tensor(present, dtype=torch.uint8, device=self.device),
+                    torch.tensor(present, dtype=torch.int64, device=self.device),
                     self.rank_of(e.src),
                     self.routes.tag(i, a.microbatch, self.routes.mask_leaf, True),
                     self._what(a, e, True),
@@ -252,6 +258,21 @@ class StageIO:
     def _what(a: Action, e: Edge, grad: bool) -> str:
         kind = "the gradient" if grad else "the value"
         return f"{kind} of {e.value!r} for micro-batch {a.microbatch} (action {a})"
+
+
+def _laid_out(
+    got: list[torch.Tensor], mask: list[int], device: torch.device
+) -> list[torch.Tensor | None]:
+    """The gradients of one message, each ``None`` if its reader had none, else laid out
+    with the strides its reader's backward gave it (``mask``: per leaf, a presence flag
+    then one stride per dimension)."""
+    out: list[torch.Tensor | None] = []
+    at = 0
+    for g in got:
+        present, strides = mask[at], mask[at + 1 : at + 1 + g.dim()]
+        at += 1 + g.dim()
+        out.append(with_strides(g, device, strides) if present else None)
+    return out
 
 
 def _add(x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:

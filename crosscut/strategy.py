@@ -32,9 +32,12 @@ cross-shaped solver, ``partitioner/solvers/cross.py``, chooses them with the
 stage boundaries). Not searched by default: groups are priced at the whole
 micro-batch's per-sample rate (see :mod:`crosscut.options`). A batch-split
 stage never hands on a value its shares cannot join
-(``PartitionProblem.batch_major``), and a replicated layout whose stages
-would — locally each stage position's replicas are one batch-split group —
-is refused with that reason.
+(``PartitionProblem.batch_major``). Locally each stage position's replicas
+are one batch-split group too, so a replicated layout ties every value that
+is not a batch-major tensor to its readers (:func:`batch_major_cuts`): the
+solver cuts elsewhere. Only a model whose own output is not batch-major (a
+0-d loss it returns) still has its replicated layouts refused, with that
+reason.
 
 Micro-batches: each layout tries 1, 2, 4, ... dividing the replica's batch
 (:func:`microbatch_candidates`) in increasing order and stops once the step
@@ -76,6 +79,7 @@ from typing import TYPE_CHECKING
 
 from crosscut.cost_models.subclusters import replica_cluster, slowest_link
 from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
+from crosscut.graph import OpGraph
 from crosscut.options import PlanRequest
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.plan import Alternative, Plan, Strategy
@@ -94,6 +98,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_MICROBATCHES",
     "Layout",
+    "batch_major_cuts",
     "candidate_layouts",
     "microbatch_candidates",
     "plan_strategy",
@@ -311,6 +316,8 @@ def _attempt(
     costs = cache.costs(size, node)
     search.trace_s = max(search.trace_s, time.monotonic() - t0)
     t0 = time.monotonic()
+    if lay.replicas > 1:
+        graph = batch_major_cuts(graph)
     groups, splits = request.stage_groups(lay.replicas)
     req = dataclasses.replace(
         request,
@@ -340,6 +347,36 @@ def _attempt(
             remedy="a fixed device order would avoid it; the layout is skipped",
         )
     return plan
+
+
+def batch_major_cuts(graph: OpGraph) -> OpGraph:
+    """``graph`` with every value that is not a batch-major tensor tied to its readers.
+
+    Locally the replicas of a stage position run as one batch-split group,
+    which can hand on only tensors whose dim 0 is the batch (it concatenates its
+    shares' copies): a ``x.size(0)``, a mean over the batch or a parameter sent
+    as a value would be each share's own. A tie (``OpGraph.ties``: nodes that
+    share a stage) keeps such a value on its readers' stage, so the solver cuts
+    elsewhere instead of the layout being refused after the solve. The ties are
+    recorded in the plan (``Plan.ties``), so a replay prices the same problem."""
+    from crosscut.partitioner.build import batch_major_value
+
+    readers: dict[str, list[str]] = {}
+    for n in graph.nodes:
+        for u in n.inputs:
+            readers.setdefault(u, []).append(n.name)
+    placed = {n.name for n in graph.nodes if n.op not in ("placeholder", "output")}
+    extra = [
+        [n.name, *(r for r in readers[n.name] if r in placed)]
+        for n in graph.nodes
+        if n.name in placed
+        and n.name in readers
+        and not batch_major_value(n, graph.batch_size)
+        and any(r in placed for r in readers[n.name])
+    ]
+    if not extra:
+        return graph
+    return dataclasses.replace(graph, ties=[*graph.ties, *extra], gm=graph.gm)
 
 
 def _check_replica_exports(plan: Plan) -> None:

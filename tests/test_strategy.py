@@ -226,6 +226,48 @@ def test_replicas_that_could_not_join_an_output_are_not_chosen() -> None:
     torch.testing.assert_close(out[1], ref[1])
 
 
+class _ScalesByAMean(nn.Module):
+    """A 0-d mean of an early value scales the logits: cheapest sent as it is, which a
+    batch split cannot do (each share would send the mean of its own rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU())
+        self.b = nn.Sequential(
+            nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()
+        )
+        self.head = nn.Linear(16 * 16 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        scale = y.mean()
+        return self.head(self.b(y).flatten(1)) * scale  # type: ignore[no-any-return]
+
+
+def test_replicated_pipelines_cut_only_through_batch_major_values() -> None:
+    """2 replicas of a 2-stage pipeline: the solver keeps the mean on its reader's stage (a
+    tie), where it used to cut right after it and the layout was refused after the solve;
+    the plan compiles and its replicas equal eager on their halves of the batch."""
+    from crosscut.partitioner.build import plan_to_problem
+    from crosscut.partitioner.group_costs import batch_split_exports
+
+    model, x = _ScalesByAMean(), torch.randn(16, 3, 16, 16)
+    plan = crosscut.partition(
+        model, ["cpu"] * 4, x, replicas=2, microbatches=1, require_all_devices=True, time_limit=5
+    )
+    assert (plan.replication.replicas, plan.num_stages) == (2, 2)
+    assert ["mean", "mul"] in plan.ties
+    assert plan.assignment["mean"] == plan.assignment["mul"]
+    pb, stage_of, _ = plan_to_problem(plan)
+    assert not any(batch_split_exports(pb, stage_of, k) for k in range(plan.num_stages))
+    compiled = crosscut.compile(model, ["cpu"] * 4, x, plan=plan)
+    with torch.no_grad():
+        want = torch.cat([model(part) for part in x.chunk(2)])
+        torch.testing.assert_close(compiled(x), want)
+    compiled.close()
+
+
 class _NoBN(nn.Module):
     def __init__(self) -> None:
         super().__init__()

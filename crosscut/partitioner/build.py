@@ -23,6 +23,7 @@ from crosscut.partitioner.shard import shard_kind
 __all__ = [
     "CostLookup",
     "assigned_names",
+    "batch_major_value",
     "plan_groups",
     "plan_nodes",
     "plan_to_problem",
@@ -63,13 +64,13 @@ def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[
                 param_bytes=0 if n.is_io else int(n.param_bytes),
                 shard=shard,
                 channels=channels,
-                batch_major=_batch_major(n, graph.batch_size),
+                batch_major=batch_major_value(n, graph.batch_size),
             )
         )
     return out
 
 
-def _batch_major(node: OpNode, batch: int) -> bool:
+def batch_major_value(node: OpNode, batch: int) -> bool:
     """Whether a node's value is tensors only (one, or a tuple of them), each with the
     (micro-)batch as dim 0: what a batch split joins by concatenating its shares'."""
     shapes = node.shapes

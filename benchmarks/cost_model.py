@@ -27,7 +27,7 @@ import torch
 import torchvision
 
 from crosscut.cost_models import Cluster, analytic_costs, peak_memory, profile_costs
-from crosscut.partitioner.trace import trace
+from crosscut.frontend.tracer import trace
 
 __all__ = ["main", "measure_peak", "measure_step"]
 

@@ -39,7 +39,7 @@ from crosscut.cost_models import Cluster, analytic_costs
 from crosscut.cost_models.calibration import step_overhead_s, update_seconds
 from crosscut.cost_models.devices import DeviceSpec
 from crosscut.cost_models.links import measure_matmul_flops
-from crosscut.partitioner.trace import trace
+from crosscut.frontend.tracer import trace
 
 __all__ = ["MODELS", "main", "measured_step", "predicted_step"]
 

@@ -14,7 +14,7 @@ import torch
 import torchvision
 
 from crosscut.cost_models import Cluster, analytic_costs
-from crosscut.partitioner.trace import trace
+from crosscut.frontend.tracer import trace
 
 __all__ = ["main"]
 

@@ -125,7 +125,7 @@ def trace(
     precision: str = "fp32",
 ) -> OpGraph:
     """Trace ``model`` into an :class:`OpGraph` (shapes from FakeTensors, no real compute)."""
-    from crosscut.partitioner.trace import trace as _trace
+    from crosscut.frontend.tracer import trace as _trace
 
     check_precision(precision)
     return _trace(model, example_inputs, mode=mode, leaf_modules=leaf_modules, precision=precision)

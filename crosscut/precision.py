@@ -1,7 +1,7 @@
 """Mixed precision as a plan option: ``precision="fp32" | "bf16" | "fp16"``.
 
 One mechanism prices and runs it: PyTorch's autocast. The trace propagates
-shapes under ``torch.autocast`` with the chosen dtype (partitioner/trace.py),
+shapes under ``torch.autocast`` with the chosen dtype (frontend/tracer.py),
 so every op records the dtype it really produces — convolutions, linears and
 matmuls in 16 bits, batch norm and reductions in fp32, the parameters (the
 optimizer's master copy) in fp32. From there nothing else needs to know: the

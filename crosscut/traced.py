@@ -68,7 +68,7 @@ class TraceCache:
 
     def graph(self, size: int) -> OpGraph:
         if size not in self._graphs:
-            from crosscut.partitioner.trace import trace
+            from crosscut.frontend.tracer import trace
 
             graph = trace(
                 self.model,

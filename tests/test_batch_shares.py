@@ -16,7 +16,7 @@ from torch import fx, nn
 
 from crosscut.codegen.batch_shares import batch_of, check_output, input_kind, share_bounds
 from crosscut.errors import CodegenError
-from crosscut.partitioner.trace import trace
+from crosscut.frontend.tracer import trace
 from crosscut.runtime import CompiledModule
 
 

@@ -155,7 +155,7 @@ class _Tiny(nn.Module):
 
 
 def _traced(mode: str = "train") -> OpGraph:
-    trace_mod = pytest.importorskip("crosscut.partitioner.trace")
+    trace_mod = pytest.importorskip("crosscut.frontend.tracer")
     graph: OpGraph = trace_mod.trace(_Tiny(), torch.randn(4, 3, 16, 16), mode=mode)
     return graph
 
@@ -163,7 +163,7 @@ def _traced(mode: str = "train") -> OpGraph:
 def test_memory_model_matches_mem_tracker() -> None:
     mt = pytest.importorskip("torch.distributed._tools.mem_tracker")
     model, x = _Tiny().train(), torch.randn(32, 3, 16, 16)
-    trace_mod = pytest.importorskip("crosscut.partitioner.trace")
+    trace_mod = pytest.importorskip("crosscut.frontend.tracer")
     graph = trace_mod.trace(model, x, mode="train")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tracker = mt.MemTracker()

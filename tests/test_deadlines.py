@@ -154,7 +154,7 @@ def test_partition_of_a_graph_returns_by_the_limit_with_a_valid_plan() -> None:
     from torch import nn
 
     from crosscut.api import partition
-    from crosscut.partitioner import trace
+    from crosscut.frontend import trace
     from crosscut.partitioner.validate import validate_plan
 
     layers: list[nn.Module] = []

@@ -22,9 +22,9 @@ from crosscut.cost_models import Cluster, analytic_costs
 from crosscut.cost_models.analytic import priced_rate
 from crosscut.cost_models.table import CostTable, NodeCost
 from crosscut.errors import PlanError
+from crosscut.frontend.tracer import trace
 from crosscut.partitioner.partition import priced_rates
 from crosscut.partitioner.plan import Plan, PricedRate
-from crosscut.partitioner.trace import trace
 from crosscut.viz import plan_to_html
 from crosscut.viz.summary import summary_text
 

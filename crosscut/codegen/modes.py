@@ -31,7 +31,7 @@ from torch import fx
 from crosscut.codegen.attrs import get_attr, set_attr
 from crosscut.codegen.split import StagedProgram, build_stages
 from crosscut.errors import CodegenError
-from crosscut.partitioner.alias import GROUP
+from crosscut.frontend.alias import GROUP
 
 __all__ = [
     "derive_assignment",
@@ -105,7 +105,7 @@ def derive_assignment(
 def _place_tied(
     gm: fx.GraphModule, hints: Mapping[str, int], key_stage: Mapping[str, int]
 ) -> dict[str, int]:
-    """:func:`_place`, re-run with each mutation tie (``partitioner/alias.py``) raised to the
+    """:func:`_place`, re-run with each mutation tie (``frontend/alias.py``) raised to the
     stage of its latest member until every tie shares one stage (or, when state pins a
     member earlier, the placement is left for ``build_stages`` to refuse by name)."""
     raised = dict(hints)

@@ -15,7 +15,7 @@ Placement is a callback (``stage_of[node.name]``) into torch.fx's
 * safety checks: backward edges, empty stages, tied parameters on different
   stages, and in-place ops on values that cross a cut (rewritten so every
   consumer sees what it would see in eager mode); writes through views are
-  ordered earlier, in the trace (``partitioner/alias.py``), and a plan that
+  ordered earlier, in the trace (``frontend/alias.py``), and a plan that
   splits one of those mutation ties is refused here;
 * for cross-shaped plans (``groups``), the width split of a stage over its
   device group (``codegen/width.py``): channel shards with explicit gathers,
@@ -41,7 +41,7 @@ from crosscut.codegen.order import order_by_stage
 from crosscut.codegen.transfers import INPUT, Transfer, plan_transfers
 from crosscut.codegen.width import Collective
 from crosscut.errors import CodegenError
-from crosscut.partitioner.alias import GROUP, MUTATES, inplace_target
+from crosscut.frontend.alias import GROUP, MUTATES, inplace_target
 
 __all__ = ["Stage", "StagedProgram", "ValueRef", "build_stages", "map_structure"]
 
@@ -156,7 +156,7 @@ def _check_assignment(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stage
 
 
 def _check_mutation_ties(gm: fx.GraphModule, stage_of: Mapping[str, int]) -> None:
-    """The trace's mutation ties (``partitioner/alias.py``) hold: one stage per tie.
+    """The trace's mutation ties (``frontend/alias.py``) hold: one stage per tie.
 
     The solvers honour them; a hand-made plan may not, and then a write through
     a view would happen on another stage than a reader that must see it (or

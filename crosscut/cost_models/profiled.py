@@ -279,7 +279,7 @@ def profile_costs(
         raise CostModelError(
             "profiling needs the traced GraphModule (OpGraph.gm)",
             value=graph.model_name or "OpGraph without gm",
-            remedy="build the graph with crosscut.partitioner.trace.trace(), or use analytic_costs",
+            remedy="build the graph with crosscut.frontend.tracer.trace(), or use analytic_costs",
         )
     if repeats < 1 or warmup < 0:
         raise CostModelError("repeats >= 1 and warmup >= 0", value=(repeats, warmup))

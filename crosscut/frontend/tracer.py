@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import operator
 import re
-import sys
-import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -42,17 +40,17 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from crosscut.errors import InputError, TraceError
-from crosscut.graph import OpGraph, OpNode
-from crosscut.partitioner.alias import order_mutations
-from crosscut.partitioner.grad_mode import NO_GRAD, detach_no_grad
-from crosscut.partitioner.propagate import (
+from crosscut.frontend.alias import order_mutations
+from crosscut.frontend.grad_mode import NO_GRAD, detach_no_grad
+from crosscut.frontend.propagate import (
     Propagator,
     first_line,
     iter_tensors,
     propagate,
     shapes_of,
 )
-from crosscut.partitioner.python_state import refusing_python_state
+from crosscut.frontend.python_state import refusing_python_state
+from crosscut.graph import OpGraph, OpNode
 
 __all__ = ["trace"]
 
@@ -264,7 +262,7 @@ def trace(
     with _training(model, train), _untouched_state(model), refusing_python_state(model):
         gm, auto = _symbolic_trace(model, leaf_paths, leaf_types)
         prop = propagate(gm, inputs, train, precision)
-    ties = _ties(gm) + order_mutations(gm)  # writes through views: partitioner/alias.py
+    ties = _ties(gm) + order_mutations(gm)  # writes through views: frontend/alias.py
     nodes = _build_nodes(gm, prop, auto)
     graph = OpGraph(
         nodes=nodes,
@@ -447,23 +445,3 @@ def _ties(gm: torch.fx.GraphModule) -> list[list[str]]:
     for name in sorted(parent, key=order.__getitem__):
         groups.setdefault(find(name), []).append(name)
     return [g for g in groups.values() if len(g) > 1]
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as :func:`trace` (see ``crosscut/partitioner/__init__.py``)."""
-
-    def __call__(
-        self,
-        model: nn.Module,
-        example_inputs: Tensor | Sequence[Tensor],
-        *,
-        mode: str = "train",
-        leaf_modules: Sequence[str | type[nn.Module]] = (),
-        precision: str = "fp32",
-    ) -> OpGraph:
-        return trace(
-            model, example_inputs, mode=mode, leaf_modules=leaf_modules, precision=precision
-        )
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -1,6 +1,6 @@
 """Fake-tensor shape propagation with per-node FLOP counting (step 2 and 3 of tracing).
 
-Kept apart from :mod:`crosscut.partitioner.trace` because it is the part that
+Kept apart from :mod:`crosscut.frontend.tracer` because it is the part that
 touches torch internals (fake tensors, dispatch modes, reparametrisation); see
 that module's docstring for why each choice was made.
 """
@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import conv_backward_flop, flop_registry
 
 from crosscut.errors import InputError
-from crosscut.partitioner.alias import record_writes, versions
+from crosscut.frontend.alias import record_writes, versions
 from crosscut.precision import autocast
 
 __all__ = [

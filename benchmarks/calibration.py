@@ -22,7 +22,7 @@ from torch import nn
 from crosscut.cost_models import Cluster, analytic_costs
 from crosscut.cost_models.calibration import PUBLISHED, Published, step_overhead_s, update_seconds
 from crosscut.frontend.tracer import trace
-from crosscut.graph import OpGraph
+from crosscut.ir.graph import OpGraph
 
 __all__ = ["build_model", "main", "predict", "single_step_s"]
 

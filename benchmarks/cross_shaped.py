@@ -38,10 +38,10 @@ from torch import nn
 
 from crosscut.api import get_costs, trace
 from crosscut.cost_models import Cluster
+from crosscut.ir.plan import Plan, PlanOptions
 from crosscut.partitioner.build import plan_groups, plan_to_problem
 from crosscut.partitioner.evaluate import evaluate, lower_bound
 from crosscut.partitioner.partition import partition_graph
-from crosscut.partitioner.plan import Plan, PlanOptions
 from crosscut.partitioner.solvers.cross import data_parallel
 
 MODELS = ["alexnet", "vgg16", "resnet50", "googlenet", "inception_v3"]

@@ -30,7 +30,7 @@ import random
 import time
 from pathlib import Path
 
-from crosscut.partitioner.problem import PartitionProblem
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.solvers.cpsat import solve_cpsat
 from crosscut.partitioner.solvers.synthetic import (
     densenet_like,

@@ -57,8 +57,8 @@ _LAZY = {
     "trace": "crosscut.api",
     "partition": "crosscut.api",
     "simulate": "crosscut.partitioner.simulate",
-    "Plan": "crosscut.partitioner.plan",
-    "OpGraph": "crosscut.graph",
+    "Plan": "crosscut.ir.plan",
+    "OpGraph": "crosscut.ir.graph",
     "CompiledModule": "crosscut.runtime",
     "Cluster": "crosscut.cost_models",
     "DeviceSpec": "crosscut.cost_models",
@@ -67,8 +67,8 @@ _LAZY = {
 if TYPE_CHECKING:
     from crosscut.api import compile, partition, trace
     from crosscut.cost_models import Cluster, DeviceSpec
-    from crosscut.graph import OpGraph
-    from crosscut.partitioner.plan import Plan
+    from crosscut.ir.graph import OpGraph
+    from crosscut.ir.plan import Plan
     from crosscut.partitioner.simulate import simulate
     from crosscut.runtime import CompiledModule
 

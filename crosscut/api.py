@@ -21,7 +21,7 @@ from torch import nn
 
 from crosscut.codegen.grouped_stages import local_groups
 from crosscut.errors import InputError
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.partitioner.validate import validate_plan
 from crosscut.planning import (
     PlanRequest,

@@ -235,7 +235,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from crosscut.partitioner.plan import Plan
+    from crosscut.ir.plan import Plan
     from crosscut.partitioner.validate import validate_plan
     from crosscut.viz import print_summary, render
 
@@ -281,8 +281,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
+    from crosscut.ir.plan import Plan
     from crosscut.partitioner.diff import diff_plans
-    from crosscut.partitioner.plan import Plan
 
     print(diff_plans(Plan.load(args.a), Plan.load(args.b)))
     return 0

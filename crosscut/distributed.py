@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from crosscut.errors import CrosscutError, DistributedError, InputError
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.partitioner.validate import validate_plan
 from crosscut.planning import as_tuple
 from crosscut.runtime.checkpoint import assemble_checkpoint

@@ -144,7 +144,7 @@ def build_command(ns: argparse.Namespace, devices: int) -> list[str]:
 
 def run_main(argv: Sequence[str]) -> int:
     """Entry point of ``crosscut run``; returns the job's exit status (2 for bad usage)."""
-    from crosscut.partitioner.plan import Plan
+    from crosscut.ir.plan import Plan
 
     try:
         ns = parse_args(argv)

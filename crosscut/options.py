@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from crosscut.errors import InputError
-from crosscut.partitioner.problem import OBJECTIVES, RECOMPUTE, SCHEDULES
+from crosscut.ir.problem import OBJECTIVES, RECOMPUTE, SCHEDULES
 from crosscut.precision import check_precision
 
 __all__ = ["COSTS", "MODES", "OPTIMIZERS", "PlanRequest", "check_options", "cross_options"]

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from crosscut.errors import CrosscutError, InputError, PlanError
-from crosscut.graph import OpGraph
+from crosscut.ir.graph import OpGraph
+from crosscut.ir.plan import Plan
 from crosscut.options import PlanRequest, check_options, cross_options
 from crosscut.partitioner.deadline import Deadline
-from crosscut.partitioner.plan import Plan
 from crosscut.partitioner.stage_recompute import (
     check_recompute,
     recompute_flags_for,

@@ -70,9 +70,9 @@ from typing import TYPE_CHECKING
 
 from crosscut.cost_models.subclusters import replica_cluster, slowest_link
 from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
+from crosscut.ir.plan import Alternative, Plan, Strategy
 from crosscut.options import PlanRequest
 from crosscut.partitioner.deadline import Deadline
-from crosscut.partitioner.plan import Alternative, Plan, Strategy
 from crosscut.partitioner.replicas import (
     layouts,
     replica_span,

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from crosscut.graph import OpGraph
+from crosscut.ir.graph import OpGraph
+from crosscut.ir.plan import Plan, PlanOptions
 from crosscut.options import PlanRequest, cross_options
 from crosscut.partitioner.deadline import Deadline
-from crosscut.partitioner.plan import Plan, PlanOptions
 
 if TYPE_CHECKING:
     import torch

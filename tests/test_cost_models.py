@@ -23,7 +23,7 @@ from crosscut.cost_models.devices import preset
 from crosscut.cost_models.efficiency import efficiency_of
 from crosscut.cost_models.memory import activation_bytes, resident_bytes, saved_by
 from crosscut.errors import CostModelError, InputError
-from crosscut.graph import OpGraph, OpNode
+from crosscut.ir.graph import OpGraph, OpNode
 
 MB = 10**6
 

@@ -17,9 +17,9 @@ import time
 
 import pytest
 
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import check, evaluate
-from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers import SolveResult, solve
 from crosscut.partitioner.solvers.baselines import all_baselines, chain_dp, greedy, time_balanced
 from crosscut.partitioner.solvers.cross import cross_dp_search, solve_cross

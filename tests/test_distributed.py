@@ -24,8 +24,8 @@ from torch import nn
 
 from crosscut.distributed import assemble_checkpoint
 from crosscut.errors import DistributedError
+from crosscut.ir.plan import Plan
 from crosscut.launch import check_port_free, free_port, run_main
-from crosscut.partitioner.plan import Plan
 
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("dist")]
 

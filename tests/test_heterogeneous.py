@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from crosscut.errors import InfeasiblePlanError, PartitionError
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.evaluate import check
-from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers.bruteforce import brute_force
 from crosscut.partitioner.solvers.cpsat import solve_cpsat
 from crosscut.partitioner.solvers.orders import candidate_orders, count_orders, device_classes

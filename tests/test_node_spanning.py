@@ -21,8 +21,8 @@ import torch
 import crosscut
 from crosscut.cost_models import Cluster
 from crosscut.cost_models.subclusters import replica_cluster
+from crosscut.ir.plan import Plan
 from crosscut.launch import build_command, parse_args
-from crosscut.partitioner.plan import Plan
 from crosscut.partitioner.replicas import (
     NCCL_BASE_S,
     NCCL_NET_HOP_S,

@@ -24,10 +24,10 @@ import crosscut
 from crosscut.cost_models import Cluster
 from crosscut.cost_models.devices import preset
 from crosscut.errors import InfeasiblePlanError, InputError, PlanError
+from crosscut.ir.plan import Plan
 from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.build import plan_to_problem
 from crosscut.partitioner.evaluate import evaluate, in_flight
-from crosscut.partitioner.plan import Plan
 from crosscut.partitioner.simulate import simulate
 from crosscut.partitioner.stage_recompute import keep_needed
 from crosscut.partitioner.validate import validate_plan

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from crosscut.schedule import (
+from crosscut.ir.schedule import (
     Action,
     ScheduleError,
     format_schedule,

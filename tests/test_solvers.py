@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from crosscut.errors import InfeasiblePlanError, PartitionError
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.evaluate import check, evaluate, lower_bound
-from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers import solve, solve_cpsat
 from crosscut.partitioner.solvers.baselines import (
     chain_dp,

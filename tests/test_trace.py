@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from crosscut.errors import InputError, TraceError
 from crosscut.frontend import trace
-from crosscut.graph import OpGraph
+from crosscut.ir.graph import OpGraph
 from tests.conftest import SEGMENTATION, build_meta, classification_names, input_size
 
 torchvision = pytest.importorskip("torchvision")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from crosscut.errors import CrosscutError
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.viz import (
     VizError,
     plan_to_dot,

@@ -22,7 +22,7 @@ from crosscut.errors import CodegenError
 
 if TYPE_CHECKING:
     from crosscut.codegen.split import Stage
-    from crosscut.partitioner.plan import Plan
+    from crosscut.ir.plan import Plan
 
 __all__ = ["ShardSources", "apply_groups", "check_groups", "local_groups"]
 

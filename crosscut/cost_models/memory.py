@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from crosscut.errors import InputError
-from crosscut.graph import OpGraph, OpNode
+from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = [
     "OPTIMIZER_STATE",

@@ -30,7 +30,7 @@ from crosscut.cost_models.context import measure_in_context
 from crosscut.cost_models.memory import activation_bytes, is_alias, resident_bytes
 from crosscut.cost_models.table import CostTable, NodeCost
 from crosscut.errors import CostModelError
-from crosscut.graph import OpGraph
+from crosscut.ir.graph import OpGraph
 from crosscut.precision import autocast
 
 __all__ = ["cache_key", "device_kind", "profile_costs"]

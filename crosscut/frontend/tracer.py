@@ -1,4 +1,4 @@
-"""Trace an ``nn.Module`` into an :class:`~crosscut.graph.OpGraph` without running it.
+"""Trace an ``nn.Module`` into an :class:`~crosscut.ir.graph.OpGraph` without running it.
 
 Three steps, each chosen so that tracing a 600M-parameter model on a laptop is
 cheap and never touches real data:
@@ -50,7 +50,7 @@ from crosscut.frontend.propagate import (
     shapes_of,
 )
 from crosscut.frontend.python_state import refusing_python_state
-from crosscut.graph import OpGraph, OpNode
+from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = ["trace"]
 

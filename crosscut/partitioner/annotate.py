@@ -8,9 +8,9 @@ of a solver's internal (integer-scaled) values.
 
 from __future__ import annotations
 
+from crosscut.ir.plan import Plan, PlanTransfer, Prediction
 from crosscut.partitioner.build import plan_groups, plan_to_problem
 from crosscut.partitioner.evaluate import evaluate, recomputes
-from crosscut.partitioner.plan import Plan, PlanTransfer, Prediction
 from crosscut.partitioner.replicas import reduction
 from crosscut.partitioner.simulate import simulate
 

@@ -51,6 +51,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from crosscut.ir.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.group_costs import (
     batch_split_exports,
     collective_time,
@@ -58,7 +59,6 @@ from crosscut.partitioner.group_costs import (
     node_share,
     ring_allreduce_time,
 )
-from crosscut.partitioner.problem import PartitionProblem, StageGroup
 
 __all__ = [
     "Evaluation",

@@ -22,12 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from crosscut.errors import InfeasiblePlanError, PartitionError
-from crosscut.graph import OpGraph
-from crosscut.partitioner.annotate import annotate
-from crosscut.partitioner.build import CostLookup, plan_nodes, problem_from_parts
-from crosscut.partitioner.deadline import Deadline
-from crosscut.partitioner.evaluate import lower_bound
-from crosscut.partitioner.plan import (
+from crosscut.ir.graph import OpGraph
+from crosscut.ir.plan import (
     ModelInfo,
     Plan,
     PlanCluster,
@@ -38,6 +34,10 @@ from crosscut.partitioner.plan import (
     PricedRate,
     SolverRecord,
 )
+from crosscut.partitioner.annotate import annotate
+from crosscut.partitioner.build import CostLookup, plan_nodes, problem_from_parts
+from crosscut.partitioner.deadline import Deadline
+from crosscut.partitioner.evaluate import lower_bound
 from crosscut.partitioner.solvers import PIPELINE_SHARE, SolveResult, solve
 from crosscut.partitioner.solvers.cross import solve_cross
 from crosscut.partitioner.stage_recompute import keep_needed, plan_objective
@@ -263,7 +263,7 @@ def _partition_once(
     fine = plan_nodes(graph, costs, [d.kind for d in pc.devices])
     by_name = {n.name: n for n in fine}
     if use_coarsening:
-        from crosscut.coarsen import coarsen
+        from crosscut.partitioner.coarsen import coarsen
 
         coarse_graph, members = coarsen(graph)
     else:

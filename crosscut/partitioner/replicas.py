@@ -58,7 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from crosscut.errors import InputError
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 
 __all__ = [
     "BUCKET_BYTES",

@@ -23,11 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 from crosscut.errors import InputError
+from crosscut.ir.plan import Plan
+from crosscut.ir.problem import RECOMPUTE
 from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.build import plan_to_problem
 from crosscut.partitioner.evaluate import lower_bound
-from crosscut.partitioner.plan import Plan
-from crosscut.partitioner.problem import RECOMPUTE
 from crosscut.partitioner.solvers.result import relative_gap
 
 __all__ = [

@@ -64,6 +64,7 @@ from crosscut.codegen.split import StagedProgram, build_stages
 from crosscut.codegen.state_writes import check_state_writes
 from crosscut.codegen.transfers import INPUT
 from crosscut.errors import DistributedError, InputError
+from crosscut.ir.schedule import make_schedule, validate_schedule
 from crosscut.precision import autocast
 from crosscut.runtime.batchnorm import install_step_batchnorm
 from crosscut.runtime.bn_commit import StepCommit
@@ -96,7 +97,6 @@ from crosscut.runtime.world import (
     make_position_groups,
     plan_hash,
 )
-from crosscut.schedule import make_schedule, validate_schedule
 
 __all__ = [
     "DistributedPipeline",

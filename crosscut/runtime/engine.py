@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 
 from crosscut.codegen.split import StagedProgram, ValueRef, map_structure
 from crosscut.codegen.transfers import INPUT
-from crosscut.schedule import Action
+from crosscut.ir.schedule import Action
 
 __all__ = ["Autograd", "RunStage", "Saved", "StageEngine", "Transport", "consumers", "sum_leaves"]
 

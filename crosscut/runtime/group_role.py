@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from crosscut.ir.schedule import Action
 from crosscut.runtime.group_comm import GroupLink, new_token
 from crosscut.runtime.world import allreduce_grads, broadcast_from_first
-from crosscut.schedule import Action
 
 __all__ = ["GroupRole"]
 

@@ -63,12 +63,7 @@ from torch.utils import _pytree as pytree
 from crosscut.codegen.batch_split import BatchSplitStage
 from crosscut.codegen.split import StagedProgram
 from crosscut.errors import InputError, RuntimeError_
-from crosscut.runtime.device_thread import DeviceThread
-from crosscut.runtime.engine import RunStage, StageEngine, consumers, sum_leaves
-from crosscut.runtime.microbatch import micro_rows, scatter
-from crosscut.runtime.output_merge import OutputMerge
-from crosscut.runtime.thread_state import ThreadState
-from crosscut.schedule import (
+from crosscut.ir.schedule import (
     Action,
     Schedule,
     inference,
@@ -76,6 +71,11 @@ from crosscut.schedule import (
     simulate,
     validate_schedule,
 )
+from crosscut.runtime.device_thread import DeviceThread
+from crosscut.runtime.engine import RunStage, StageEngine, consumers, sum_leaves
+from crosscut.runtime.microbatch import micro_rows, scatter
+from crosscut.runtime.output_merge import OutputMerge
+from crosscut.runtime.thread_state import ThreadState
 
 __all__ = ["LocalExecutor"]
 

@@ -26,9 +26,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from crosscut.errors import DistributedError, InputError
+from crosscut.ir.schedule import Action
 from crosscut.runtime.microbatch import scatter
 from crosscut.runtime.p2p import Edge, Messenger, PendingRecv, Routes
-from crosscut.schedule import Action
 
 __all__ = ["Posted", "StageIO"]
 

@@ -50,9 +50,9 @@ import time
 from collections.abc import Callable
 
 from crosscut.errors import InfeasiblePlanError, PartitionError
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import check, evaluate, lower_bound, renumber
-from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers.baselines import Plan, all_baselines
 from crosscut.partitioner.solvers.bounds import comm_lower_bound, tree_relaxation
 from crosscut.partitioner.solvers.cpsat_model import OrderModel

@@ -16,7 +16,7 @@ import random
 import sys
 import time
 
-from crosscut.partitioner.problem import PartitionProblem
+from crosscut.ir.problem import PartitionProblem
 
 __all__ = [
     "densenet_like",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from crosscut.errors import InputError
-from crosscut.graph import OpGraph, OpNode
+from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = ["FOLLOWER_KINDS", "coarsen", "expand_assignment"]
 

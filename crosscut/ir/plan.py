@@ -469,7 +469,7 @@ def _check_numbers(data: Any, path: str) -> None:
 
 def plan_schema() -> dict[str, Any]:
     """The JSON Schema of the current ``schema_version``, shipped in the package."""
-    text = resources.files("crosscut.partitioner").joinpath("plan_schema.json").read_text()
+    text = resources.files("crosscut.ir").joinpath("plan_schema.json").read_text()
     schema: dict[str, Any] = json.loads(text)
     return schema
 

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from crosscut.api import get_costs, micro_inputs, trace
-from crosscut.cost_models import Cluster
+from crosscut.cost_models.cluster import Cluster
 from crosscut.errors import InfeasiblePlanError, PartitionError
 from crosscut.ir.plan import Plan, PlanOptions
 from crosscut.models import load_model

@@ -25,7 +25,7 @@ import time
 import torch
 
 from crosscut.api import get_costs, micro_inputs, trace
-from crosscut.cost_models import Cluster
+from crosscut.cost_models.cluster import Cluster
 from crosscut.ir.plan import PlanOptions
 from crosscut.models import default_input_shape, load_model, torchvision_classification_models
 from crosscut.partitioner.partition import partition_graph

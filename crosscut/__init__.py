@@ -60,13 +60,14 @@ _LAZY = {
     "Plan": "crosscut.ir.plan",
     "OpGraph": "crosscut.ir.graph",
     "CompiledModule": "crosscut.runtime",
-    "Cluster": "crosscut.cost_models",
-    "DeviceSpec": "crosscut.cost_models",
+    "Cluster": "crosscut.cost_models.cluster",
+    "DeviceSpec": "crosscut.cost_models.devices",
 }
 
 if TYPE_CHECKING:
     from crosscut.api import compile, partition, trace
-    from crosscut.cost_models import Cluster, DeviceSpec
+    from crosscut.cost_models.cluster import Cluster
+    from crosscut.cost_models.devices import DeviceSpec
     from crosscut.ir.graph import OpGraph
     from crosscut.ir.plan import Plan
     from crosscut.partitioner.simulate import simulate

@@ -123,7 +123,7 @@ def compile(
     use every device even where fewer stages would be faster (useful for tests
     and for models that must be spread for memory).
     """
-    from crosscut.cost_models import Cluster
+    from crosscut.cost_models.cluster import Cluster
     from crosscut.runtime import CompiledModule
 
     if not isinstance(model, nn.Module):

@@ -260,7 +260,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     import crosscut
-    from crosscut.cost_models import Cluster, profile_costs
+    from crosscut.cost_models.cluster import Cluster
+    from crosscut.cost_models.profiled import profile_costs
 
     model, x = _load(args)
     cluster = Cluster.from_any(args.devices)

@@ -169,7 +169,7 @@ def _plan_on_rank0(
 
 def _plan_cluster(devices: Any, ranks: int, device: torch.device) -> Any:
     """The cluster rank 0 plans for: ``devices`` if given (one per rank), else the ranks'."""
-    from crosscut.cost_models import Cluster
+    from crosscut.cost_models.cluster import Cluster
 
     if devices is None:  # one logical device per rank, of the ranks' kind
         if device.type == "cpu":

@@ -230,7 +230,7 @@ def plan_request(
     ``traces``: a cache of the model's graphs by micro-batch size, which the
     caller keeps to read the chosen plan's graph without tracing again.
     """
-    from crosscut.cost_models import Cluster
+    from crosscut.cost_models.cluster import Cluster
 
     r = request
     deadline = Deadline.of(deadline, float(r.time_limit))

@@ -83,7 +83,7 @@ from crosscut.partitioner.replicas import (
 from crosscut.traced import Progress, TraceCache, solve_traced
 
 if TYPE_CHECKING:
-    from crosscut.cost_models import Cluster
+    from crosscut.cost_models.cluster import Cluster
 
 __all__ = [
     "MAX_MICROBATCHES",

@@ -21,7 +21,7 @@ from crosscut.partitioner.deadline import Deadline
 if TYPE_CHECKING:
     import torch
 
-    from crosscut.cost_models import Cluster
+    from crosscut.cost_models.cluster import Cluster
 
 __all__ = ["Progress", "TraceCache", "get_costs", "solve_traced"]
 
@@ -32,7 +32,8 @@ def get_costs(
     graph: OpGraph, cluster: Any, *, cost: str = "analytic", optimizer: str = "sgd"
 ) -> Any:
     """A CostTable for ``graph`` on every device kind of ``cluster``."""
-    from crosscut.cost_models import analytic_costs, profile_costs
+    from crosscut.cost_models.analytic import analytic_costs
+    from crosscut.cost_models.profiled import profile_costs
 
     table = analytic_costs(graph, cluster, optimizer=optimizer)
     if cost == "profiled":

@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from crosscut.cost_models import Cluster, analytic_costs
+from crosscut.cost_models.analytic import analytic_costs
 from crosscut.cost_models.calibration import PUBLISHED
+from crosscut.cost_models.cluster import Cluster
 from crosscut.frontend.tracer import trace
 from crosscut.partitioner.replicas import reduction
 

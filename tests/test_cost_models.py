@@ -10,18 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from crosscut.cost_models import (
-    Cluster,
-    CostTable,
-    NodeCost,
-    analytic_costs,
-    peak_memory,
-    profile_costs,
-)
-from crosscut.cost_models.analytic import node_times
+from crosscut.cost_models.analytic import analytic_costs, node_times
+from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.devices import preset
 from crosscut.cost_models.efficiency import efficiency_of
-from crosscut.cost_models.memory import activation_bytes, resident_bytes, saved_by
+from crosscut.cost_models.memory import activation_bytes, peak_memory, resident_bytes, saved_by
+from crosscut.cost_models.profiled import profile_costs
+from crosscut.cost_models.table import CostTable, NodeCost
 from crosscut.errors import CostModelError, InputError
 from crosscut.ir.graph import OpGraph, OpNode
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from crosscut.cost_models import Cluster
+from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.detect import torchrun_env
 from crosscut.cost_models.links import NETWORKS
 from crosscut.errors import DeviceError, InputError

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import crosscut
-from crosscut.cost_models import Cluster
+from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.subclusters import replica_cluster
 from crosscut.ir.plan import Plan
 from crosscut.launch import build_command, parse_args

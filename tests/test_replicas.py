@@ -18,7 +18,7 @@ import torch
 import torchvision
 
 import crosscut
-from crosscut.cost_models import Cluster
+from crosscut.cost_models.cluster import Cluster
 from crosscut.errors import InputError
 from crosscut.ir.plan import Plan
 from crosscut.partitioner.replicas import (

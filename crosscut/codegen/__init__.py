@@ -1,7 +1,8 @@
 """Code generation: split a traced model into stages, plan transfers, export source.
 
 Placement comes from the caller (a plan's ``stage_of``); this package only
-honours it.
+honours it. It writes code and runs nothing: how a batch-split stage's
+shares run is the runtime's (a wrapper passed in as ``batch_stage``).
 """
 
 from crosscut.codegen.source import program_source, stage_source

@@ -29,6 +29,7 @@ import torch
 from torch import fx
 
 from crosscut.codegen.attrs import get_attr, set_attr
+from crosscut.codegen.grouped_stages import BatchStage
 from crosscut.codegen.split import StagedProgram, build_stages
 from crosscut.errors import CodegenError
 from crosscut.frontend.alias import GROUP
@@ -214,6 +215,7 @@ def other_program(
     stage_of: Mapping[str, int],
     stage_devices: Sequence[torch.device | str],
     groups: Sequence[tuple[Sequence[torch.device | str], str]] | None,
+    batch_stage: BatchStage | None = None,
 ) -> tuple[StagedProgram, list[int]]:
     """The other train/eval mode's graph placed by the plan's program, sharing its state.
 
@@ -229,6 +231,7 @@ def other_program(
         {n: index[s] for n, s in assignment.items()},
         [stage_devices[s] for s in used],
         groups=[groups[s] for s in used] if groups is not None else None,
+        batch_stage=batch_stage,
     )
     share_state(program, other, used)
     return other, used

@@ -36,7 +36,7 @@ from torch.fx.passes.split_module import split_module
 
 from crosscut.codegen.attrs import get_attr, set_attr
 from crosscut.codegen.fanout import separate_fanout, share_state_reads
-from crosscut.codegen.grouped_stages import apply_groups, check_groups
+from crosscut.codegen.grouped_stages import BatchStage, apply_groups, check_groups
 from crosscut.codegen.order import order_by_stage
 from crosscut.codegen.transfers import INPUT, Transfer, plan_transfers
 from crosscut.codegen.width import Collective
@@ -287,6 +287,7 @@ def build_stages(
     *,
     example_inputs: Sequence[Any] | None = None,
     groups: Sequence[tuple[Sequence[torch.device | str], str]] | None = None,
+    batch_stage: BatchStage | None = None,
 ) -> StagedProgram:
     """Split ``gm`` by ``stage_of`` into stages placed on ``stage_devices``.
 
@@ -294,7 +295,9 @@ def build_stages(
     (optional) are only used to size transfers when ``gm`` carries no shape
     metadata. ``groups[k] = (devices, split)`` (optional) runs stage ``k`` on a
     device group split by ``"channel"`` or ``"batch"``; its first device must be
-    ``stage_devices[k]``. Raises :class:`~crosscut.errors.CodegenError` naming
+    ``stage_devices[k]``; a batch split wraps the stage with ``batch_stage``
+    (the runtime's ``BatchSplitStage``: codegen writes code, it does not run
+    threads). Raises :class:`~crosscut.errors.CodegenError` naming
     the edge, node or parameter when the assignment cannot be honoured.
     """
     devices = [torch.device(d) for d in stage_devices]
@@ -371,7 +374,7 @@ def build_stages(
             )
     for stage in stages:
         stage.module.to(stage.device)
-    shard_sources = apply_groups(stages, groups or [], origin, key_sources)
+    shard_sources = apply_groups(stages, groups or [], origin, key_sources, batch_stage)
 
     out_node = work.graph.output_node()
     template = map_structure(

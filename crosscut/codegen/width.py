@@ -1,7 +1,7 @@
 """Channel splitting of one stage over a group of devices (cross-shaped plans).
 
 The model-parallel half of a width split (the data-parallel half, a stage
-replicated over the group, is :mod:`crosscut.codegen.batch_split`), exact
+replicated over the group, is :mod:`crosscut.runtime.batch_split`), exact
 against eager mode:
 
 * :func:`channel_split` (model parallel, Krizhevsky's columns): every

@@ -107,7 +107,7 @@ class PartitionProblem:
     # [node] its output is one tensor whose dim 0 is the micro-batch (empty: all are). A
     # batch-split stage concatenates its shares' copies of every value it hands on, so
     # it may not hand on any other (``x.size(0)``, a batch mean): each share would
-    # compute it from its own rows (codegen/batch_shares.py refuses it at compile time)
+    # compute it from its own rows (runtime/batch_shares.py refuses it at compile time)
     batch_major: list[bool] = field(default_factory=list)
     batch: int = 0  # samples per micro-batch (0: unknown, shares priced as 1/w)
     # the model's own inputs and outputs, which a batch-split stage scatters and gathers:

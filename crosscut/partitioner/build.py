@@ -31,7 +31,7 @@ __all__ = [
 
 
 class CostLookup(Protocol):
-    """What the builder needs from a cost table (``crosscut.cost_models.CostTable``)."""
+    """What the builder needs from a cost table (``crosscut.cost_models.table.CostTable``)."""
 
     def fwd_s(self, name: str, kind: str) -> float: ...
     def bwd_s(self, name: str, kind: str) -> float: ...

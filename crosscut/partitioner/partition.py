@@ -48,7 +48,7 @@ Progress = Callable[[float, float, float], None]
 
 
 def plan_cluster(cluster: Any) -> PlanCluster:
-    """The plan's copy of a ``crosscut.cost_models.Cluster`` (plain data)."""
+    """The plan's copy of a ``crosscut.cost_models.cluster.Cluster`` (plain data)."""
     return PlanCluster(
         devices=[
             PlanDevice(

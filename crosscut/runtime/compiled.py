@@ -64,12 +64,12 @@ import torch
 from torch import fx, nn
 
 from crosscut.codegen.modes import other_program, share_state
-from crosscut.codegen.rng import RandomScope, in_program_order
 from crosscut.codegen.source import program_source
 from crosscut.codegen.split import StagedProgram, build_stages
 from crosscut.codegen.state_writes import check_state_writes
 from crosscut.errors import CrosscutError, InputError, RuntimeError_
 from crosscut.precision import autocast, check_precision
+from crosscut.runtime.batch_split import BatchSplitStage
 from crosscut.runtime.batchnorm import (
     commit_batchnorm,
     discard_batchnorm,
@@ -87,6 +87,7 @@ from crosscut.runtime.local import LocalExecutor
 from crosscut.runtime.model_keys import ModelKeyedState
 from crosscut.runtime.output_merge import check_outputs
 from crosscut.runtime.recompute import recompute_flags, recomputing, written_inputs
+from crosscut.runtime.rng import RandomScope, in_program_order
 
 __all__ = ["BN_MODES", "CompiledModule"]
 
@@ -126,7 +127,12 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         self.plan = plan
         self.bn_mode = bn_mode
         program = build_stages(
-            gm, stage_of, stage_devices, example_inputs=example_inputs, groups=groups
+            gm,
+            stage_of,
+            stage_devices,
+            example_inputs=example_inputs,
+            groups=groups,
+            batch_stage=BatchSplitStage,
         )
         self._program = program
         self.stages = nn.ModuleList([s.module for s in program.stages])
@@ -151,11 +157,11 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
             check_outputs(other_gm, output_merge, microbatches, strict_paths=False)
             check_state_writes(model, other_gm, microbatches, bn_mode)
             self._other, self._other_map = other_program(
-                program, gm, other_gm, stage_of, stage_devices, groups
+                program, gm, other_gm, stage_of, stage_devices, groups, BatchSplitStage
             )
             self._other_executor = self._new_executor(self._other)
         # random ops draw per (call, micro-batch, op) seeds: the same on every plan
-        # (codegen/rng.py); one micro-batch inline in program order keeps eager's draws
+        # (runtime/rng.py); one micro-batch inline in program order keeps eager's draws
         modules = [st.module for p in (program, self._other) if p is not None for st in p.stages]
         self._rng = RandomScope(modules)
         inline = microbatches == 1 and all(torch.device(d).type == "cpu" for d in stage_devices)

@@ -59,13 +59,13 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from crosscut.codegen.rng import RandomScope
 from crosscut.codegen.split import StagedProgram, build_stages
 from crosscut.codegen.state_writes import check_state_writes
 from crosscut.codegen.transfers import INPUT
 from crosscut.errors import DistributedError, InputError
 from crosscut.ir.schedule import make_schedule, validate_schedule
 from crosscut.precision import autocast
+from crosscut.runtime.batch_split import BatchSplitStage
 from crosscut.runtime.batchnorm import install_step_batchnorm
 from crosscut.runtime.bn_commit import StepCommit
 from crosscut.runtime.checkpoint import RankState
@@ -84,6 +84,7 @@ from crosscut.runtime.plan_rules import (
     group_widths,
 )
 from crosscut.runtime.recompute import recompute_flags, recomputing, written_inputs
+from crosscut.runtime.rng import RandomScope
 from crosscut.runtime.stage_io import StageIO
 from crosscut.runtime.thread_state import ThreadState
 from crosscut.runtime.wire_dtypes import WireDtypes
@@ -225,7 +226,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             self._group = GroupRole(link, self.split)
             self._keep_member(build_member(gm, program.stages[self.stage_index], link))
         self.stage = self.stage.to(self.device)
-        self._rng = RandomScope([self.stage])  # plan-independent draws (codegen/rng.py)
+        self._rng = RandomScope([self.stage])  # plan-independent draws (runtime/rng.py)
         if bn_mode == "step":
             install_step_batchnorm(self.stage)
         if self._group is not None:
@@ -253,6 +254,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             dict(self.plan.assignment),
             ["cpu"] * s_count,
             groups=groups if self.width > 1 else None,
+            batch_stage=BatchSplitStage,
         )
         me = program.stages[self.stage_index]
         self.stage: nn.Module = me.module

@@ -35,7 +35,7 @@ caller's thread (cheaper, and bit-exact against eager mode: autograd numbers
 its nodes per thread, and one thread reproduces eager's accumulation order).
 A batch-split stage's shares still run on their device threads then: its
 forward outputs are the same on any thread, and its gradient reduce is one
-fixed-order node (:func:`~crosscut.codegen.share_threads.replicate`), so
+fixed-order node (:func:`~crosscut.runtime.share_threads.replicate`), so
 nothing depends on which thread built a share.
 
 Micro-batches: tensor arguments are split along dim 0 into ``M`` equal parts;
@@ -60,7 +60,6 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from crosscut.codegen.batch_split import BatchSplitStage
 from crosscut.codegen.split import StagedProgram
 from crosscut.errors import InputError, RuntimeError_
 from crosscut.ir.schedule import (
@@ -71,6 +70,7 @@ from crosscut.ir.schedule import (
     simulate,
     validate_schedule,
 )
+from crosscut.runtime.batch_split import BatchSplitStage
 from crosscut.runtime.device_thread import DeviceThread
 from crosscut.runtime.engine import RunStage, StageEngine, consumers, sum_leaves
 from crosscut.runtime.microbatch import micro_rows, scatter

@@ -3,7 +3,7 @@
 ``codegen/width.py`` rewrites a grouped stage for one process that holds
 every device of the group: a channel split is one graph with every member's
 shard modules and explicit ``all_gather``/``broadcast`` nodes, a batch split a
-:class:`~crosscut.codegen.batch_split.BatchSplitStage` around the stage. The
+:class:`~crosscut.runtime.batch_split.BatchSplitStage` around the stage. The
 distributed runtime gives each member of the group a rank of its own, so this
 module cuts those rewrites per member:
 
@@ -46,9 +46,9 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from crosscut.codegen.attrs import get_attr
-from crosscut.codegen.batch_shares import batch_of, check_output, input_kind, share_bounds
 from crosscut.codegen.width import all_gather, broadcast
 from crosscut.errors import CodegenError, DistributedError
+from crosscut.runtime.batch_shares import batch_of, check_output, input_kind, share_bounds
 from crosscut.runtime.group_comm import GroupLink, RecvOp, SendOp, recv, send
 from crosscut.runtime.p2p import grad_free
 
@@ -297,7 +297,7 @@ class BatchMember(nn.Module):
         super().__init__()
         self.inner = inner
         self.member, self.link, self.mutated = member, link, set(mutated)
-        # the one rule both runtimes cut and join batch shares by (codegen/batch_shares.py)
+        # the one rule both runtimes cut and join batch shares by (runtime/batch_shares.py)
         where = f"batch-split stage {link.stage}"
         batch = batch_of([v for _, v in inputs], where)
         self.bounds = share_bounds(batch, width)

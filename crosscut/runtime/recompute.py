@@ -11,7 +11,7 @@ Recomputation must not change a number, so the second forward replays the
 first one's state:
 
 * **random ops** draw the same masks: crosscut's seeded ops re-enter the
-  first pass's draw key (:meth:`~crosscut.codegen.rng.RandomScope.replaying`);
+  first pass's draw key (:meth:`~crosscut.runtime.rng.RandomScope.replaying`);
   only when no draw scope is active (ops draw from the caller's generator,
   one thread) does checkpoint save and restore that generator
   (``preserve_rng_state``);
@@ -36,10 +36,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from crosscut.codegen.batch_split import BatchSplitStage
-from crosscut.codegen.rng import RandomScope
 from crosscut.codegen.split import Stage
 from crosscut.errors import InputError
+from crosscut.runtime.batch_split import BatchSplitStage
+from crosscut.runtime.rng import RandomScope
 from crosscut.runtime.state_replay import Snapshot, StateReplay
 
 __all__ = ["recompute_flags", "recomputing", "written_inputs"]
@@ -94,7 +94,7 @@ def recomputing(
 ) -> RunStage:
     """A stage ``run`` callable that recomputes ``module``'s activations in backward.
 
-    ``scope()``: the program's :class:`~crosscut.codegen.rng.RandomScope`, whose
+    ``scope()``: the program's :class:`~crosscut.runtime.rng.RandomScope`, whose
     pre-hook on ``module`` gave the first pass its draw key. ``writes``: the
     positions of the inputs the stage writes in place (:func:`written_inputs`).
     Each pass writes a copy of those made inside it: checkpoint keeps the
@@ -107,7 +107,7 @@ def recomputing(
 
     # checkpoint matches the tensors a recomputation saves to the first pass's by order, so
     # a batch-split stage runs its shares one after another in both (bit-identical to the
-    # threads: codegen/batch_split.py), and to the end (an early stop raises in the forward)
+    # threads: runtime/batch_split.py), and to the end (an early stop raises in the forward)
     shares = [sub for sub in module.modules() if isinstance(sub, BatchSplitStage)]
     state = StateReplay(module)
 
@@ -139,7 +139,7 @@ def recomputing(
         # With a draw scope every random op of the stage draws from its own seeded key,
         # which the replay restores; saving and restoring the process-wide generator as
         # well would be wrong, not merely redundant: another stage's thread may be
-        # drawing from it under codegen/rng.py's lock at that moment, and setting it
+        # drawing from it under runtime/rng.py's lock at that moment, and setting it
         # mid-draw changed that thread's dropout mask (seen under load).
         rng = scope()
         eager_draws = rng is None or rng.seed is None

@@ -1,11 +1,12 @@
 """This thread's draw key: which (call seed, micro-batch) random ops draw for.
 
-A leaf module with no crosscut imports, because two layers read it: the
-seeded random ops of :mod:`crosscut.codegen.rng` draw from the key, and the
-runtime's :class:`~crosscut.runtime.thread_state.ThreadState` carries it to
-the threads that run part of a stage (batch-split shares), which codegen's
-share threads in turn enter — keeping the key here is what keeps those
-imports from going round in a circle.
+A leaf module with no crosscut imports, because two modules read it: the
+seeded random ops of :mod:`crosscut.runtime.rng` draw from the key, and
+:class:`~crosscut.runtime.thread_state.ThreadState` carries it to the threads
+that run part of a stage (batch-split shares), which
+:mod:`crosscut.runtime.share_threads` in turn enters. ``rng`` imports
+``share_threads`` and ``share_threads`` imports ``thread_state``; keeping the
+key in ``rng`` would close that into a circle.
 """
 
 from __future__ import annotations

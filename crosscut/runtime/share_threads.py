@@ -1,6 +1,6 @@
 """Driving a batch-split stage's group devices from one thread each.
 
-:class:`~crosscut.codegen.batch_split.BatchSplitStage` runs its leader's share on
+:class:`~crosscut.runtime.batch_split.BatchSplitStage` runs its leader's share on
 the calling thread (the stage's worker thread in the local executor, Mariana's
 one CPU thread per device) and every other share on a
 :class:`~crosscut.runtime.device_thread.DeviceThread` of its own. Three things
@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.nn.modules.dropout import _DropoutNd
+
+from crosscut.runtime.thread_state import ThreadState
 
 __all__ = [
     "draws_random",
@@ -165,11 +167,11 @@ def _random_name(name: str) -> bool:
     return (
         low in _RANDOM_FN_NAMES
         or any(p in low for p in _RANDOM_FN_PARTS)
-        or low in _SEEDED  # an op codegen/rng.py wrapped is still a random op
+        or low in _SEEDED  # an op runtime/rng.py wrapped is still a random op
     )
 
 
-# the wrappers codegen/rng.py puts around random ops (they draw inside)
+# the wrappers runtime/rng.py puts around random ops (they draw inside)
 _SEEDED = frozenset({"seeded_call", "seeded_function", "seeded_method"})
 
 
@@ -205,14 +207,11 @@ def thread_state(devices: Sequence[torch.device]) -> Callable[[torch.device], An
 
     Grad mode, inference mode, autocast and saved-tensor hooks are per thread
     in torch: the one capture the executors use
-    (:class:`crosscut.runtime.thread_state.ThreadState`, imported here at call
-    time, as the runtime package imports codegen). The current CUDA device
+    (:class:`crosscut.runtime.thread_state.ThreadState`). The current CUDA device
     and streams are per thread too: a share's thread takes the caller's for
     every CUDA device of the group, so cross-device copies synchronise with
     the streams the caller's later ops run on.
     """
-    from crosscut.runtime.thread_state import ThreadState
-
     state = ThreadState.capture(d.type for d in devices)
     cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
     streams = [torch.cuda.current_stream(d) for d in cuda]

@@ -2,7 +2,7 @@
 
 A batch-split stage runs the same stage on every device of its group, each
 on its share of the batch. Two runtimes run such stages — the local one from
-threads (:class:`~crosscut.codegen.batch_split.BatchSplitStage`) and the
+threads (:class:`~crosscut.runtime.batch_split.BatchSplitStage`) and the
 torchrun one from a rank per device (:class:`~crosscut.runtime.members.BatchMember`)
 — and they must agree on which inputs are cut, which are copied whole, which
 outputs are joined and which are refused, or one runtime would run a plan the

@@ -14,7 +14,7 @@ updates the running statistics.
 
 How the group's devices are driven: the shares run concurrently, one thread
 per group device (the leader's share on the calling thread, the others on
-threads the stage owns; see :mod:`crosscut.codegen.share_threads` for what
+threads the stage owns; see :mod:`crosscut.runtime.share_threads` for what
 keeps that exact: per-share module views, a fixed-order gradient reduce,
 sequential shares when the stage draws random numbers).
 """
@@ -30,8 +30,11 @@ from torch import fx, nn
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
-from crosscut.codegen.batch_shares import batch_of, check_output, input_kind, join, share_bounds
-from crosscut.codegen.share_threads import (
+from crosscut.codegen.width import shard_bounds
+from crosscut.errors import CodegenError, RuntimeError_
+from crosscut.runtime.batch_shares import batch_of, check_output, input_kind, join, share_bounds
+from crosscut.runtime.device_thread import DeviceThread, stop_threads
+from crosscut.runtime.share_threads import (
     draws_random,
     module_view,
     next_call,
@@ -39,9 +42,6 @@ from crosscut.codegen.share_threads import (
     share_scope,
     thread_state,
 )
-from crosscut.codegen.width import shard_bounds
-from crosscut.errors import CodegenError, RuntimeError_
-from crosscut.runtime.device_thread import DeviceThread, stop_threads
 
 __all__ = ["BatchSplitStage"]
 
@@ -214,7 +214,7 @@ class BatchSplitStage(nn.Module):
         return state
 
     def _merge(self, j: int, values: list[Any], batch: int) -> Any:
-        """Join output ``j`` of the shares (the rule of :mod:`crosscut.codegen.batch_shares`)."""
+        """Join output ``j`` of the shares (the rule of :mod:`crosscut.runtime.batch_shares`)."""
         bounds = share_bounds(batch, len(self.devices))
         for (lo, hi), v in zip(bounds, values):
             check_output(v, hi - lo, str(j), "a batch-split stage")

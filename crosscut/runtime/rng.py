@@ -36,9 +36,9 @@ from torch import fx, nn
 from torch.fx.node import _get_qualified_name
 from torch.utils import _pytree as pytree
 
-from crosscut.codegen.draw_key import _scope, current_key, draw_scope
-from crosscut.codegen.share_threads import _random_name as random_name
-from crosscut.codegen.share_threads import draws_random, share_order
+from crosscut.runtime.draw_key import _scope, current_key, draw_scope
+from crosscut.runtime.share_threads import _random_name as random_name
+from crosscut.runtime.share_threads import draws_random, share_order
 
 __all__ = [
     "RandomScope",

@@ -26,7 +26,7 @@ from crosscut.ir.graph import OpGraph
 from crosscut.ir.plan import Plan
 from crosscut.options import PlanRequest, check_options, cross_options
 from crosscut.partitioner.deadline import Deadline
-from crosscut.partitioner.stage_recompute import (
+from crosscut.partitioner.recompute_choice import (
     check_recompute,
     recompute_flags_for,
     recompute_request,

@@ -33,7 +33,7 @@ from crosscut.partitioner.replicas import (
     stage_nodes,
 )
 from crosscut.partitioner.validate import validate_plan
-from crosscut.runtime.world import RankLayout
+from crosscut.runtime.dist.world import RankLayout
 from tests.plan_factory import make_plan
 
 

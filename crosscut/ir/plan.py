@@ -136,7 +136,7 @@ class PlanOptions:
     widths: list[int] = field(default_factory=lambda: [1])  # group widths the solver may use
     splits: list[str] = field(default_factory=list)  # "batch", "channel": cross-shaped stages
     # stages keep only their inputs per in-flight micro-batch and recompute the rest in
-    # backward (priced: one micro-batch of activations, one more forward; runtime/recompute.py)
+    # backward (priced: one micro-batch of activations, one more forward; runtime/recomputing.py)
     recompute: bool = False
     # ops run under autocast with this dtype (crosscut/precision.py): "fp32" | "bf16" | "fp16"
     precision: str = "fp32"

@@ -93,7 +93,7 @@ class PartitionProblem:
     # micro-batch) and recomputes its forward in backward; ``compute`` already holds
     # that extra forward (build.problem_from_parts adds it)
     recompute: bool = False
-    # a known solution's per-stage choice (a plan's stages; partitioner/stage_recompute.py):
+    # a known solution's per-stage choice (a plan's stages; partitioner/recompute_choice.py):
     # stage k keeps one micro-batch of activations iff stage_recompute[k]; ``compute`` then
     # holds the extra forward on exactly those stages' nodes and ``recompute`` is False.
     # Empty: every stage follows ``recompute`` (what the solvers see)

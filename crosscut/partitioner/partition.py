@@ -38,9 +38,9 @@ from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.build import CostLookup, plan_nodes, problem_from_parts
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import lower_bound
+from crosscut.partitioner.recompute_choice import keep_needed, plan_objective
 from crosscut.partitioner.solvers import PIPELINE_SHARE, SolveResult, solve
 from crosscut.partitioner.solvers.cross import solve_cross
-from crosscut.partitioner.stage_recompute import keep_needed, plan_objective
 
 __all__ = ["partition_graph", "plan_cluster"]
 
@@ -154,7 +154,7 @@ def partition_graph(
     only where that could help: when no plan fits without it, or when the
     plain plan fills a device past 90 % (memory then shaped it). The plan
     solved with recomputation then keeps it only on the stages that do not fit
-    without it (:func:`~crosscut.partitioner.stage_recompute.keep_needed`), and
+    without it (:func:`~crosscut.partitioner.recompute_choice.keep_needed`), and
     "auto" keeps the faster of the two plans, saying why in the solver notes.
     Inference never recomputes. ``"never"`` is exactly the plan of a planner
     that knows nothing of recomputation.

@@ -15,7 +15,7 @@ stages sit on the nodes those ranks do).
 
 **The reduction as the runtime does it.** Stage position ``k`` all-reduces its
 gradients over the ``R`` replicas the way DDP's reducer does it
-(runtime/overlap.py): in buckets (the first 1 MB, then 25 MB, in reverse
+(runtime/dist/overlap.py): in buckets (the first 1 MB, then 25 MB, in reverse
 parameter order), each started as its last gradient lands during the
 stage's last backward, one after another on the wire. Gradients travel in the
 dtype they are reduced in (``grad_bytes`` per element, fp32 master gradients
@@ -160,7 +160,7 @@ def runs_in_rank_order(plan: Plan, span: int) -> bool:
     """Whether every stage's devices are on the node its ranks are on under torchrun.
 
     The runtime gives stage ``s`` (member ``m`` of its group) the replica's rank
-    ``offset(s) + m`` (``runtime/world.py``), node by node; the solver picks
+    ``offset(s) + m`` (``runtime/dist/world.py``), node by node; the solver picks
     devices by its own device order. Inside a node any device will do; across
     nodes the plan is priced as run only if the nodes agree."""
     per_node = max(1, len(plan.cluster.devices) // span)

@@ -10,8 +10,8 @@ below imports the runtime, so the names below are imported eagerly.
 
 from __future__ import annotations
 
-from crosscut.runtime.compiled import BN_MODES, CompiledModule
-from crosscut.runtime.local import LocalExecutor
+from crosscut.runtime.local.compiled import BN_MODES, CompiledModule
+from crosscut.runtime.local.thread_executor import LocalExecutor
 from crosscut.runtime.microbatch import scatter
 from crosscut.runtime.output_merge import gather
 from crosscut.runtime.prefetch import Prefetcher

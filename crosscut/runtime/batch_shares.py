@@ -3,7 +3,7 @@
 A batch-split stage runs the same stage on every device of its group, each
 on its share of the batch. Two runtimes run such stages — the local one from
 threads (:class:`~crosscut.runtime.batch_split.BatchSplitStage`) and the
-torchrun one from a rank per device (:class:`~crosscut.runtime.members.BatchMember`)
+torchrun one from a rank per device (:class:`~crosscut.runtime.dist.group_members.BatchMember`)
 — and they must agree on which inputs are cut, which are copied whole, which
 outputs are joined and which are refused, or one runtime would run a plan the
 other refuses (they did disagree: the local stage passed a pytree of tensors

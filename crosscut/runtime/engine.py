@@ -201,7 +201,7 @@ class StageEngine:
 
         ``autograd(roots, grads)`` runs the backward itself (default
         ``torch.autograd.backward``): the torchrun runtime's last backward of a
-        step arms DDP's reducer on exactly these roots (runtime/overlap.py).
+        step arms DDP's reducer on exactly these roots (runtime/dist/overlap.py).
         """
         saved = self.saved.pop(a.microbatch)
         grads_in = transport.receive_grads(a)

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from crosscut.runtime.batchnorm import commit_batchnorm, discard_batchnorm
-from crosscut.runtime.p2p import Messenger
-from crosscut.runtime.world import RankLayout
+from crosscut.runtime.dist.p2p import Messenger
+from crosscut.runtime.dist.world import RankLayout
 
 __all__ = ["StepCommit"]
 

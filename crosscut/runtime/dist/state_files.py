@@ -31,7 +31,7 @@ from torch import nn
 
 from crosscut.errors import DistributedError, InputError
 from crosscut.runtime.contract import dtype_of_to, refuse_placement, share_of
-from crosscut.runtime.world import RankLayout
+from crosscut.runtime.dist.world import RankLayout
 
 __all__ = [
     "MANIFEST",

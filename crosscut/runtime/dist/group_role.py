@@ -1,13 +1,13 @@
 """This rank's part in a cross-shaped stage's device group, beside the pipeline.
 
-The executor (:mod:`crosscut.runtime.distributed`) runs the pipeline — schedule
+The executor (:mod:`crosscut.runtime.dist.rank_executor`) runs the pipeline — schedule
 rows, messages between stage leaders, replicas. A stage split over a group of
 ranks adds the group's own duties, kept here so the executor does not grow a
 branch per split: the leader's forward joins its members through a token
 chain, a non-leader follows the same schedule row with only its group's
 messages, and a batch group starts identical, sums its members' gradients and
 copies the leader's buffers after a training run. The member's share of the
-stage itself is built by :mod:`crosscut.runtime.members`.
+stage itself is built by :mod:`crosscut.runtime.dist.group_members`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from crosscut.ir.schedule import Action
-from crosscut.runtime.group_comm import GroupLink, new_token
-from crosscut.runtime.world import allreduce_grads, broadcast_from_first
+from crosscut.runtime.dist.group_comm import GroupLink, new_token
+from crosscut.runtime.dist.world import allreduce_grads, broadcast_from_first
 
 __all__ = ["GroupRole"]
 

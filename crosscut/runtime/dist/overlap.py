@@ -64,7 +64,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel
 
-from crosscut.runtime.p2p import Messenger, describe_failure
+from crosscut.runtime.dist.p2p import Messenger, describe_failure
 
 __all__ = ["BUCKET_CAP_MB", "ReplicaReducer"]
 

@@ -83,10 +83,10 @@ from crosscut.runtime.contract import (
     save_file,
     signature_of,
 )
-from crosscut.runtime.local import LocalExecutor
-from crosscut.runtime.model_keys import ModelKeyedState
+from crosscut.runtime.local.model_keys import ModelKeyedState
+from crosscut.runtime.local.thread_executor import LocalExecutor
 from crosscut.runtime.output_merge import check_outputs
-from crosscut.runtime.recompute import recompute_flags, recomputing, written_inputs
+from crosscut.runtime.recomputing import recompute_flags, recomputing, written_inputs
 from crosscut.runtime.rng import RandomScope, in_program_order
 
 __all__ = ["BN_MODES", "CompiledModule"]
@@ -143,7 +143,7 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         self._schedule = schedule
         self._timeout = timeout
         self._microbatches = microbatches
-        # stages that keep only their inputs and recompute in backward (runtime/recompute.py)
+        # stages that keep only their inputs and recompute in backward (runtime/recomputing.py)
         self._recompute = recompute_flags(recompute, len(program.stages), bn_mode)
         self._executor = self._new_executor(program)
         # the other train/eval mode's program, when the traced graph differs (codegen/modes.py);

@@ -141,7 +141,7 @@ class LocalExecutor:
         runs: Sequence[RunStage | None] | None = None,
     ) -> None:
         """``output_merge``: rules merging micro-batch outputs (runtime/output_merge.py);
-        ``runs[k]``: how stage ``k`` is called (default: its module; runtime/recompute.py)."""
+        ``runs[k]``: how stage ``k`` is called (default: its module; runtime/recomputing.py)."""
         if microbatches < 1:
             raise InputError(
                 "microbatches must be >= 1", value=microbatches, remedy="pass 1 or more"

@@ -6,9 +6,9 @@ sees the model: ``state_dict()`` with exactly its keys and order,
 ``load_state_dict()`` of its checkpoints (cut into shards where needed),
 ``named_parameters()``/``named_buffers()`` in its order, so an optimizer built
 on the compiled module indexes its state like one built on the model. This
-mixin maps between the two for :class:`~crosscut.runtime.compiled.CompiledModule`;
+mixin maps between the two for :class:`~crosscut.runtime.local.compiled.CompiledModule`;
 the torchrun counterpart (a rank's share) is
-:class:`~crosscut.runtime.checkpoint.RankState`.
+:class:`~crosscut.runtime.dist.state_files.RankState`.
 
 A key resolves, in order, to: a tensor of the model no stage reads (an
 "orphan", kept as is), a tensor only the other train/eval mode's program

@@ -2,7 +2,7 @@
 
 ``torch.amp.GradScaler`` decides per process whether a step's gradients hold
 an inf or a NaN and skips the optimizer step if so. Locally that is right: a
-:class:`~crosscut.runtime.compiled.CompiledModule`'s ``parameters()`` are
+:class:`~crosscut.runtime.local.compiled.CompiledModule`'s ``parameters()`` are
 every stage's, so one scaler sees them all. Under torchrun each rank holds
 one stage's parameters: a plain scaler on rank 0 would skip a step that
 rank 1 takes, the stages would drift apart, and the scales with them.

@@ -23,8 +23,8 @@ module cuts those rewrites per member:
   the whole batch, so the shares' gradients add up, as the local runtime's
   differentiable ``.to`` does).
 
-Every message is a :class:`~crosscut.runtime.group_comm.SendOp` or
-:class:`~crosscut.runtime.group_comm.RecvOp` on the member's token chain (see
+Every message is a :class:`~crosscut.runtime.dist.group_comm.SendOp` or
+:class:`~crosscut.runtime.dist.group_comm.RecvOp` on the member's token chain (see
 that module for why). Both ends of a message enumerate the ops from the same
 graph and the same static shapes, so op indices, tags and buffers agree on
 every rank without any run-time exchange. A member module's ``forward``
@@ -49,8 +49,8 @@ from crosscut.codegen.attrs import get_attr
 from crosscut.codegen.width import all_gather, broadcast
 from crosscut.errors import CodegenError, DistributedError
 from crosscut.runtime.batch_shares import batch_of, check_output, input_kind, share_bounds
-from crosscut.runtime.group_comm import GroupLink, RecvOp, SendOp, recv, send
-from crosscut.runtime.p2p import grad_free
+from crosscut.runtime.dist.group_comm import GroupLink, RecvOp, SendOp, recv, send
+from crosscut.runtime.dist.p2p import grad_free
 
 if TYPE_CHECKING:
     from crosscut.codegen.split import Stage

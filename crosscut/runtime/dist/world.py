@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from crosscut.errors import DistributedError
-from crosscut.runtime.p2p import Messenger
+from crosscut.runtime.dist.p2p import Messenger
 
 __all__ = [
     "RankLayout",

@@ -121,7 +121,7 @@ def recompute_request(recompute: Any, bn_mode: str) -> str:
 
     A list of flags is a run-time choice the planner does not price ("never");
     with ``bn_mode`` ``"step"``/``"exact"`` "auto" plans without recomputation,
-    since those modes cannot run it (runtime/recompute.py).
+    since those modes cannot run it (runtime/recomputing.py).
     """
     if recompute is True or recompute == "always":
         return "always"

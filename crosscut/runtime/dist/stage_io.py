@@ -1,13 +1,13 @@
 """What one pipeline rank takes in and hands on per schedule action: the P2P transport.
 
-Why separate from the executor: :class:`~crosscut.runtime.distributed.DistributedPipeline`
+Why separate from the executor: :class:`~crosscut.runtime.dist.rank_executor.DistributedPipeline`
 should read like its schedule — receive, run the stage, send; receive
 gradients, backpropagate, send gradients — while the bookkeeping of each
 message lives here: which edges an action touches, the buffers posted from
 the trace's static shapes, the tags, the pytree (re)assembly of a value from
 its tensor leaves, the shape check before a send, the sum of a value's
 gradients over its consumers, and this replica's micro-batches of the global
-batch. Everything is keyed by the static :class:`~crosscut.runtime.p2p.Routes`,
+batch. Everything is keyed by the static :class:`~crosscut.runtime.dist.p2p.Routes`,
 so both ends of an edge agree without exchanging anything at run time.
 
 :class:`StageIO` is the torchrun :class:`~crosscut.runtime.engine.Transport`
@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from crosscut.errors import DistributedError, InputError
 from crosscut.ir.schedule import Action
 from crosscut.runtime.microbatch import scatter
-from crosscut.runtime.p2p import Edge, Messenger, PendingRecv, Routes
+from crosscut.runtime.dist.p2p import Edge, Messenger, PendingRecv, Routes
 
 __all__ = ["Posted", "StageIO"]
 
@@ -52,7 +52,7 @@ class StageIO:
     replica: int
     replicas: int
     microbatches: int
-    # value -> leaf dtypes under the caller's autocast (runtime/wire_dtypes.py); {}: traced
+    # value -> leaf dtypes under the caller's autocast (runtime/dist/wire_dtypes.py); {}: traced
     dtypes: dict[str, list[torch.dtype | None]] = field(default_factory=dict)
     posted: dict[Action, Posted] = field(default_factory=dict)  # receives posted ahead
 

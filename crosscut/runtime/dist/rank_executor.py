@@ -3,7 +3,7 @@
 Layout (Mariana's worker groups × workers): ``R`` replicas of an ``S``-stage
 pipeline, ``rank = replica × S + stage`` — or, for a cross-shaped plan,
 ``rank = replica × W + offset[stage] + member`` with ``W`` the plan's devices
-(:class:`~crosscut.runtime.world.RankLayout`). Each rank builds the same
+(:class:`~crosscut.runtime.dist.world.RankLayout`). Each rank builds the same
 :class:`~crosscut.codegen.split.StagedProgram` from the same plan, keeps only
 its own stage module and runs its row of the GPipe or 1F1B schedule:
 
@@ -16,13 +16,13 @@ its own stage module and runs its row of the GPipe or 1F1B schedule:
   each received input back to its producer.
 
 What each action posts, sends and rebuilds (buffers, tags, pytree leaves, this
-replica's micro-batches of the global batch) is :mod:`crosscut.runtime.stage_io`;
-which plans and options ranks accept is :mod:`crosscut.runtime.plan_rules`;
-the once-per-step batch-norm commit is :mod:`crosscut.runtime.bn_commit`.
+replica's micro-batches of the global batch) is :mod:`crosscut.runtime.dist.stage_io`;
+which plans and options ranks accept is :mod:`crosscut.runtime.dist.plan_rules`;
+the once-per-step batch-norm commit is :mod:`crosscut.runtime.dist.bn_commit`.
 
 Each rank's gradients are averaged over its ``R`` replicas on a per-position
 process group: by DDP's reducer during the stage's last backward of the step
-(:mod:`crosscut.runtime.overlap`), or, with ``overlap_allreduce=False`` and on
+(:mod:`crosscut.runtime.dist.overlap`), or, with ``overlap_allreduce=False`` and on
 cross-shaped stages, by one flattened all-reduce after the schedule.
 
 **Cross-shaped stages** (a stage on a device group split by channel or by
@@ -31,10 +31,10 @@ stage for the rest of the pipeline: it exchanges whole values with other
 stages' leaders exactly as a one-device stage does, so routes and tags
 between stages do not change. The other members run the same schedule row
 (the same F and B actions per micro-batch) and talk only to their group, in
-the group's own process group: :mod:`crosscut.runtime.members` cuts the
+the group's own process group: :mod:`crosscut.runtime.dist.group_members` cuts the
 width-split stage into each member's share (only its channel shards, or a
 replica over its share of the batch) and holds the group's collectives,
-:mod:`crosscut.runtime.group_comm` carries the messages (tagged sends and
+:mod:`crosscut.runtime.dist.group_comm` carries the messages (tagged sends and
 receives on a token chain, deadlock-free whatever order autograd picks).
 After the schedule a batch-split group sums its members' parameter gradients
 (every member holds the same parameters, and the loss sees the whole batch)
@@ -46,7 +46,7 @@ dtypes from the same micro-batch trace (so receivers post before senders
 finish; the global batch must be exactly ``R × M × micro-batch``, checked),
 and tags come from (edge, micro-batch, leaf, direction). **Every wait has a
 timeout** (``timeout_s``); a failure is a :class:`~crosscut.errors.DistributedError`
-naming the lost rank and what this rank waited for (:mod:`crosscut.runtime.p2p`).
+naming the lost rank and what this rank waited for (:mod:`crosscut.runtime.dist.p2p`).
 """
 
 from __future__ import annotations
@@ -67,28 +67,28 @@ from crosscut.ir.schedule import make_schedule, validate_schedule
 from crosscut.precision import autocast
 from crosscut.runtime.batch_split import BatchSplitStage
 from crosscut.runtime.batchnorm import install_step_batchnorm
-from crosscut.runtime.bn_commit import StepCommit
-from crosscut.runtime.checkpoint import RankState
+from crosscut.runtime.dist.bn_commit import StepCommit
+from crosscut.runtime.dist.state_files import RankState
 from crosscut.runtime.contract import bind_inputs, inference_only, signature_of
 from crosscut.runtime.engine import StageEngine
-from crosscut.runtime.group_comm import GroupLink
-from crosscut.runtime.group_role import GroupRole
-from crosscut.runtime.members import build_member
+from crosscut.runtime.dist.group_comm import GroupLink
+from crosscut.runtime.dist.group_role import GroupRole
+from crosscut.runtime.dist.group_members import build_member
 from crosscut.runtime.output_merge import OutputMerge, check_outputs
-from crosscut.runtime.overlap import ReplicaReducer
-from crosscut.runtime.p2p import Messenger, build_routes
-from crosscut.runtime.plan_rules import (
+from crosscut.runtime.dist.overlap import ReplicaReducer
+from crosscut.runtime.dist.p2p import Messenger, build_routes
+from crosscut.runtime.dist.plan_rules import (
     check_bn_mode,
     check_mode,
     check_one_stage_per_device,
     group_widths,
 )
-from crosscut.runtime.recompute import recompute_flags, recomputing, written_inputs
+from crosscut.runtime.recomputing import recompute_flags, recomputing, written_inputs
 from crosscut.runtime.rng import RandomScope
-from crosscut.runtime.stage_io import StageIO
+from crosscut.runtime.dist.stage_io import StageIO
 from crosscut.runtime.thread_state import ThreadState
-from crosscut.runtime.wire_dtypes import WireDtypes
-from crosscut.runtime.world import (
+from crosscut.runtime.dist.wire_dtypes import WireDtypes
+from crosscut.runtime.dist.world import (
     RankLayout,
     allreduce_mean,
     broadcast_from_first,
@@ -113,7 +113,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
 
     ``parameters()`` are this rank's parameters only (build the optimizer
     from them on every rank); state under the original keys comes from
-    :class:`~crosscut.runtime.checkpoint.RankState`. Call :meth:`train_step` with the same global
+    :class:`~crosscut.runtime.dist.state_files.RankState`. Call :meth:`train_step` with the same global
     batch on every rank (ranks whose stage reads no model input may pass
     ``None`` as inputs, and all but the last stage may pass ``None`` as
     targets).
@@ -184,7 +184,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         rules = check_outputs(gm, output_merge, self.microbatches)
         check_state_writes(model, gm, self.microbatches, bn_mode)  # codegen/state_writes.py
         self._merge = OutputMerge(self._template, rules)
-        # the dtypes values cross ranks in under the caller's autocast (runtime/wire_dtypes.py)
+        # the dtypes values cross ranks in under the caller's autocast (runtime/dist/wire_dtypes.py)
         self._wire = WireDtypes(gm, self.device, any(w > 1 for w in widths))
         # every rank creates every process group, in the same order (new_group is collective)
         self._position_groups = make_position_groups(self.rank_layout, self.timeout_s)
@@ -200,7 +200,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         )
         self._group: GroupRole | None = None
         # forward/backward of one micro-batch, shared with the local runtime (runtime/engine.py);
-        # a recomputing stage keeps only its inputs (runtime/recompute.py)
+        # a recomputing stage keeps only its inputs (runtime/recomputing.py)
         again = recompute_flags(recompute, self.num_stages, bn_mode)[self.stage_index]
         if again and self.width > 1:
             raise InputError(
@@ -237,7 +237,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             ranks = self.rank_layout.position_ranks(self.position)
             group = self._position_groups[self.position]
             broadcast_from_first(tensors, group, ranks, self._msg)
-            # DDP's reducer during the stage's last backward (runtime/overlap.py); a
+            # DDP's reducer during the stage's last backward (runtime/dist/overlap.py); a
             # cross-shaped group sums its shares first, after the schedule
             if overlap_allreduce and self._group is None and ReplicaReducer.wanted(self.stage):
                 self._reducer = ReplicaReducer(self.stage, group, ranks, self._msg)
@@ -429,7 +429,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         ``optimizer.zero_grad()`` before and ``optimizer.step()`` after.
         """
         self._rng.start(enabled=True)
-        if self._reducer is not None:  # rebuilt after a dtype change (runtime/overlap.py)
+        if self._reducer is not None:  # rebuilt after a dtype change (runtime/dist/overlap.py)
             self._reducer = self._reducer.current()
         with self._autocast():
             losses, _ = self._bn.run(

@@ -40,7 +40,7 @@ order anyway: the end-of-step gradient all-reduce and buffer broadcast.
 **Static shapes.** Receivers allocate from shapes fixed at build time (the
 trace), as between stages. Every wait has the runtime's timeout, and a
 failure is a :class:`~crosscut.errors.DistributedError` naming the peer
-(:class:`~crosscut.runtime.p2p.Messenger`).
+(:class:`~crosscut.runtime.dist.p2p.Messenger`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from crosscut.runtime.p2p import Messenger
+from crosscut.runtime.dist.p2p import Messenger
 
 __all__ = ["GroupLink", "RecvOp", "SendOp", "new_token", "recv", "send"]
 

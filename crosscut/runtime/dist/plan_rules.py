@@ -5,7 +5,7 @@ options — no process group, no model — so they run first, on every rank
 alike, and fail with a named rule before any rank waits on another
 (:func:`crosscut.distributed.compile_distributed` calls :func:`check_bn_mode`
 before it even traces). The checks that need the other ranks (world size,
-same plan everywhere) live with the rank layout in :mod:`crosscut.runtime.world`.
+same plan everywhere) live with the rank layout in :mod:`crosscut.runtime.dist.world`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Under torchrun each rank runs its stage on the caller's thread, so the
 caller's ``torch.autocast`` holds there by itself — but the messages between
 ranks do not follow it. A receiver posts its buffer before the sender has
 computed anything, with the shape and dtype the trace recorded
-(:mod:`crosscut.runtime.stage_io`), and the trace ran in float32: under
+(:mod:`crosscut.runtime.dist.stage_io`), and the trace ran in float32: under
 bfloat16 autocast a stage sends a bfloat16 activation into a float32 buffer
 (and its gradient back the same way), which is no longer the model.
 
@@ -16,7 +16,7 @@ ends of every edge post and check that dtype. Every rank derives the same map
 from the same graph, so nothing is exchanged at run time.
 
 Cross-shaped groups exchange their members' shares with dtypes fixed the same
-way (:mod:`crosscut.runtime.members`); autocast there is refused by
+way (:mod:`crosscut.runtime.dist.group_members`); autocast there is refused by
 :class:`~crosscut.errors.DistributedError` rather than run with mismatched
 buffers.
 """

@@ -26,8 +26,7 @@ from crosscut.errors import (
     PlanError,
     TraceError,
 )
-
-__version__ = "0.1.0"
+from crosscut.version import __version__
 
 __all__ = [
     "Cluster",

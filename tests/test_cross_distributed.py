@@ -25,9 +25,9 @@ import pytest
 import torch
 from torch import nn
 
+from crosscut.cli.launch import free_port
 from crosscut.distributed import assemble_checkpoint
 from crosscut.errors import DistributedError
-from crosscut.launch import free_port
 from crosscut.runtime.dist.state_files import assemble_parts
 from crosscut.runtime.dist.world import RankLayout, check_world
 
@@ -261,7 +261,7 @@ def test_run_counts_a_process_per_group_device(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`crosscut run` starts plan devices × replicas processes and names that count on refusal."""
-    from crosscut.launch import run_main
+    from crosscut.cli.launch import run_main
     from tests.plan_factory import make_plan
 
     plan = make_plan(n_nodes=30, n_devices=4, cross_shaped=True)

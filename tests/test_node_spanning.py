@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import crosscut
+from crosscut.cli.launch import build_command, parse_args
 from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.subclusters import replica_cluster
 from crosscut.ir.plan import Plan
-from crosscut.launch import build_command, parse_args
 from crosscut.partitioner.replicas import (
     NCCL_BASE_S,
     NCCL_NET_HOP_S,

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import fx
 
-from crosscut.codegen.attrs import get_attr, set_attr
+from crosscut.codegen.dotted_attrs import get_attr, set_attr
 from crosscut.codegen.grouped_stages import BatchStage
 from crosscut.codegen.split import StagedProgram, build_stages
 from crosscut.errors import CodegenError

@@ -34,10 +34,10 @@ from torch import fx
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.fx.passes.split_module import split_module
 
-from crosscut.codegen.attrs import get_attr, set_attr
+from crosscut.codegen.dotted_attrs import get_attr, set_attr
 from crosscut.codegen.fanout import separate_fanout, share_state_reads
 from crosscut.codegen.grouped_stages import BatchStage, apply_groups, check_groups
-from crosscut.codegen.order import order_by_stage
+from crosscut.codegen.stage_order import order_by_stage
 from crosscut.codegen.transfers import INPUT, Transfer, plan_transfers
 from crosscut.codegen.width import Collective
 from crosscut.errors import CodegenError
@@ -327,7 +327,7 @@ def build_stages(
     ga_targets = {n.name: str(n.target) for n in work.graph.nodes if n.op == "get_attr"}
     placeholders = [n.name for n in work.graph.nodes if n.op == "placeholder"]
 
-    order_by_stage(work, st)  # stage calls in pipeline order (see codegen/order.py)
+    order_by_stage(work, st)  # stage calls in pipeline order (see codegen/stage_order.py)
     split = split_module(
         work, work, lambda n: st[n.name], keep_original_order=True, keep_original_node_name=True
     )

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from crosscut.codegen.attrs import get_attr, set_attr
+from crosscut.codegen.dotted_attrs import get_attr, set_attr
 from crosscut.errors import CodegenError
 
 __all__ = [

@@ -32,7 +32,7 @@ from crosscut.cost_models.links import (
     measure_link,
     measure_matmul_flops,
 )
-from crosscut.cost_models.mixed import mixed_devices
+from crosscut.cost_models.mixed_node import mixed_devices
 from crosscut.errors import DeviceError
 
 __all__ = ["DEFAULT_TOPOLOGY", "Cluster", "ClusterLike"]
@@ -228,7 +228,7 @@ class Cluster:
 
         E.g. ``"4xK20c"``, ``"8xH100-nvlink"``, ``"4xV100-pcie"``, ``"2xcpu"``,
         ``"32x8xV100+ib100"`` (:meth:`from_nodes_spec`), ``"6xV100,1xK20c"``
-        (one node of several kinds: :func:`~crosscut.cost_models.mixed.mixed_devices`).
+        (one node of several kinds: :func:`~crosscut.cost_models.mixed_node.mixed_devices`).
         """
         if _NODES_RE.match(spec):
             return cls.from_nodes_spec(spec)

@@ -367,7 +367,7 @@ def _partition_once(
             ],
         ),
     )
-    from crosscut import __version__
+    from crosscut.version import __version__
 
     plan.crosscut_version = __version__
     return annotate(plan)

@@ -165,7 +165,7 @@ def runs_in_rank_order(plan: Plan, span: int) -> bool:
     nodes the plan is priced as run only if the nodes agree."""
     per_node = max(1, len(plan.cluster.devices) // span)
     rank = 0
-    for st in plan.stages:  # a group has a rank per device, a plain stage one (launch.py)
+    for st in plan.stages:  # a group has a rank per device, a plain stage one (cli/launch.py)
         for name in st.devices if st.split in ("channel", "batch") else st.devices[:1]:
             if plan.cluster.index(name) // per_node != rank // per_node:
                 return False

@@ -45,7 +45,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from crosscut.codegen.attrs import get_attr
+from crosscut.codegen.dotted_attrs import get_attr
 from crosscut.codegen.width import all_gather, broadcast
 from crosscut.errors import CodegenError, DistributedError
 from crosscut.runtime.batch_shares import batch_of, check_output, input_kind, share_bounds

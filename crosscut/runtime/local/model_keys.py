@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from crosscut.codegen.attrs import get_attr
+from crosscut.codegen.dotted_attrs import get_attr
 from crosscut.codegen.split import StagedProgram
 from crosscut.errors import CrosscutError, InputError
 

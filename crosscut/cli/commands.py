@@ -14,10 +14,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from crosscut import __version__
-from crosscut.cli_args import _positive_float, _positive_int, _shape
+from crosscut.cli.args import _positive_float, _positive_int, _shape
 from crosscut.errors import CrosscutError
 from crosscut.fileio import check_writable, write_atomic
+from crosscut.version import __version__
 
 __all__ = ["build_parser", "main"]
 
@@ -140,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["run"]:
         # `run` passes everything through to the launcher (argparse's REMAINDER
         # would swallow or reject leading options such as --plan or --help)
-        from crosscut.launch import run_main
+        from crosscut.cli.launch import run_main
 
         try:
             return run_main(argv[1:])
@@ -182,7 +182,7 @@ def _load(args: argparse.Namespace, *, meta: bool = False) -> tuple[Any, Any]:
     """
     import torch
 
-    from crosscut.models import default_input_shape, example_batch, load_model
+    from crosscut.cli.model_refs import default_input_shape, example_batch, load_model
 
     model = load_model(args.model, num_classes=args.num_classes)
     shape = args.input_shape or default_input_shape(args.model)
@@ -297,7 +297,3 @@ _COMMANDS = {
     "bench": _cmd_bench,
     "diff": _cmd_diff,
 }
-
-
-if __name__ == "__main__":
-    sys.exit(main())

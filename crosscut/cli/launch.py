@@ -33,7 +33,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from crosscut.cli_args import _nonnegative_int, _port, _positive_float, _positive_int
+from crosscut.cli.args import _nonnegative_int, _port, _positive_float, _positive_int
 from crosscut.errors import CrosscutError, DistributedError, InputError
 from crosscut.fileio import check_writable
 

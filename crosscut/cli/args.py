@@ -1,7 +1,7 @@
 """Argument types of the ``crosscut`` commands: a bad value fails in argparse's one line.
 
 Shared by the main CLI (:mod:`crosscut.cli`) and ``crosscut run``
-(:mod:`crosscut.launch`), so every command refuses the same values the same way.
+(:mod:`crosscut.cli.launch`), so every command refuses the same values the same way.
 """
 
 from __future__ import annotations

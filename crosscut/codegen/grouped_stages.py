@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import fx, nn
 
-from crosscut.codegen.width import Collective, channel_split
+from crosscut.codegen.width import channel_split
 from crosscut.errors import CodegenError
+from crosscut.ir.program import Collective
 
 if TYPE_CHECKING:
-    from crosscut.codegen.split import Stage
     from crosscut.ir.plan import Plan
+    from crosscut.ir.program import Stage
 
 __all__ = ["BatchStage", "ShardSources", "apply_groups", "check_groups", "local_groups"]
 

@@ -30,9 +30,10 @@ from torch import fx
 
 from crosscut.codegen.dotted_attrs import get_attr, set_attr
 from crosscut.codegen.grouped_stages import BatchStage
-from crosscut.codegen.split import StagedProgram, build_stages
+from crosscut.codegen.split import build_stages
 from crosscut.errors import CodegenError
 from crosscut.frontend.alias import GROUP
+from crosscut.ir.program import StagedProgram
 
 __all__ = [
     "derive_assignment",

@@ -40,10 +40,10 @@ from torch import fx, nn
 
 from crosscut.codegen.dotted_attrs import get_attr, set_attr
 from crosscut.errors import CodegenError
+from crosscut.ir.program import Collective
 
 __all__ = [
     "ChannelSplit",
-    "Collective",
     "all_gather",
     "broadcast",
     "channel_split",
@@ -113,16 +113,6 @@ def shard_bounds(channels: int, width: int) -> list[tuple[int, int]]:
         out.append((start, start + size))
         start += size
     return out
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective a group stage runs per micro-batch (forward direction)."""
-
-    kind: str  # "all_gather" | "broadcast" | "scatter" | "gather" | "all_reduce"
-    value: str  # fx node (or parameter set) it moves
-    nbytes: int  # bytes of the whole value
-    devices: tuple[str, ...]
 
 
 @dataclass

@@ -40,8 +40,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils import _pytree as pytree
 
-from crosscut.codegen.split import StagedProgram, ValueRef, map_structure
-from crosscut.codegen.transfers import INPUT
+from crosscut.ir.program import INPUT, StagedProgram, ValueRef, map_structure
 from crosscut.ir.schedule import Action
 
 __all__ = ["Autograd", "RunStage", "Saved", "StageEngine", "Transport", "consumers", "sum_leaves"]

@@ -36,8 +36,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from crosscut.codegen.split import Stage
 from crosscut.errors import InputError
+from crosscut.ir.program import Stage
 from crosscut.runtime.batch_split import BatchSplitStage
 from crosscut.runtime.rng import RandomScope
 from crosscut.runtime.state_replay import Snapshot, StateReplay

@@ -53,7 +53,7 @@ from crosscut.runtime.dist.group_comm import GroupLink, RecvOp, SendOp, recv, se
 from crosscut.runtime.dist.p2p import grad_free
 
 if TYPE_CHECKING:
-    from crosscut.codegen.split import Stage
+    from crosscut.ir.program import Stage
 
 __all__ = [
     "BatchMember",

@@ -4,7 +4,7 @@ Layout (Mariana's worker groups × workers): ``R`` replicas of an ``S``-stage
 pipeline, ``rank = replica × S + stage`` — or, for a cross-shaped plan,
 ``rank = replica × W + offset[stage] + member`` with ``W`` the plan's devices
 (:class:`~crosscut.runtime.dist.world.RankLayout`). Each rank builds the same
-:class:`~crosscut.codegen.split.StagedProgram` from the same plan, keeps only
+:class:`~crosscut.ir.program.StagedProgram` from the same plan, keeps only
 its own stage module and runs its row of the GPipe or 1F1B schedule:
 
 * ``F``: receive the stage's inputs (each from the stage that produces it —
@@ -59,9 +59,10 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from crosscut.codegen.split import StagedProgram, build_stages
+from crosscut.codegen.split import build_stages
+from crosscut.ir.program import StagedProgram
 from crosscut.codegen.state_writes import check_state_writes
-from crosscut.codegen.transfers import INPUT
+from crosscut.ir.program import INPUT
 from crosscut.errors import DistributedError, InputError
 from crosscut.ir.schedule import make_schedule, validate_schedule
 from crosscut.precision import autocast

@@ -65,9 +65,10 @@ from torch import fx, nn
 
 from crosscut.codegen.modes import other_program, share_state
 from crosscut.codegen.source import program_source
-from crosscut.codegen.split import StagedProgram, build_stages
+from crosscut.codegen.split import build_stages
 from crosscut.codegen.state_writes import check_state_writes
 from crosscut.errors import CrosscutError, InputError, RuntimeError_
+from crosscut.ir.program import StagedProgram
 from crosscut.precision import autocast, check_precision
 from crosscut.runtime.batch_split import BatchSplitStage
 from crosscut.runtime.batchnorm import (

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from crosscut.codegen.dotted_attrs import get_attr
-from crosscut.codegen.split import StagedProgram
 from crosscut.errors import CrosscutError, InputError
+from crosscut.ir.program import StagedProgram
 
 __all__ = ["ModelKeyedState"]
 

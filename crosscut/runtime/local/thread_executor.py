@@ -60,8 +60,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from crosscut.codegen.split import StagedProgram
 from crosscut.errors import InputError, RuntimeError_
+from crosscut.ir.program import StagedProgram
 from crosscut.ir.schedule import (
     Action,
     Schedule,

@@ -91,3 +91,15 @@ def test_simulated_makespan_matches_pipeline_formula() -> None:
 def test_unknown_schedule_name() -> None:
     with pytest.raises(ScheduleError, match="schedule name must be known"):
         make_schedule("zb", 2, 2)
+
+
+@given(st.integers(1, 8), st.integers(1, 12), st.sampled_from(["gpipe", "1f1b", "inference"]))
+def test_the_closed_form_in_flight_count_is_the_schedules_own(s: int, m: int, name: str) -> None:
+    """``in_flight`` (what the evaluator and the solver price) equals the built schedule's peak."""
+    from crosscut.ir.schedule import in_flight, least_in_flight
+
+    built = make_schedule(name, s, m)
+    assert [in_flight(name, s, k, m) for k in range(s)] == [
+        max_inflight(built, k) for k in range(s)
+    ]
+    assert least_in_flight(name, m) == min(max_inflight(built, k) for k in range(s))

@@ -50,11 +50,10 @@ from crosscut.frontend.propagate import (
     shapes_of,
 )
 from crosscut.frontend.python_state import refusing_python_state
-from crosscut.ir.graph import OpGraph, OpNode
+from crosscut.ir.graph import MODES, OpGraph, OpNode
 
 __all__ = ["trace"]
 
-MODES = ("train", "infer")
 
 # Module class names whose generic snake_case would read badly ("re_lu").
 _CLASS_KINDS = {

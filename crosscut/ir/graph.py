@@ -21,7 +21,10 @@ from typing import Any
 
 from crosscut.errors import InputError
 
-__all__ = ["GraphLintError", "OpGraph", "OpNode"]
+__all__ = ["MODES", "GraphLintError", "OpGraph", "OpNode"]
+
+#: what a graph was traced for: training (forward and backward) or inference
+MODES = ("train", "infer")
 
 
 class GraphLintError(InputError):

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from crosscut.errors import PlanError
-from crosscut.fileio import write_atomic
+from crosscut.fileio import parse_json, read_json, write_atomic
+from crosscut.ir.schedule import DEFAULT_SCHEDULE
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -126,7 +127,7 @@ class PlanTransfer:
 @dataclass
 class PlanOptions:
     objective: str = "throughput"
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     microbatches: int = 1
     overlap_comm: bool = False
     optimizer: str = "sgd"
@@ -415,30 +416,16 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanError(
-                "a plan file must be valid JSON",
-                value=f"{exc.msg} at line {exc.lineno} column {exc.colno}",
-                remedy="the file may be truncated; re-create it with `crosscut partition`",
-            ) from exc
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, PlanError, "a plan file", remedy=_REMAKE, obj=False))
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        p = Path(path)
-        if not p.is_file():
-            raise PlanError(
-                "a plan path must name an existing file",
-                value=str(p),
-                remedy="check the path, or create one with `crosscut partition MODEL -o plan.json`",
-            )
-        try:
-            text = p.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise PlanError("a plan file must be readable UTF-8 text", value=str(exc)) from exc
-        return cls.from_json(text)
+        remedy = "check the path, or create one with `crosscut partition MODEL -o plan.json`"
+        data = read_json(path, PlanError, "a plan file", remedy=remedy, obj=False)
+        return cls.from_dict(data)
+
+
+_REMAKE = "the file may be truncated; re-create it with `crosscut partition`"
 
 
 def _check_numbers(data: Any, path: str) -> None:

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from crosscut.ir.schedule import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
+
 __all__ = [
     "OBJECTIVES",
     "RECOMPUTE",
@@ -43,7 +45,7 @@ __all__ = [
 ]
 
 OBJECTIVES = ("throughput", "latency")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = PIPELINE_SCHEDULES  # defined once, in ir/schedule.py
 SPLITS = ("none", "batch", "channel")
 RECOMPUTE = ("auto", "never", "always")  # what a caller may ask; a plan records a bool
 # how a node behaves in a channel-split stage: "split" needs its whole input and
@@ -85,7 +87,7 @@ class PartitionProblem:
     latency: list[list[float]]  # [src][dst] seconds
     ties: list[list[int]] = field(default_factory=list)  # node groups that share a stage
     microbatches: int = 1
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     objective: str = "throughput"
     training: bool = True
     overlap_comm: bool = False  # count a stage as max(compute, comm) instead of their sum

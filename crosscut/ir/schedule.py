@@ -30,13 +30,17 @@ from typing import Literal
 from crosscut.errors import InputError
 
 __all__ = [
+    "DEFAULT_SCHEDULE",
+    "PIPELINE_SCHEDULES",
     "SCHEDULES",
     "Action",
     "Schedule",
     "ScheduleError",
     "format_schedule",
     "gpipe",
+    "in_flight",
     "inference",
+    "least_in_flight",
     "make_schedule",
     "max_inflight",
     "one_f_one_b",
@@ -135,6 +139,32 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "1f1b": one_f_one_b,
     "inference": inference,
 }
+
+
+#: the training schedules a plan may name (``"inference"`` is chosen by mode, never named)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+
+#: the schedule every entry point uses when none is given: the API, the CLI, the planner,
+#: the plan format and both runtimes (one value, so a plan replays as it was priced)
+DEFAULT_SCHEDULE = "1f1b"
+
+
+def in_flight(name: str, num_stages: int, stage: int, microbatches: int) -> int:
+    """Micro-batches stage ``stage`` has started and not finished backward, at most.
+
+    The closed form of :func:`max_inflight` on :func:`make_schedule`'s
+    schedule (``tests/test_schedule.py`` checks they agree), so the evaluator
+    and the solver can price every candidate cut without building schedules:
+    GPipe (and inference) keep every micro-batch, 1F1B ``min(M, S - k)``.
+    """
+    if name == "1f1b":
+        return max(1, min(microbatches, num_stages - stage))
+    return microbatches
+
+
+def least_in_flight(name: str, microbatches: int) -> int:
+    """The fewest micro-batches any stage of any pipeline keeps: a last stage's."""
+    return in_flight(name, 1, 0, microbatches)
 
 
 def make_schedule(name: str, num_stages: int, microbatches: int) -> Schedule:

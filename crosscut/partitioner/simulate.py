@@ -101,9 +101,7 @@ def _actions(plan: Plan) -> list[list[sched.Action]]:
     s, m = plan.num_stages, plan.options.microbatches
     if plan.model.mode != "train":
         return sched.inference(s, m)
-    if plan.options.schedule == "gpipe":
-        return sched.gpipe(s, m)
-    return sched.one_f_one_b(s, m)
+    return sched.make_schedule(plan.options.schedule, s, m)
 
 
 def simulate(plan: Plan) -> Simulation:

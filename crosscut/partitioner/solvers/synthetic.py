@@ -17,6 +17,7 @@ import sys
 import time
 
 from crosscut.ir.problem import PartitionProblem
+from crosscut.ir.schedule import DEFAULT_SCHEDULE
 
 __all__ = [
     "densenet_like",
@@ -42,7 +43,7 @@ def make_problem(
     microbatches: int = 8,
     training: bool = True,
     objective: str = "throughput",
-    schedule: str = "1f1b",
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> PartitionProblem:
     """Attach CNN-like costs to a DAG whose nodes are numbered in topological order."""
     depth = [i / max(1, n - 1) for i in range(n)]

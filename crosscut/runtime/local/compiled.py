@@ -69,6 +69,7 @@ from crosscut.codegen.split import build_stages
 from crosscut.codegen.state_writes import check_state_writes
 from crosscut.errors import CrosscutError, InputError, RuntimeError_
 from crosscut.ir.program import StagedProgram
+from crosscut.ir.schedule import DEFAULT_SCHEDULE
 from crosscut.precision import autocast, check_precision
 from crosscut.runtime.batch_split import BatchSplitStage
 from crosscut.runtime.batchnorm import (
@@ -104,7 +105,7 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         gm: fx.GraphModule,
         stage_of: Mapping[str, int],
         stage_devices: Sequence[torch.device | str],
-        schedule: str = "gpipe",
+        schedule: str = DEFAULT_SCHEDULE,
         microbatches: int = 1,
         plan: Any = None,
         *,

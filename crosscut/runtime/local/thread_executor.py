@@ -63,6 +63,7 @@ from torch.utils import _pytree as pytree
 from crosscut.errors import InputError, RuntimeError_
 from crosscut.ir.program import StagedProgram
 from crosscut.ir.schedule import (
+    DEFAULT_SCHEDULE,
     Action,
     Schedule,
     inference,
@@ -133,7 +134,7 @@ class LocalExecutor:
     def __init__(
         self,
         program: StagedProgram,
-        schedule: str = "gpipe",
+        schedule: str = DEFAULT_SCHEDULE,
         microbatches: int = 1,
         *,
         timeout: float = DEFAULT_TIMEOUT_S,

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from crosscut.ir.schedule import (
     Action,
     ScheduleError,
+    action_times,
     format_schedule,
     gpipe,
     inference,
@@ -18,7 +19,6 @@ from crosscut.ir.schedule import (
     max_inflight,
     one_f_one_b,
     parse_schedule,
-    simulate,
     validate_schedule,
 )
 
@@ -80,11 +80,11 @@ def test_rule_violations_name_the_action() -> None:
 
 def test_simulated_makespan_matches_pipeline_formula() -> None:
     # forward-only pipeline with unit stages: S + M - 1 steps
-    times = simulate(inference(4, 8), 4)
+    times = action_times(inference(4, 8), 4)
     assert max(end for _, end in times.values()) == 4 + 8 - 1
     # 1F1B and GPipe have the same bubble with uniform costs
-    g = max(e for _, e in simulate(gpipe(3, 4), 3).values())
-    o = max(e for _, e in simulate(one_f_one_b(3, 4), 3).values())
+    g = max(e for _, e in action_times(gpipe(3, 4), 3).values())
+    o = max(e for _, e in action_times(one_f_one_b(3, 4), 3).values())
     assert g == o == (3 - 1) * 3 + 4 * 3
 
 

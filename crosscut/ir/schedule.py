@@ -13,7 +13,7 @@ Text forms
     one action   ``"2F0"``  = stage 2, forward, micro-batch 0
     a schedule   one line per stage: ``"0: 0F0 0F1 0B0 0B1"``
 
-Dependency model (used by :func:`validate_schedule` and :func:`simulate`):
+Dependency model (used by :func:`validate_schedule` and :func:`action_times`):
 ``F(s, m)`` needs ``F(s-1, m)``; ``B(s, m)`` needs ``F(s, m)`` and
 ``B(s+1, m)`` (the last stage's backward starts from its own forward, where the
 loss is computed). Skip connections that jump over stages only add edges that
@@ -36,6 +36,7 @@ __all__ = [
     "Action",
     "Schedule",
     "ScheduleError",
+    "action_times",
     "format_schedule",
     "gpipe",
     "in_flight",
@@ -45,7 +46,6 @@ __all__ = [
     "max_inflight",
     "one_f_one_b",
     "parse_schedule",
-    "simulate",
     "validate_schedule",
 ]
 
@@ -232,7 +232,7 @@ def validate_schedule(
     required action exactly once (``F`` for every micro-batch, plus ``B`` when
     training, and no ``B`` otherwise); on a stage ``F(m)`` precedes ``B(m)``;
     and the whole thing runs to completion (no deadlock) under the dependency
-    model, checked by :func:`simulate` with unit times.
+    model, checked by :func:`action_times` with unit times.
     """
     _check_sizes(num_stages, microbatches)
     if len(schedule) != num_stages:
@@ -266,10 +266,10 @@ def validate_schedule(
             for m in range(microbatches):
                 if Action(s, kind, m) not in seen:
                     raise ScheduleError(f"action {s}{kind}{m} is missing", value=f"{s}{kind}{m}")
-    simulate(schedule, num_stages)
+    action_times(schedule, num_stages)
 
 
-def simulate(
+def action_times(
     schedule: Schedule,
     num_stages: int,
     forward_cost: Sequence[float] | None = None,

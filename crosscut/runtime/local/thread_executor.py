@@ -66,9 +66,9 @@ from crosscut.ir.schedule import (
     DEFAULT_SCHEDULE,
     Action,
     Schedule,
+    action_times,
     inference,
     make_schedule,
-    simulate,
     validate_schedule,
 )
 from crosscut.runtime.batch_split import BatchSplitStage
@@ -194,7 +194,7 @@ class LocalExecutor:
         and autograd nodes are numbered on one thread as in eager mode, so the
         backward accumulates fan-out gradients in eager order (bit-exact).
         """
-        times = simulate(rows, len(rows))
+        times = action_times(rows, len(rows))
         for a in sorted(times, key=lambda a: (times[a][0], a.stage)):
             try:
                 do(a)

@@ -5,7 +5,7 @@ the DAG and realistic magnitudes, so these generators mimic coarsened CNNs:
 ResNet-like chains with residual skips, DenseNet-like blocks where every node
 reads all previous ones, Inception-like parallel branches. Compute times are
 lognormal, activations shrink with depth and parameters grow with depth, as in
-real image networks. ``python -m crosscut.partitioner.solvers.synthetic``
+real image networks. ``python benchmarks/synthetic.py``
 prints the solver timing table.
 """
 

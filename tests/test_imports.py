@@ -25,6 +25,7 @@ cli             cli/: commands, argument types, launch, model references
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "crosscut"
@@ -246,3 +247,43 @@ def test_the_layer_checks_see_a_violation() -> None:
     assert layer_of("crosscut.api") < layer_of("crosscut.cli.commands")
     assert layer_of("crosscut.strategy") == layer_of("crosscut.partitioner")
     assert unit_of("crosscut.runtime.dist.p2p") == "crosscut.runtime"
+
+
+def _torch_imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_nodes(tree)
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "torch"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            found.append(str(node.module))
+    return found
+
+
+def test_the_ir_is_plain_data_without_torch() -> None:
+    """The solvers, the simulator and the drawings read the IR without loading torch."""
+    found = {p.name: names for p in (PACKAGE / "ir").glob("*.py") if (names := _torch_imports(p))}
+    assert not found, f"ir/ modules importing torch (annotations go under TYPE_CHECKING): {found}"
+
+
+def test_the_architecture_map_lists_every_module_with_its_imports() -> None:
+    """docs/ARCHITECTURE.md has one row per module, and its imports column is the walk's."""
+    doc = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
+    rows: dict[str, set[str]] = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if len(cells) == 4 and cells[1].startswith("`") and cells[1].endswith(".py`"):
+            listed = {x.strip() for x in cells[3].split(",")} - {"—", ""}
+            rows[cells[1].strip("`")] = listed
+    graph = import_graph()
+    wrong = []
+    for mod, path in sorted(_modules().items()):
+        rel = str(path.relative_to(PACKAGE))
+        want = {n.removeprefix("crosscut.") for n in graph[mod]}
+        if rows.get(rel) != want:
+            wrong.append(f"{rel}: map says {sorted(rows.get(rel, []))}, imports {sorted(want)}")
+    stale = sorted(set(rows) - {str(p.relative_to(PACKAGE)) for p in _modules().values()})
+    assert not wrong and not stale, "fix docs/ARCHITECTURE.md:\n" + "\n".join(wrong + stale)

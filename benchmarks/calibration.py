@@ -19,10 +19,11 @@ import torch
 import torchvision
 from torch import nn
 
-from crosscut.cost_models import Cluster, analytic_costs
+from crosscut.cost_models.analytic import analytic_costs
 from crosscut.cost_models.calibration import PUBLISHED, Published, step_overhead_s, update_seconds
-from crosscut.graph import OpGraph
-from crosscut.partitioner.trace import trace
+from crosscut.cost_models.cluster import Cluster
+from crosscut.frontend.tracer import trace
+from crosscut.ir.graph import OpGraph
 
 __all__ = ["build_model", "main", "predict", "single_step_s"]
 

@@ -26,8 +26,11 @@ from typing import Any
 import torch
 import torchvision
 
-from crosscut.cost_models import Cluster, analytic_costs, peak_memory, profile_costs
-from crosscut.partitioner.trace import trace
+from crosscut.cost_models.analytic import analytic_costs
+from crosscut.cost_models.cluster import Cluster
+from crosscut.cost_models.memory import peak_memory
+from crosscut.cost_models.profiled import profile_costs
+from crosscut.frontend.tracer import trace
 
 __all__ = ["main", "measure_peak", "measure_step"]
 

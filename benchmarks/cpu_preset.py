@@ -35,11 +35,12 @@ import torch
 import torchvision
 from torch import nn
 
-from crosscut.cost_models import Cluster, analytic_costs
+from crosscut.cost_models.analytic import analytic_costs
 from crosscut.cost_models.calibration import step_overhead_s, update_seconds
+from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.devices import DeviceSpec
 from crosscut.cost_models.links import measure_matmul_flops
-from crosscut.partitioner.trace import trace
+from crosscut.frontend.tracer import trace
 
 __all__ = ["MODELS", "main", "measured_step", "predicted_step"]
 

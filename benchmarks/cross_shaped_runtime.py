@@ -29,8 +29,8 @@ import torch
 import torchvision
 from torch import fx, nn
 
-from crosscut.codegen.batch_split import BatchSplitStage
 from crosscut.runtime import CompiledModule
+from crosscut.runtime.batch_split import BatchSplitStage
 
 __all__ = ["main"]
 

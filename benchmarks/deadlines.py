@@ -40,8 +40,9 @@ def _resnet50(cross: bool, limit: float) -> tuple[float, str]:
 
 
 def _synthetic(limit: float) -> tuple[float, str]:
+    from synthetic import make_problem, num_nodes, resnet_like
+
     from crosscut.partitioner.solvers import solve
-    from crosscut.partitioner.solvers.synthetic import make_problem, num_nodes, resnet_like
 
     edges = resnet_like(854)
     pb = make_problem(edges, num_nodes(edges), 7, rng=random.Random(1), mem_cap=128 << 30)

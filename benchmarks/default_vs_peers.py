@@ -170,7 +170,7 @@ def _launch(args: list[str], ns: argparse.Namespace, tmp: Path, tag: str) -> dic
     Output goes to files (a full pipe would block a rank inside a collective);
     on a failure or past ``--timeout`` both ranks are killed.
     """
-    from crosscut.launch import free_port
+    from crosscut.cli.launch import free_port
 
     report, port = tmp / f"{tag}.json", free_port()
     report.unlink(missing_ok=True)

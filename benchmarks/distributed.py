@@ -113,7 +113,7 @@ def _worker(ns: argparse.Namespace) -> int:
 
 def pipeline_step_time(name: str, plan_path: Path, ns: argparse.Namespace) -> float:
     """Launch 2 ranks (1 thread each) of this file as workers; return their mean step time."""
-    from crosscut.launch import free_port
+    from crosscut.cli.launch import free_port
 
     report = plan_path.with_suffix(".report.json")
     port = free_port()

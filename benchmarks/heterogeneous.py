@@ -10,7 +10,7 @@ strategy's OPTIMAL is a proof, so a ratio above 1 against it is a real loss.
 
 Problems:
 
-* ``synthetic``: CNN-like DAGs (``solvers/synthetic.py``) on 6 identical
+* ``synthetic``: CNN-like DAGs (``benchmarks/synthetic.py``) on 6 identical
   devices plus one 10x slower, and on 5 devices of 5 kinds (speeds 1, 1.3,
   1.7, 2.5, 4), training, uniform links. Needs nothing else.
 * ``--graphs DIR``: the published workloads of Tarnawski et al. (NeurIPS 2020):
@@ -30,15 +30,16 @@ import random
 import time
 from pathlib import Path
 
-from crosscut.partitioner.problem import PartitionProblem
-from crosscut.partitioner.solvers.cpsat import solve_cpsat
-from crosscut.partitioner.solvers.synthetic import (
+from synthetic import (
     densenet_like,
     inception_like,
     make_problem,
     num_nodes,
     resnet_like,
 )
+
+from crosscut.ir.problem import PartitionProblem
+from crosscut.partitioner.solvers.cpsat import solve_cpsat
 
 STRATEGIES = ("auto", "enumerate", "heuristic")
 

@@ -3,7 +3,7 @@
 4 gloo ranks on this machine: 2 replicas × 2 stages of resnet50 at 128×128
 (global batch 32, 4 micro-batches per replica, 1F1B). One pipeline times its
 training step with the replicas' all-reduce run by DDP's reducer during each
-stage's last backward (runtime/overlap.py) and with the after-backward one
+stage's last backward (runtime/dist/overlap.py) and with the after-backward one
 (the same pipeline, its reducer switched off), in
 interleaved rounds so both see the same machine; a step's time is the slowest
 rank's. Gradients are compared too: the two ways must give the same numbers up

@@ -112,7 +112,7 @@ def peer_step_time(
     script: str, name: str, split: str, ns: argparse.Namespace, tmp: Path
 ) -> dict[str, Any]:
     """Launch 2 peer ranks of ``script`` splitting at ``split``; their step time, or the error."""
-    from crosscut.launch import free_port
+    from crosscut.cli.launch import free_port
 
     report = tmp / f"peer-{name}-{split}.json"
     port = free_port()

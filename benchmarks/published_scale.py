@@ -67,10 +67,10 @@ import torch
 import torchvision
 
 import crosscut
-from crosscut.cost_models import Cluster
 from crosscut.cost_models.calibration import step_overhead_s
+from crosscut.cost_models.cluster import Cluster
+from crosscut.ir.plan import Plan
 from crosscut.partitioner.annotate import annotate
-from crosscut.partitioner.plan import Plan
 from crosscut.partitioner.replicas import reduction, stage_gradient_bytes
 from crosscut.partitioner.simulate import simulate
 

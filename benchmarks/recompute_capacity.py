@@ -44,12 +44,12 @@ from typing import Any
 import torch
 
 from crosscut.api import get_costs, micro_inputs, trace
-from crosscut.cost_models import Cluster
+from crosscut.cli.model_refs import load_model
+from crosscut.cost_models.cluster import Cluster
 from crosscut.errors import InfeasiblePlanError, PartitionError
-from crosscut.models import load_model
+from crosscut.ir.plan import Plan, PlanOptions
 from crosscut.partitioner.build import plan_nodes, problem_from_parts
 from crosscut.partitioner.partition import partition_graph, plan_cluster
-from crosscut.partitioner.plan import Plan, PlanOptions
 from crosscut.partitioner.solvers.baselines import param_balanced
 
 METHODS = ("recompute", "no-recompute", "param-balanced", "data-parallel")

@@ -25,10 +25,14 @@ import time
 import torch
 
 from crosscut.api import get_costs, micro_inputs, trace
-from crosscut.cost_models import Cluster
-from crosscut.models import default_input_shape, load_model, torchvision_classification_models
+from crosscut.cli.model_refs import (
+    default_input_shape,
+    load_model,
+    torchvision_classification_models,
+)
+from crosscut.cost_models.cluster import Cluster
+from crosscut.ir.plan import PlanOptions
 from crosscut.partitioner.partition import partition_graph
-from crosscut.partitioner.plan import PlanOptions
 
 HEAVY = {"vit_h_14", "vit_l_16", "vit_l_32", "regnet_y_128gf"}
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torchvision
 
-from crosscut.cost_models import Cluster
+from crosscut.cost_models.cluster import Cluster
 from crosscut.errors import CrosscutError
 from crosscut.options import PlanRequest
 from crosscut.strategy import plan_strategy

@@ -10,7 +10,7 @@ Each file gives ``maxFPGAs`` identical accelerators and ``maxCPUs`` CPU cores
 (the paper's k and l), per node its accelerator and CPU latency (ms), whether
 it runs on an accelerator at all, its memory size, and per edge the time to
 move the producer's output. The conversion to crosscut's model
-(:class:`~crosscut.partitioner.problem.PartitionProblem`):
+(:class:`~crosscut.ir.problem.PartitionProblem`):
 
 * a training graph's forward and backward nodes of one ``colorClass`` must be
   colocated (the paper's rule); they become one node whose time is their sum,
@@ -34,7 +34,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from crosscut.partitioner.problem import PartitionProblem
+from crosscut.ir.problem import PartitionProblem
 
 __all__ = ["load"]
 

@@ -13,8 +13,9 @@ import time
 import torch
 import torchvision
 
-from crosscut.cost_models import Cluster, analytic_costs
-from crosscut.partitioner.trace import trace
+from crosscut.cost_models.analytic import analytic_costs
+from crosscut.cost_models.cluster import Cluster
+from crosscut.frontend.tracer import trace
 
 __all__ = ["main"]
 

@@ -26,8 +26,7 @@ from crosscut.errors import (
     PlanError,
     TraceError,
 )
-
-__version__ = "0.1.0"
+from crosscut.version import __version__
 
 __all__ = [
     "Cluster",
@@ -57,18 +56,19 @@ _LAZY = {
     "trace": "crosscut.api",
     "partition": "crosscut.api",
     "simulate": "crosscut.partitioner.simulate",
-    "Plan": "crosscut.partitioner.plan",
-    "OpGraph": "crosscut.graph",
+    "Plan": "crosscut.ir.plan",
+    "OpGraph": "crosscut.ir.graph",
     "CompiledModule": "crosscut.runtime",
-    "Cluster": "crosscut.cost_models",
-    "DeviceSpec": "crosscut.cost_models",
+    "Cluster": "crosscut.cost_models.cluster",
+    "DeviceSpec": "crosscut.cost_models.devices",
 }
 
 if TYPE_CHECKING:
     from crosscut.api import compile, partition, trace
-    from crosscut.cost_models import Cluster, DeviceSpec
-    from crosscut.graph import OpGraph
-    from crosscut.partitioner.plan import Plan
+    from crosscut.cost_models.cluster import Cluster
+    from crosscut.cost_models.devices import DeviceSpec
+    from crosscut.ir.graph import OpGraph
+    from crosscut.ir.plan import Plan
     from crosscut.partitioner.simulate import simulate
     from crosscut.runtime import CompiledModule
 

@@ -4,8 +4,8 @@ This is the only module that strings the stages together (trace → costs →
 partition → codegen → runtime). The shared half — options checked up front,
 tracing, planning — is :mod:`crosscut.planning`, which the torchrun path
 (:mod:`crosscut.distributed`) uses too; ``compile`` checks every option there
-before it decides between a local :class:`~crosscut.runtime.compiled.CompiledModule`
-and a torchrun rank's :class:`~crosscut.runtime.distributed.DistributedPipeline`.
+before it decides between a local :class:`~crosscut.runtime.local.compiled.CompiledModule`
+and a torchrun rank's :class:`~crosscut.runtime.dist.rank_executor.DistributedPipeline`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from torch import nn
 
 from crosscut.codegen.grouped_stages import local_groups
 from crosscut.errors import InputError
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
+from crosscut.ir.schedule import DEFAULT_SCHEDULE
 from crosscut.partitioner.validate import validate_plan
 from crosscut.planning import (
     PlanRequest,
@@ -60,7 +61,7 @@ def compile(
     example_inputs: Any,
     *,
     mode: str = "train",
-    schedule: str = "1f1b",
+    schedule: str = DEFAULT_SCHEDULE,
     microbatches: int | None = None,
     replicas: int | None = None,
     objective: str = "throughput",
@@ -89,7 +90,7 @@ def compile(
 
     ``recompute``: stages keep only their inputs per micro-batch and recompute
     their activations in backward, with the same numbers
-    (:mod:`crosscut.runtime.recompute`). ``"auto"`` (default): the planner
+    (:mod:`crosscut.runtime.recomputing`). ``"auto"`` (default): the planner
     decides, pricing the memory saved and the extra forward (see
     :func:`partition`), and a given plan runs as it says; ``"always"``/``True``
     and ``"never"``/``False`` plan and run every stage that way; one bool per
@@ -100,7 +101,7 @@ def compile(
     dtype (:mod:`crosscut.precision`); fp16 training wants a loss scaler.
 
     ``bn_mode`` (``"micro"``, ``"step"``, ``"exact"``): batch norm over
-    micro-batches, see :mod:`crosscut.runtime.compiled`.
+    micro-batches, see :mod:`crosscut.runtime.local.compiled`.
 
     ``output_merge``: how the micro-batches' outputs become one output
     (:mod:`crosscut.runtime.output_merge`): batch-major outputs are
@@ -116,14 +117,14 @@ def compile(
     for this model (fingerprint) and that enough devices are given; its stages
     run on the given devices in order. Inside a torchrun job (after
     ``crosscut.distributed.init()``, world size > 1) each rank gets a
-    :class:`~crosscut.runtime.distributed.DistributedPipeline` running its own
+    :class:`~crosscut.runtime.dist.rank_executor.DistributedPipeline` running its own
     stage instead: every option is validated on every rank first, and
     without ``plan`` rank 0 partitions with these options for ``devices`` (one
     per stage; ``None``: the ranks' own device kind). ``require_all_devices`` makes the solver
     use every device even where fewer stages would be faster (useful for tests
     and for models that must be spread for memory).
     """
-    from crosscut.cost_models import Cluster
+    from crosscut.cost_models.cluster import Cluster
     from crosscut.runtime import CompiledModule
 
     if not isinstance(model, nn.Module):

@@ -24,12 +24,12 @@ import torch.distributed as dist
 from torch import nn
 
 from crosscut.errors import CrosscutError, DistributedError, InputError
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.partitioner.validate import validate_plan
 from crosscut.planning import as_tuple
-from crosscut.runtime.checkpoint import assemble_checkpoint
-from crosscut.runtime.distributed import DistributedPipeline, check_bn_mode, plan_hash
-from crosscut.runtime.grad_scaler import PipelineGradScaler
+from crosscut.runtime.dist.grad_scaler import PipelineGradScaler
+from crosscut.runtime.dist.rank_executor import DistributedPipeline, check_bn_mode, plan_hash
+from crosscut.runtime.dist.state_files import assemble_checkpoint
 
 __all__ = [
     "DistContext",
@@ -169,7 +169,7 @@ def _plan_on_rank0(
 
 def _plan_cluster(devices: Any, ranks: int, device: torch.device) -> Any:
     """The cluster rank 0 plans for: ``devices`` if given (one per rank), else the ranks'."""
-    from crosscut.cost_models import Cluster
+    from crosscut.cost_models.cluster import Cluster
 
     if devices is None:  # one logical device per rank, of the ranks' kind
         if device.type == "cpu":
@@ -234,7 +234,7 @@ def compile_distributed(
     checkpoint; replicas are synchronised from replica 0.
     ``bn_mode``: ``"micro"`` or ``"step"``; ``recompute``: as for :func:`crosscut.compile`.
     ``overlap_allreduce``: the replicas' gradient all-reduce runs during each
-    stage's last backward, by DDP's reducer (:mod:`crosscut.runtime.overlap`);
+    stage's last backward, by DDP's reducer (:mod:`crosscut.runtime.dist.overlap`);
     ``False`` runs it after the backward.
     ``output_merge``: as for :func:`crosscut.compile` (the last stage merges
     its replica's micro-batch outputs in ``forward``). Without a plan, rank 0

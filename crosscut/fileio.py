@@ -1,5 +1,8 @@
-"""Writing a result file so that a failure is one clear line and leaves nothing behind.
+"""Reading and writing result files so that a failure is one clear line and leaves nothing behind.
 
+JSON files (plans, clusters, cost tables) are read one way (:func:`read_json`,
+:func:`parse_json`): a missing or unreadable file and text that is not JSON
+are each one error of the caller's class naming the file and the place.
 Plans, pictures and profiles are written the same way: refuse a directory or
 a path under a file before any work, write a temporary sibling, rename it
 over the target (a crash never leaves half a file), remove the temporary on
@@ -9,13 +12,50 @@ any failure, and turn the operating system's error into an
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
-from crosscut.errors import InputError
+from crosscut.errors import CrosscutError, InputError
 
-__all__ = ["check_writable", "write_atomic"]
+__all__ = ["check_writable", "parse_json", "read_json", "write_atomic"]
+
+
+def parse_json(
+    text: str, error: type[CrosscutError], what: str, *, remedy: str = "", obj: bool = True
+) -> Any:
+    """``text`` parsed; not JSON (or, with ``obj``, not an object) is ``error`` naming ``what``."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(
+            f"{what} must be valid JSON",
+            value=f"{exc.msg} at line {exc.lineno} column {exc.colno}",
+            remedy=remedy,
+        ) from None
+    if obj and not isinstance(data, dict):
+        raise error(f"{what} must hold a JSON object", value=type(data).__name__, remedy=remedy)
+    return data
+
+
+def read_json(
+    path: str | Path, error: type[CrosscutError], what: str, *, remedy: str = "", obj: bool = True
+) -> Any:
+    """The JSON in the file at ``path`` (see :func:`parse_json`); a missing file is ``error``."""
+    p = Path(path)
+    if not p.is_file():
+        raise error(
+            f"{what} path must name an existing file",
+            value=str(p),
+            remedy=remedy or "check the path",
+        )
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{what} must be readable UTF-8 text", value=str(exc), remedy=remedy) from exc
+    return parse_json(text, error, what, remedy=remedy, obj=obj)
 
 
 def check_writable(path: str | Path, what: str) -> Path:

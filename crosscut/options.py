@@ -23,12 +23,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from crosscut.errors import InputError
-from crosscut.partitioner.problem import OBJECTIVES, RECOMPUTE, SCHEDULES
+from crosscut.ir.graph import MODES
+from crosscut.ir.problem import OBJECTIVES, RECOMPUTE, SCHEDULES
+from crosscut.ir.schedule import DEFAULT_SCHEDULE
 from crosscut.precision import check_precision
 
 __all__ = ["COSTS", "MODES", "OPTIMIZERS", "PlanRequest", "check_options", "cross_options"]
 
-MODES = ("train", "infer")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 COSTS = ("analytic", "profiled")
 
@@ -93,7 +94,7 @@ class PlanRequest:
 
     mode: str = "train"
     objective: str = "throughput"
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     microbatches: int | None = None
     time_limit: float = 10.0
     optimizer: str = "sgd"

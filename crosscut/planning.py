@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from crosscut.errors import CrosscutError, InputError, PlanError
-from crosscut.graph import OpGraph
+from crosscut.ir.graph import OpGraph
+from crosscut.ir.plan import Plan
+from crosscut.ir.schedule import DEFAULT_SCHEDULE
 from crosscut.options import PlanRequest, check_options, cross_options
 from crosscut.partitioner.deadline import Deadline
-from crosscut.partitioner.plan import Plan
-from crosscut.partitioner.stage_recompute import (
+from crosscut.partitioner.recompute_choice import (
     check_recompute,
     recompute_flags_for,
     recompute_request,
@@ -125,7 +126,7 @@ def trace(
     precision: str = "fp32",
 ) -> OpGraph:
     """Trace ``model`` into an :class:`OpGraph` (shapes from FakeTensors, no real compute)."""
-    from crosscut.partitioner.trace import trace as _trace
+    from crosscut.frontend.tracer import trace as _trace
 
     check_precision(precision)
     return _trace(model, example_inputs, mode=mode, leaf_modules=leaf_modules, precision=precision)
@@ -139,7 +140,7 @@ def partition(
     *,
     mode: str = "train",
     objective: str = "throughput",
-    schedule: str = "1f1b",
+    schedule: str = DEFAULT_SCHEDULE,
     microbatches: int | None = None,
     replicas: int | None = None,
     time_limit: float = 10.0,
@@ -230,7 +231,7 @@ def plan_request(
     ``traces``: a cache of the model's graphs by micro-batch size, which the
     caller keeps to read the chosen plan's graph without tracing again.
     """
-    from crosscut.cost_models import Cluster
+    from crosscut.cost_models.cluster import Cluster
 
     r = request
     deadline = Deadline.of(deadline, float(r.time_limit))

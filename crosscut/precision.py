@@ -1,7 +1,7 @@
 """Mixed precision as a plan option: ``precision="fp32" | "bf16" | "fp16"``.
 
 One mechanism prices and runs it: PyTorch's autocast. The trace propagates
-shapes under ``torch.autocast`` with the chosen dtype (partitioner/trace.py),
+shapes under ``torch.autocast`` with the chosen dtype (frontend/tracer.py),
 so every op records the dtype it really produces — convolutions, linears and
 matmuls in 16 bits, batch norm and reductions in fp32, the parameters (the
 optimizer's master copy) in fp32. From there nothing else needs to know: the
@@ -9,7 +9,7 @@ analytic cost model prices an op at its dtype's peak (the device presets list
 ``float16`` and ``bfloat16``), activations and transfers are counted at the
 bytes the ops produce, and the compiled module runs every call under the
 same autocast, which the stage threads and ranks inherit
-(runtime/thread_state.py, runtime/wire_dtypes.py). With ``"fp16"`` the loss
+(runtime/thread_state.py, runtime/dist/wire_dtypes.py). With ``"fp16"`` the loss
 needs scaling: use ``torch.amp.GradScaler`` with the local module, or
 ``crosscut.distributed.PipelineGradScaler`` under torchrun (its inf/NaN check
 spans every stage and rank).

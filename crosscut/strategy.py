@@ -34,8 +34,8 @@ micro-batch's per-sample rate (see :mod:`crosscut.options`). A batch-split
 stage never hands on a value its shares cannot join
 (``PartitionProblem.batch_major``). Locally each stage position's replicas
 are one batch-split group too, so a replicated layout ties every value that
-is not a batch-major tensor to its readers (:func:`batch_major_cuts`): the
-solver cuts elsewhere. Only a model whose own output is not batch-major (a
+is not a batch-major tensor to its readers (``replicas.batch_major_cuts``):
+the solver cuts elsewhere. Only a model whose own output is not batch-major (a
 0-d loss it returns) still has its replicated layouts refused, with that
 reason.
 
@@ -77,13 +77,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from crosscut.cost_models.subclusters import replica_cluster, slowest_link
+from crosscut.cost_models.subclusters import replica_cluster
 from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
-from crosscut.graph import OpGraph
+from crosscut.ir.plan import Alternative, Plan, Strategy
 from crosscut.options import PlanRequest
+from crosscut.partitioner.annotate import as_replicas, in_rank_order
 from crosscut.partitioner.deadline import Deadline
-from crosscut.partitioner.plan import Alternative, Plan, Strategy
 from crosscut.partitioner.replicas import (
+    batch_major_cuts,
+    check_replica_exports,
     layouts,
     replica_span,
     runs_in_rank_order,
@@ -93,12 +95,11 @@ from crosscut.partitioner.replicas import (
 from crosscut.traced import Progress, TraceCache, solve_traced
 
 if TYPE_CHECKING:
-    from crosscut.cost_models import Cluster
+    from crosscut.cost_models.cluster import Cluster
 
 __all__ = [
     "MAX_MICROBATCHES",
     "Layout",
-    "batch_major_cuts",
     "candidate_layouts",
     "microbatch_candidates",
     "plan_strategy",
@@ -175,19 +176,6 @@ def candidate_layouts(cluster: Cluster, request: PlanRequest, batch: int) -> lis
             ),
         )
     return out
-
-
-def _as_replicas(plan: Plan, cluster: Cluster, replicas: int) -> Plan:
-    """``plan`` (one replica) priced as ``replicas`` copies on ``cluster``'s nodes."""
-    from crosscut.partitioner.annotate import annotate
-
-    plan.cluster.nodes = cluster.nodes
-    plan.cluster.network = list(cluster.network)
-    plan.cluster.network_name = cluster.network_name
-    plan.cluster.name = cluster.name
-    plan.cluster.node_link = list(slowest_link(cluster))
-    plan.replication.replicas = replicas
-    return annotate(plan)  # prices the all-reduce and the step from the plan's own numbers
 
 
 def _widths(plan: Plan) -> list[int]:
@@ -331,14 +319,14 @@ def _attempt(
     plan = solve_traced(
         graph, costs, node, req, input_shapes=shapes, progress=progress, deadline=by
     )
-    plan = _as_replicas(plan, cluster, lay.replicas)
+    plan = as_replicas(plan, cluster, lay.replicas)
     if lay.replicas > 1:
-        _check_replica_exports(plan)
+        check_replica_exports(plan)
     wall = time.monotonic() - t0
     search.quickest = wall if search.quickest == 0.0 else min(search.quickest, wall)
     span = replica_span(plan, lay.replicas)
     if span > 1 and not runs_in_rank_order(plan, span):
-        plan = _in_rank_order(plan)
+        plan = in_rank_order(plan)
     if span > 1 and not runs_in_rank_order(plan, span):
         raise PartitionError(
             "a replica spanning nodes runs stage s on its s-th rank, node by node; this "
@@ -347,58 +335,6 @@ def _attempt(
             remedy="a fixed device order would avoid it; the layout is skipped",
         )
     return plan
-
-
-def batch_major_cuts(graph: OpGraph) -> OpGraph:
-    """``graph`` with every value that is not a batch-major tensor tied to its readers.
-
-    Locally the replicas of a stage position run as one batch-split group,
-    which can hand on only tensors whose dim 0 is the batch (it concatenates its
-    shares' copies): a ``x.size(0)``, a mean over the batch or a parameter sent
-    as a value would be each share's own. A tie (``OpGraph.ties``: nodes that
-    share a stage) keeps such a value on its readers' stage, so the solver cuts
-    elsewhere instead of the layout being refused after the solve. The ties are
-    recorded in the plan (``Plan.ties``), so a replay prices the same problem."""
-    from crosscut.partitioner.build import batch_major_value
-
-    readers: dict[str, list[str]] = {}
-    for n in graph.nodes:
-        for u in n.inputs:
-            readers.setdefault(u, []).append(n.name)
-    placed = {n.name for n in graph.nodes if n.op not in ("placeholder", "output")}
-    extra = [
-        [n.name, *(r for r in readers[n.name] if r in placed)]
-        for n in graph.nodes
-        if n.name in placed
-        and n.name in readers
-        and not batch_major_value(n, graph.batch_size)
-        and any(r in placed for r in readers[n.name])
-    ]
-    if not extra:
-        return graph
-    return dataclasses.replace(graph, ties=[*graph.ties, *extra], gm=graph.gm)
-
-
-def _check_replica_exports(plan: Plan) -> None:
-    """Refuse replicas of a pipeline whose stages hand on values a batch split cannot join.
-
-    Locally the replicas of a stage position run as one batch-split group
-    (``codegen/grouped_stages.local_groups``), which concatenates its shares'
-    copies of everything it hands on: a ``x.size(0)`` or a mean over the batch
-    crossing a cut — or returned by the model — would be each share's own."""
-    from crosscut.partitioner.build import plan_to_problem
-    from crosscut.partitioner.group_costs import batch_split_exports
-
-    pb, stage_of, _ = plan_to_problem(plan)
-    for k in range(plan.num_stages):
-        names = batch_split_exports(pb, stage_of, k)
-        if names:
-            raise PartitionError(
-                f"replicas split every stage by batch, and stage {k} hands on values "
-                "that are not batch-major tensors",
-                value=names[:4],
-                remedy="the layout is skipped; one replica plans without this rule",
-            )
 
 
 def _share_of(within: Deadline, parts: int) -> Deadline:
@@ -451,23 +387,6 @@ def _one(
     search.row(lay, m, "priced", plan=plan)
     search.keep(plan, size)
     return plan
-
-
-def _in_rank_order(plan: Plan) -> Plan:
-    """``plan`` with stage ``s`` moved to the replica's ``s``-th device, as torchrun runs it.
-
-    A spanning replica's devices are identical, so each stage keeps its compute
-    and memory; only the links its transfers cross change, and ``annotate``
-    prices them again. Stages on device groups are left as they are."""
-    from crosscut.partitioner.annotate import annotate
-
-    if any(len(st.devices) != 1 for st in plan.stages):
-        return plan
-    names = [d.name for d in plan.cluster.devices]
-    for k, st in enumerate(plan.stages):
-        st.devices = [names[k]]
-    plan.solver.notes.append("stages moved to the devices of their torchrun ranks, node by node")
-    return annotate(plan)
 
 
 def _layout(

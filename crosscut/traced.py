@@ -13,15 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from crosscut.graph import OpGraph
+from crosscut.ir.graph import OpGraph
+from crosscut.ir.plan import Plan, PlanOptions
 from crosscut.options import PlanRequest, cross_options
 from crosscut.partitioner.deadline import Deadline
-from crosscut.partitioner.plan import Plan, PlanOptions
 
 if TYPE_CHECKING:
     import torch
 
-    from crosscut.cost_models import Cluster
+    from crosscut.cost_models.cluster import Cluster
 
 __all__ = ["Progress", "TraceCache", "get_costs", "solve_traced"]
 
@@ -32,7 +32,8 @@ def get_costs(
     graph: OpGraph, cluster: Any, *, cost: str = "analytic", optimizer: str = "sgd"
 ) -> Any:
     """A CostTable for ``graph`` on every device kind of ``cluster``."""
-    from crosscut.cost_models import analytic_costs, profile_costs
+    from crosscut.cost_models.analytic import analytic_costs
+    from crosscut.cost_models.profiled import profile_costs
 
     table = analytic_costs(graph, cluster, optimizer=optimizer)
     if cost == "profiled":
@@ -68,7 +69,7 @@ class TraceCache:
 
     def graph(self, size: int) -> OpGraph:
         if size not in self._graphs:
-            from crosscut.partitioner.trace import trace
+            from crosscut.frontend.tracer import trace
 
             graph = trace(
                 self.model,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 
 __all__ = ["BenchReport", "VerifyReport", "bench_plan", "loss_of", "verify_plan"]
 

@@ -16,7 +16,7 @@ import torch
 import torchvision
 
 import crosscut
-from crosscut.cost_models import Cluster
+from crosscut.cost_models.cluster import Cluster
 
 
 def main(argv: list[str] | None = None) -> tuple[float, float]:

@@ -96,6 +96,6 @@ def build_meta(name: str, **kwargs: Any) -> nn.Module:
 @pytest.fixture(scope="session")
 def resnet50_graph() -> Any:
     """resnet50 traced once at batch 1, 3x224x224, shared by the graph and trace tests."""
-    from crosscut.partitioner import trace
+    from crosscut.frontend import trace
 
     return trace(build_meta("resnet50"), torch.empty(1, 3, 224, 224, device="meta"))

@@ -20,7 +20,7 @@ from torch import nn
 
 from crosscut.errors import CrosscutError
 from crosscut.runtime.contract import Pipeline
-from crosscut.runtime.distributed import DistributedPipeline
+from crosscut.runtime.dist.rank_executor import DistributedPipeline
 
 __all__ = ["Small", "batch", "check_contract", "eager_loss"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from crosscut.partitioner.plan import (
+from crosscut.ir.plan import (
     ModelInfo,
     Plan,
     PlanCluster,

@@ -12,7 +12,7 @@ import torchvision
 from torch import nn
 
 import crosscut
-from crosscut.cost_models import Cluster
+from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.devices import preset
 from crosscut.errors import DeviceError, InfeasiblePlanError, InputError, PlanError
 from crosscut.partitioner.validate import validate_plan

@@ -1,4 +1,4 @@
-"""One rule for batch-split stages (codegen/batch_shares.py), on the local runtime.
+"""One rule for batch-split stages (runtime/batch_shares.py), on the local runtime.
 
 The torchrun runtime's members follow the same functions; tests/test_cross_distributed.py
 runs them end to end.
@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import fx, nn
 
-from crosscut.codegen.batch_shares import batch_of, check_output, input_kind, share_bounds
 from crosscut.errors import CodegenError
-from crosscut.partitioner.trace import trace
+from crosscut.frontend.tracer import trace
 from crosscut.runtime import CompiledModule
+from crosscut.runtime.batch_shares import batch_of, check_output, input_kind, share_bounds
 
 
 class SizeAcross(nn.Module):

@@ -16,10 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from crosscut.cost_models import Cluster, analytic_costs
+from crosscut.cost_models.analytic import analytic_costs
 from crosscut.cost_models.calibration import PUBLISHED
+from crosscut.cost_models.cluster import Cluster
+from crosscut.frontend.tracer import trace
 from crosscut.partitioner.replicas import reduction
-from crosscut.partitioner.trace import trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import calibration as bench

@@ -13,7 +13,7 @@ import torch
 
 import crosscut
 from crosscut.cli import main
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.partitioner.validate import validate_plan
 
 LENET = str(Path(__file__).resolve().parents[1] / "examples" / "digits_lenet.py") + ":LeNet"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from crosscut.cli import main
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 
 PLAN_ARGS = ["torchvision:resnet18", "--devices", "2xV100", "--batch", "4", "--input-shape",
              "3x32x32", "--time-limit", "5"]  # fmt: skip

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from crosscut.cost_models import Cluster, DeviceSpec, preset_names
-from crosscut.cost_models.devices import PRESETS, preset
+from crosscut.cost_models.cluster import Cluster
+from crosscut.cost_models.devices import PRESETS, DeviceSpec, preset, preset_names
 from crosscut.cost_models.links import fit_alpha_beta, measure_link
 from crosscut.errors import DeviceError
 

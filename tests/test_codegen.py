@@ -9,8 +9,9 @@ import torch
 import torchvision
 from torch import fx, nn
 
-from crosscut.codegen import INPUT, OUTPUT, StagedProgram, ValueRef, build_stages, program_source
+from crosscut.codegen import build_stages, program_source
 from crosscut.errors import CodegenError
+from crosscut.ir.program import INPUT, OUTPUT, StagedProgram, ValueRef
 
 SKIP = ("placeholder", "output", "get_attr")
 

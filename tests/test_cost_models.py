@@ -10,20 +10,15 @@ import pytest
 import torch
 from torch import nn
 
-from crosscut.cost_models import (
-    Cluster,
-    CostTable,
-    NodeCost,
-    analytic_costs,
-    peak_memory,
-    profile_costs,
-)
-from crosscut.cost_models.analytic import node_times
+from crosscut.cost_models.analytic import analytic_costs, node_times
+from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.devices import preset
 from crosscut.cost_models.efficiency import efficiency_of
-from crosscut.cost_models.memory import activation_bytes, resident_bytes, saved_by
+from crosscut.cost_models.memory import activation_bytes, peak_memory, resident_bytes, saved_by
+from crosscut.cost_models.profiled import profile_costs
+from crosscut.cost_models.table import CostTable, NodeCost
 from crosscut.errors import CostModelError, InputError
-from crosscut.graph import OpGraph, OpNode
+from crosscut.ir.graph import OpGraph, OpNode
 
 MB = 10**6
 
@@ -155,7 +150,7 @@ class _Tiny(nn.Module):
 
 
 def _traced(mode: str = "train") -> OpGraph:
-    trace_mod = pytest.importorskip("crosscut.partitioner.trace")
+    trace_mod = pytest.importorskip("crosscut.frontend.tracer")
     graph: OpGraph = trace_mod.trace(_Tiny(), torch.randn(4, 3, 16, 16), mode=mode)
     return graph
 
@@ -163,7 +158,7 @@ def _traced(mode: str = "train") -> OpGraph:
 def test_memory_model_matches_mem_tracker() -> None:
     mt = pytest.importorskip("torch.distributed._tools.mem_tracker")
     model, x = _Tiny().train(), torch.randn(32, 3, 16, 16)
-    trace_mod = pytest.importorskip("crosscut.partitioner.trace")
+    trace_mod = pytest.importorskip("crosscut.frontend.tracer")
     graph = trace_mod.trace(model, x, mode="train")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tracker = mt.MemTracker()

@@ -17,7 +17,7 @@ from torch import nn
 import crosscut
 from crosscut.api import partition
 from crosscut.errors import InputError
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.partitioner.simulate import simulate
 from crosscut.partitioner.validate import validate_plan
 

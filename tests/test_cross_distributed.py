@@ -4,7 +4,7 @@ Every device of a group is a rank. ``tests/dist_scripts/cross_check.py`` runs
 each case (a model, its stages' group widths and splits, the schedules) on
 every rank and dumps what each rank holds; here the dumps are re-assembled
 under the original keys (channel shards concatenated by
-``crosscut.runtime.checkpoint.assemble_parts``, whole tensors from the group
+``crosscut.runtime.dist.state_files.assemble_parts``, whole tensors from the group
 leaders) and compared with single-process eager training on the same
 micro-batches: the loss, every parameter's gradient, and every parameter and
 buffer after one SGD step. Batch-split cases run batch norm in eval mode
@@ -25,11 +25,11 @@ import pytest
 import torch
 from torch import nn
 
+from crosscut.cli.launch import free_port
 from crosscut.distributed import assemble_checkpoint
 from crosscut.errors import DistributedError
-from crosscut.launch import free_port
-from crosscut.runtime.checkpoint import assemble_parts
-from crosscut.runtime.world import RankLayout, check_world
+from crosscut.runtime.dist.state_files import assemble_parts
+from crosscut.runtime.dist.world import RankLayout, check_world
 
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("dist")]
 
@@ -245,7 +245,7 @@ def test_colocated_stages_are_refused_by_name() -> None:
     """A co-located tail (two stages on one group) cannot map to one rank per device."""
     import dataclasses
 
-    from crosscut.runtime.distributed import DistributedPipeline, check_one_stage_per_device
+    from crosscut.runtime.dist.rank_executor import DistributedPipeline, check_one_stage_per_device
     from tests.plan_factory import make_plan
 
     plan = make_plan(n_nodes=30, n_devices=4, cross_shaped=True)
@@ -261,7 +261,7 @@ def test_run_counts_a_process_per_group_device(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`crosscut run` starts plan devices × replicas processes and names that count on refusal."""
-    from crosscut.launch import run_main
+    from crosscut.cli.launch import run_main
     from tests.plan_factory import make_plan
 
     plan = make_plan(n_nodes=30, n_devices=4, cross_shaped=True)

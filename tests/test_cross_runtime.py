@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch import fx, nn
 
-from crosscut.codegen.batch_split import BatchSplitStage
 from crosscut.errors import RuntimeError_
 from crosscut.runtime import CompiledModule
+from crosscut.runtime.batch_split import BatchSplitStage
 from tests.test_transparency import build, chunks, no_randomness
 
 torch.set_num_threads(1)

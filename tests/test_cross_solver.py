@@ -14,9 +14,9 @@ import random
 
 import pytest
 
+from crosscut.ir.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.evaluate import check, evaluate, lower_bound, single_groups
 from crosscut.partitioner.group_costs import batch_split_exports, share
-from crosscut.partitioner.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.solvers import solve
 from crosscut.partitioner.solvers.bruteforce import brute_force_groups
 from crosscut.partitioner.solvers.cross import cross_dp, data_parallel

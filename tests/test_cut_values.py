@@ -282,7 +282,7 @@ class WriteThroughIdentity(nn.Module):
 def test_a_value_written_through_an_op_that_returned_it_is_not_aliased() -> None:
     """Its readers interleave (1, 0, 0), but an alias made before the write would read around it."""
     from crosscut.codegen.fanout import separate_fanout
-    from crosscut.partitioner.alias import inplace_target
+    from crosscut.frontend.alias import inplace_target
 
     model = WriteThroughIdentity()
     gm = copy.deepcopy(crosscut.trace(model, torch.randn(2, 3, 8, 8)).gm)

@@ -17,13 +17,13 @@ import time
 
 import pytest
 
+from benchmarks.synthetic import make_problem, num_nodes, resnet_like
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import check, evaluate
-from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers import SolveResult, solve
 from crosscut.partitioner.solvers.baselines import all_baselines, chain_dp, greedy, time_balanced
 from crosscut.partitioner.solvers.cross import cross_dp_search, solve_cross
-from crosscut.partitioner.solvers.synthetic import make_problem, num_nodes, resnet_like
 
 SLACK_S = 0.75  # a loaded machine's scheduling noise, on top of the 10 % the API promises
 
@@ -154,7 +154,7 @@ def test_partition_of_a_graph_returns_by_the_limit_with_a_valid_plan() -> None:
     from torch import nn
 
     from crosscut.api import partition
-    from crosscut.partitioner import trace
+    from crosscut.frontend import trace
     from crosscut.partitioner.validate import validate_plan
 
     layers: list[nn.Module] = []

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from crosscut.cost_models import Cluster
+from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.detect import torchrun_env
 from crosscut.cost_models.links import NETWORKS
 from crosscut.errors import DeviceError, InputError
@@ -132,7 +132,7 @@ def test_two_torchrun_node_groups_each_detect_two_nodes(tmp_path: Path) -> None:
     """2 torchrun agents on 127.0.0.1 (--nnodes 2, 2 ranks each): every rank detects
     the 2-node cluster of 2 devices per node from its own environment."""
     import tests.test_distributed as td
-    from crosscut.launch import free_port
+    from crosscut.cli.launch import free_port
 
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

@@ -22,10 +22,10 @@ import pytest
 import torch
 from torch import nn
 
+from crosscut.cli.launch import check_port_free, free_port, run_main
 from crosscut.distributed import assemble_checkpoint
 from crosscut.errors import DistributedError
-from crosscut.launch import check_port_free, free_port, run_main
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("dist")]
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import crosscut
-from crosscut.cost_models import Cluster
+from crosscut.cost_models.cluster import Cluster
 from crosscut.errors import CrosscutError, DeviceError, RuntimeError_
 
 ROOT = Path(__file__).resolve().parents[1]

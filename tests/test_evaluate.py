@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.evaluate import check, evaluate, lower_bound, renumber
-from crosscut.partitioner.problem import PartitionProblem
 
 
 def tri(**kw: object) -> PartitionProblem:

@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crosscut.coarsen import coarsen, expand_assignment
 from crosscut.errors import InputError
-from crosscut.graph import GraphLintError, OpGraph, OpNode
-from crosscut.partitioner import trace
+from crosscut.frontend import trace
+from crosscut.ir.graph import GraphLintError, OpGraph, OpNode
+from crosscut.partitioner.coarsen import coarsen, expand_assignment
 from tests.conftest import build_meta
 
 

@@ -16,13 +16,13 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.synthetic import random_dag
 from crosscut.errors import InfeasiblePlanError, PartitionError
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.evaluate import check
-from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers.bruteforce import brute_force
 from crosscut.partitioner.solvers.cpsat import solve_cpsat
 from crosscut.partitioner.solvers.orders import candidate_orders, count_orders, device_classes
-from crosscut.partitioner.solvers.synthetic import random_dag
 
 
 def _six_and_one(seed: int, n: int = 6) -> PartitionProblem:

@@ -12,7 +12,7 @@ from torch import nn
 
 import crosscut
 from benchmarks.cross_shaped import wide_alexnet
-from crosscut.cost_models import Cluster
+from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.devices import preset
 
 CAP = 2_000_000_000  # below the ~2.8 GB of weights + gradients + momentum

@@ -4,7 +4,7 @@ Small models of our own write into slices, ``narrow``/``select`` views, views
 of views, and a model input. Each runs compiled on 2-3 CPU stages with
 1 and 2 micro-batches, over EVERY edge-respecting stage assignment of its
 traced graph: an assignment either is refused at compile time with a
-``CodegenError`` (it splits a mutation tie, ``partitioner/alias.py``) or gives
+``CodegenError`` (it splits a mutation tie, ``frontend/alias.py``) or gives
 eager's outputs, gradients and post-SGD state, bit for bit with one
 micro-batch. The eager reference runs the same micro-batches in order.
 """
@@ -21,7 +21,7 @@ from torch import fx, nn
 
 import crosscut
 from crosscut.errors import CodegenError
-from crosscut.partitioner.alias import GROUP
+from crosscut.frontend.alias import GROUP
 from crosscut.runtime import CompiledModule
 
 torch.set_num_threads(1)

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import crosscut
-from crosscut.cost_models import Cluster
+from crosscut.cli.launch import build_command, parse_args
+from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.subclusters import replica_cluster
-from crosscut.launch import build_command, parse_args
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.partitioner.replicas import (
     NCCL_BASE_S,
     NCCL_NET_HOP_S,
@@ -33,7 +33,7 @@ from crosscut.partitioner.replicas import (
     stage_nodes,
 )
 from crosscut.partitioner.validate import validate_plan
-from crosscut.runtime.world import RankLayout
+from crosscut.runtime.dist.world import RankLayout
 from tests.plan_factory import make_plan
 
 

@@ -1,4 +1,4 @@
-"""The replicas' all-reduce by DDP's reducer during a stage's last backward (runtime/overlap.py).
+"""The replicas' all-reduce by DDP's reducer during a stage's last backward (runtime/dist/overlap).
 
 In one process (a gloo group of one rank) the reduction is the identity, so
 these tests look at *when* DDP starts each bucket without other processes:
@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from crosscut.runtime.overlap import ReplicaReducer
-from crosscut.runtime.p2p import Messenger
+from crosscut.runtime.dist.overlap import ReplicaReducer
+from crosscut.runtime.dist.p2p import Messenger
 
 
 @pytest.fixture()

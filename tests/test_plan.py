@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from crosscut.errors import PlanError
-from crosscut.partitioner.plan import SCHEMA_VERSION, Plan
+from crosscut.ir.plan import SCHEMA_VERSION, Plan
 from crosscut.partitioner.validate import plan_problems, validate_plan
 from tests.plan_factory import make_plan
 

@@ -150,7 +150,7 @@ def test_profiled_costs_are_timed_under_the_plans_autocast(
 ) -> None:
     """The profiler runs each op under the graph's autocast (its own cache entry)."""
     from crosscut.cost_models import profiled
-    from crosscut.graph import OpGraph
+    from crosscut.ir.graph import OpGraph
 
     seen: list[torch.dtype | None] = []
     original = profiled._measure_context

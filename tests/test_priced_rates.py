@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 import crosscut
-from crosscut.cost_models import Cluster, analytic_costs
-from crosscut.cost_models.analytic import priced_rate
+from crosscut.cost_models.analytic import analytic_costs, priced_rate
+from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.table import CostTable, NodeCost
 from crosscut.errors import PlanError
+from crosscut.frontend.tracer import trace
+from crosscut.ir.plan import Plan, PricedRate
 from crosscut.partitioner.partition import priced_rates
-from crosscut.partitioner.plan import Plan, PricedRate
-from crosscut.partitioner.trace import trace
 from crosscut.viz import plan_to_html
 from crosscut.viz.summary import summary_text
 

@@ -1,4 +1,4 @@
-"""Random ops draw the same numbers whatever the plan (``crosscut/codegen/rng.py``).
+"""Random ops draw the same numbers whatever the plan (``crosscut/runtime/rng.py``).
 
 With several micro-batches each random op draws from a seed of (the call's
 seed, the micro-batch, the op's traced name): two plans of one model, run
@@ -154,12 +154,12 @@ def test_batch_split_shares_draw_their_own_seeds_on_their_threads() -> None:
 def test_a_wrapped_random_op_still_counts_as_random_for_share_threads() -> None:
     """Batch-split shares run one after another when the stage draws (share_threads.py).
 
-    The stage graphs' random ops are wrapped by codegen/rng.py; the check used to
+    The stage graphs' random ops are wrapped by runtime/rng.py; the check used to
     miss the wrappers, so shares drew concurrently from the caller's generator
     with one micro-batch (masks by thread timing).
     """
-    from crosscut.codegen.rng import seed_random_ops
-    from crosscut.codegen.share_threads import draws_random
+    from crosscut.runtime.rng import seed_random_ops
+    from crosscut.runtime.share_threads import draws_random
 
     class Drop(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

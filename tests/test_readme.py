@@ -75,7 +75,7 @@ def test_every_readme_command_runs_as_written(tmp_path: Path) -> None:
         if cmd.startswith("crosscut verify "):
             assert "OK" in done.stdout + done.stderr
         if "plan-dp.json" in cmd:  # what the README says this plan chooses
-            from crosscut.partitioner.plan import Plan
+            from crosscut.ir.plan import Plan
 
             plan = Plan.load(tmp_path / "plan-dp.json")
             assert (plan.replication.replicas, plan.num_stages) == (8, 1), done.stdout

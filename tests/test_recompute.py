@@ -1,4 +1,4 @@
-"""Activation recomputation (runtime/recompute.py): same numbers, fewer saved activations.
+"""Activation recomputation (runtime/recomputing.py): same numbers, fewer saved activations.
 
 Every case compiles one model twice on the same plan — stages recomputing and
 not — and checks outputs, gradients and buffers bit for bit (recomputation

@@ -6,7 +6,7 @@ plus its received inputs for every in-flight micro-batch, and pays its
 forward once more in backward. ``recompute="auto"`` uses it only where a plan
 would not fit without it, or where memory shaped the plan and recomputing is
 faster, and then only on the stages that do not fit without it
-(partitioner/stage_recompute.py); the plan records the choice per stage.
+(partitioner/recompute_choice.py); the plan records the choice per stage.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ import torchvision
 from torch import nn
 
 import crosscut
-from crosscut.cost_models import Cluster
+from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.devices import preset
 from crosscut.errors import InfeasiblePlanError, InputError, PlanError
+from crosscut.ir.plan import Plan
 from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.build import plan_to_problem
 from crosscut.partitioner.evaluate import evaluate, in_flight
-from crosscut.partitioner.plan import Plan
+from crosscut.partitioner.recompute_choice import keep_needed
 from crosscut.partitioner.simulate import simulate
-from crosscut.partitioner.stage_recompute import keep_needed
 from crosscut.partitioner.validate import validate_plan
 from crosscut.viz.summary import summary_text
 

@@ -226,7 +226,7 @@ class DropPathNet(nn.Module):
 def _written_input_cuts(gm: Any) -> list[dict[str, int]]:
     """Three-stage placements cutting just before in-place writes (so a stage receives the
     value it writes), each write in turn."""
-    from crosscut.partitioner.alias import inplace_target
+    from crosscut.frontend.alias import inplace_target
 
     names = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     modules = dict(gm.named_modules())

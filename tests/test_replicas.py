@@ -18,9 +18,9 @@ import torch
 import torchvision
 
 import crosscut
-from crosscut.cost_models import Cluster
+from crosscut.cost_models.cluster import Cluster
 from crosscut.errors import InputError
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.partitioner.replicas import (
     NCCL_BASE_S,
     NCCL_NET_HOP_S,

@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from crosscut.schedule import (
+from crosscut.ir.schedule import (
     Action,
     ScheduleError,
+    action_times,
     format_schedule,
     gpipe,
     inference,
@@ -18,7 +19,6 @@ from crosscut.schedule import (
     max_inflight,
     one_f_one_b,
     parse_schedule,
-    simulate,
     validate_schedule,
 )
 
@@ -80,14 +80,26 @@ def test_rule_violations_name_the_action() -> None:
 
 def test_simulated_makespan_matches_pipeline_formula() -> None:
     # forward-only pipeline with unit stages: S + M - 1 steps
-    times = simulate(inference(4, 8), 4)
+    times = action_times(inference(4, 8), 4)
     assert max(end for _, end in times.values()) == 4 + 8 - 1
     # 1F1B and GPipe have the same bubble with uniform costs
-    g = max(e for _, e in simulate(gpipe(3, 4), 3).values())
-    o = max(e for _, e in simulate(one_f_one_b(3, 4), 3).values())
+    g = max(e for _, e in action_times(gpipe(3, 4), 3).values())
+    o = max(e for _, e in action_times(one_f_one_b(3, 4), 3).values())
     assert g == o == (3 - 1) * 3 + 4 * 3
 
 
 def test_unknown_schedule_name() -> None:
     with pytest.raises(ScheduleError, match="schedule name must be known"):
         make_schedule("zb", 2, 2)
+
+
+@given(st.integers(1, 8), st.integers(1, 12), st.sampled_from(["gpipe", "1f1b", "inference"]))
+def test_the_closed_form_in_flight_count_is_the_schedules_own(s: int, m: int, name: str) -> None:
+    """``in_flight`` (what the evaluator and the solver price) equals the built schedule's peak."""
+    from crosscut.ir.schedule import in_flight, least_in_flight
+
+    built = make_schedule(name, s, m)
+    assert [in_flight(name, s, k, m) for k in range(s)] == [
+        max_inflight(built, k) for k in range(s)
+    ]
+    assert least_in_flight(name, m) == min(max_inflight(built, k) for k in range(s))

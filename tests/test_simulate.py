@@ -6,8 +6,7 @@ import itertools
 
 import pytest
 
-from crosscut.partitioner.annotate import annotate
-from crosscut.partitioner.plan import (
+from crosscut.ir.plan import (
     ModelInfo,
     Plan,
     PlanCluster,
@@ -16,6 +15,7 @@ from crosscut.partitioner.plan import (
     PlanOptions,
     PlanStage,
 )
+from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.simulate import simulate
 from crosscut.partitioner.validate import plan_problems
 from tests.plan_factory import make_plan

@@ -15,9 +15,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.synthetic import (
+    densenet_like,
+    make_problem,
+    num_nodes,
+    random_dag,
+    resnet_like,
+)
 from crosscut.errors import InfeasiblePlanError, PartitionError
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.evaluate import check, evaluate, lower_bound
-from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers import solve, solve_cpsat
 from crosscut.partitioner.solvers.baselines import (
     chain_dp,
@@ -27,13 +34,6 @@ from crosscut.partitioner.solvers.baselines import (
 )
 from crosscut.partitioner.solvers.bounds import comm_lower_bound, tree_relaxation
 from crosscut.partitioner.solvers.bruteforce import brute_force
-from crosscut.partitioner.solvers.synthetic import (
-    densenet_like,
-    make_problem,
-    num_nodes,
-    random_dag,
-    resnet_like,
-)
 
 REL = 1e-3
 SETTINGS = settings(

@@ -21,7 +21,7 @@ import torchvision
 from torch import nn
 
 import crosscut
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.viz.html import plan_to_html
 from crosscut.viz.summary import strategy_line, summary_text
 

@@ -248,10 +248,10 @@ def test_grad_scaler_skips_the_step_when_only_the_first_stage_overflows() -> Non
 
 def test_wire_dtypes_follow_autocast_and_leave_the_model_untouched() -> None:
     """Under torchrun the receivers post buffers in the dtypes autocast gives each value
-    (runtime/wire_dtypes.py), derived on fake tensors: batch norm's counters stay put."""
+    (runtime/dist/wire_dtypes.py), derived on fake tensors: batch norm's counters stay put."""
     from crosscut.api import trace
     from crosscut.errors import DistributedError
-    from crosscut.runtime.wire_dtypes import WireDtypes
+    from crosscut.runtime.dist.wire_dtypes import WireDtypes
 
     class WithNorm(nn.Module):
         def __init__(self) -> None:

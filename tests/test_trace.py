@@ -12,8 +12,8 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from crosscut.errors import InputError, TraceError
-from crosscut.graph import OpGraph
-from crosscut.partitioner import trace
+from crosscut.frontend import trace
+from crosscut.ir.graph import OpGraph
 from tests.conftest import SEGMENTATION, build_meta, classification_names, input_size
 
 torchvision = pytest.importorskip("torchvision")
@@ -341,7 +341,7 @@ def test_analytic_backward_flops_equal_autograd_counts(precision: str) -> None:
     depthwise and dilated convolutions: tests above trace them too)."""
     import torchvision
 
-    from crosscut.partitioner.propagate import Propagator
+    from crosscut.frontend.propagate import Propagator
 
     image = torch.empty(2, 3, 64, 64, device="meta")
     cases: list[tuple[nn.Module, Tensor]] = [

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from crosscut.errors import CrosscutError
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.viz import (
     VizError,
     plan_to_dot,
@@ -298,7 +298,7 @@ def test_viz_never_imports_torch_or_solvers(tmp_path: Path) -> None:
         "summary_text(p)\n"
         "bad = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'ortools'}\n"
         "             | {m for m in sys.modules if m.startswith(('crosscut.runtime',\n"
-        "                'crosscut.partitioner.solvers', 'crosscut.partitioner.trace'))})\n"
+        "                'crosscut.partitioner.solvers', 'crosscut.frontend'))})\n"
         "ours = sorted(m for m in sys.modules if m.startswith('crosscut'))\n"
         "print('forbidden:', bad, 'crosscut modules loaded:', ours)\n"
         "sys.exit(1 if bad else 0)\n"

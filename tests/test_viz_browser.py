@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.viz import render
 from crosscut.viz.dot import view_groups
 from tests.plan_factory import make_plan, make_simulation

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.viz import plan_to_dot, plan_to_html, render
 from crosscut.viz.dot import (
     ATTENTION_COLOR,
@@ -161,7 +161,7 @@ def test_report_renders_with_dot_hidden_from_path(tmp_path: Path) -> None:
     script = (
         "import shutil, sys\n"
         "assert shutil.which('dot') is None, shutil.which('dot')\n"
-        "from crosscut.partitioner.plan import Plan\n"
+        "from crosscut.ir.plan import Plan\n"
         "from crosscut.viz import render\n"
         "render(Plan.load(sys.argv[1]), sys.argv[2])\n"
     )

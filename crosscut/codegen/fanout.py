@@ -57,7 +57,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
 from crosscut.codegen.state_writes import state_writes
-from crosscut.partitioner.alias import mutated_value, own_value
+from crosscut.frontend.alias import mutated_value, own_value
 
 __all__ = ["separate_fanout", "share_state_reads"]
 

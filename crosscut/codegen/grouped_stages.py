@@ -7,24 +7,35 @@ a pipeline, then hands every stage whose group has several devices to
 ``state_dict`` keys: whole tensors stay in ``key_sources``; tensors cut into
 channel shards move to ``shard_sources`` (key → stage, shard names, dim), from
 which ``CompiledModule.state_dict()`` re-assembles them.
+
+A batch split is not rewritten here: how a group's shares run (threads, one
+per device) is the runtime's business, so the caller passes the wrapper that
+holds the stage as ``inner`` (:data:`BatchStage`, the runtime's
+``BatchSplitStage``) and this module only renames the keys to match. That
+callback is what keeps codegen below the runtime.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
+from torch import fx, nn
 
-from crosscut.codegen.batch_split import BatchSplitStage
-from crosscut.codegen.width import Collective, channel_split
+from crosscut.codegen.width import channel_split
 from crosscut.errors import CodegenError
+from crosscut.ir.program import Collective
 
 if TYPE_CHECKING:
-    from crosscut.codegen.split import Stage
-    from crosscut.partitioner.plan import Plan
+    from crosscut.ir.plan import Plan
+    from crosscut.ir.program import Stage
 
-__all__ = ["ShardSources", "apply_groups", "check_groups", "local_groups"]
+__all__ = ["BatchStage", "ShardSources", "apply_groups", "check_groups", "local_groups"]
+
+#: wraps a stage module for a batch split: (stage, group devices, indices of the inputs
+#: the stage writes in place) -> a module holding the stage as ``inner``
+BatchStage = Callable[[fx.GraphModule, list[torch.device], list[int]], nn.Module]
 
 Group = tuple[Sequence[torch.device | str], str]
 ShardSources = dict[str, tuple[int, list[str], int | None]]
@@ -64,13 +75,24 @@ def apply_groups(
     groups: Sequence[Group],
     origin: dict[int, list[str]],
     key_sources: dict[str, tuple[int, str]],
+    batch_stage: BatchStage | None = None,
 ) -> ShardSources:
-    """Width-split every multi-device stage in place; returns the shard sources."""
+    """Width-split every multi-device stage in place; returns the shard sources.
+
+    ``batch_stage`` wraps a batch-split stage (the runtime's; required when a
+    group splits by batch).
+    """
     shards: ShardSources = {}
     for s, (group_devs, kind) in enumerate(groups):
         if len(group_devs) > 1 and kind != "none":
             devs = [torch.device(d) for d in group_devs]
-            shards.update(_split_stage(stages[s], devs, kind, origin, key_sources))
+            if kind == "batch" and batch_stage is None:
+                raise CodegenError(
+                    f"stage {s} splits by batch but no batch-split wrapper was given",
+                    value=[str(d) for d in devs],
+                    remedy="pass batch_stage=BatchSplitStage (crosscut.runtime.batch_split)",
+                )
+            shards.update(_split_stage(stages[s], devs, kind, origin, key_sources, batch_stage))
     return shards
 
 
@@ -80,14 +102,15 @@ def _split_stage(
     kind: str,
     origin: dict[int, list[str]],
     key_sources: dict[str, tuple[int, str]],
+    batch_stage: BatchStage | None,
 ) -> ShardSources:
     sub = stage.module
     old_keys = stage.param_keys
     stage.devices, stage.split = devs, kind
     names = tuple(str(d) for d in devs)
-    if kind == "batch":
+    if kind == "batch" and batch_stage is not None:
         mutated = [j for j, (v, _) in enumerate(stage.inputs) if v in stage.mutated_inputs]
-        stage.module = BatchSplitStage(sub, devs, mutated)  # type: ignore[assignment]
+        stage.module = batch_stage(sub, devs, mutated)  # type: ignore[assignment]
         stage.param_keys = {f"inner.{k}": v for k, v in old_keys.items()}
         for local, originals in stage.param_keys.items():
             for k in originals:

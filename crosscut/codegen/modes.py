@@ -28,10 +28,12 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import fx
 
-from crosscut.codegen.attrs import get_attr, set_attr
-from crosscut.codegen.split import StagedProgram, build_stages
+from crosscut.codegen.dotted_attrs import get_attr, set_attr
+from crosscut.codegen.grouped_stages import BatchStage
+from crosscut.codegen.split import build_stages
 from crosscut.errors import CodegenError
-from crosscut.partitioner.alias import GROUP
+from crosscut.frontend.alias import GROUP
+from crosscut.ir.program import StagedProgram
 
 __all__ = [
     "derive_assignment",
@@ -105,7 +107,7 @@ def derive_assignment(
 def _place_tied(
     gm: fx.GraphModule, hints: Mapping[str, int], key_stage: Mapping[str, int]
 ) -> dict[str, int]:
-    """:func:`_place`, re-run with each mutation tie (``partitioner/alias.py``) raised to the
+    """:func:`_place`, re-run with each mutation tie (``frontend/alias.py``) raised to the
     stage of its latest member until every tie shares one stage (or, when state pins a
     member earlier, the placement is left for ``build_stages`` to refuse by name)."""
     raised = dict(hints)
@@ -214,6 +216,7 @@ def other_program(
     stage_of: Mapping[str, int],
     stage_devices: Sequence[torch.device | str],
     groups: Sequence[tuple[Sequence[torch.device | str], str]] | None,
+    batch_stage: BatchStage | None = None,
 ) -> tuple[StagedProgram, list[int]]:
     """The other train/eval mode's graph placed by the plan's program, sharing its state.
 
@@ -229,6 +232,7 @@ def other_program(
         {n: index[s] for n, s in assignment.items()},
         [stage_devices[s] for s in used],
         groups=[groups[s] for s in used] if groups is not None else None,
+        batch_stage=batch_stage,
     )
     share_state(program, other, used)
     return other, used

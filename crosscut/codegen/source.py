@@ -8,8 +8,7 @@ output with the stages (or the model output) that receive it.
 
 from __future__ import annotations
 
-from crosscut.codegen.split import Stage, StagedProgram
-from crosscut.codegen.transfers import INPUT, OUTPUT
+from crosscut.ir.program import INPUT, OUTPUT, Stage, StagedProgram
 
 __all__ = ["program_source", "stage_source"]
 

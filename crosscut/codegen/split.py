@@ -10,12 +10,12 @@ Placement is a callback (``stage_of[node.name]``) into torch.fx's
 * a map from every stage tensor back to the ORIGINAL ``state_dict`` keys, so a
   compiled module can save and load checkpoints of the original model;
 * per stage, the values it reads (and from which stage) and the values it
-  exports, plus one :class:`~crosscut.codegen.transfers.Transfer` per (value,
+  exports, plus one :class:`~crosscut.ir.program.Transfer` per (value,
   destination stage);
 * safety checks: backward edges, empty stages, tied parameters on different
   stages, and in-place ops on values that cross a cut (rewritten so every
   consumer sees what it would see in eager mode); writes through views are
-  ordered earlier, in the trace (``partitioner/alias.py``), and a plan that
+  ordered earlier, in the trace (``frontend/alias.py``), and a plan that
   splits one of those mutation ties is refused here;
 * for cross-shaped plans (``groups``), the width split of a stage over its
   device group (``codegen/width.py``): channel shards with explicit gathers,
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,77 +33,18 @@ from torch import fx
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.fx.passes.split_module import split_module
 
-from crosscut.codegen.attrs import get_attr, set_attr
+from crosscut.codegen.dotted_attrs import get_attr, set_attr
 from crosscut.codegen.fanout import separate_fanout, share_state_reads
-from crosscut.codegen.grouped_stages import apply_groups, check_groups
-from crosscut.codegen.order import order_by_stage
-from crosscut.codegen.transfers import INPUT, Transfer, plan_transfers
-from crosscut.codegen.width import Collective
+from crosscut.codegen.grouped_stages import BatchStage, apply_groups, check_groups
+from crosscut.codegen.stage_order import order_by_stage
+from crosscut.codegen.transfers import plan_transfers
 from crosscut.errors import CodegenError
-from crosscut.partitioner.alias import GROUP, MUTATES, inplace_target
+from crosscut.frontend.alias import GROUP, MUTATES, inplace_target
+from crosscut.ir.program import INPUT, Stage, StagedProgram, ValueRef, map_structure
 
-__all__ = ["Stage", "StagedProgram", "ValueRef", "build_stages", "map_structure"]
+__all__ = ["build_stages"]
 
 _SKIP_OPS = ("placeholder", "get_attr", "output")
-
-
-@dataclass(frozen=True)
-class ValueRef:
-    """A leaf of the output template: the value of fx node ``name``."""
-
-    name: str
-
-
-@dataclass
-class Stage:
-    """One stage: its module on its device, what it reads and what it exports."""
-
-    index: int
-    device: torch.device
-    module: fx.GraphModule
-    inputs: list[tuple[str, int]]  # (value, source stage or INPUT), in argument order
-    outputs: list[str]  # values it returns, in tuple order
-    param_keys: dict[str, list[str]] = field(default_factory=dict)  # local name -> original keys
-    mutated_inputs: set[str] = field(default_factory=set)  # inputs the stage changes in place
-    devices: list[torch.device] = field(default_factory=list)  # the group (leader = device)
-    split: str = "none"  # "none" | "channel" | "batch"
-    collectives: list[Collective] = field(default_factory=list)  # per micro-batch, forward
-
-    @property
-    def name(self) -> str:
-        if len(self.devices) > 1:
-            return f"stage{self.index}@{self.device}+{len(self.devices) - 1}({self.split})"
-        return f"stage{self.index}@{self.device}"
-
-
-@dataclass
-class StagedProgram:
-    """Everything the runtime needs to run a split model."""
-
-    stages: list[Stage]
-    placeholders: list[str]  # the model's inputs, in signature order
-    output_template: Any  # the output structure with ValueRef leaves
-    output_sources: dict[str, int]  # returned value -> producing stage (INPUT for inputs)
-    transfers: list[Transfer]
-    node_bytes: dict[str, int]
-    key_sources: dict[str, tuple[int, str]]  # original state_dict key -> (stage, local name)
-    clones: list[str] = field(default_factory=list)  # clone nodes inserted for in-place safety
-    # original key of a channel-sharded tensor -> (stage, shard local names, cat dim or None)
-    shard_sources: dict[str, tuple[int, list[str], int | None]] = field(default_factory=dict)
-    # per-reader aliases of a fanned-out value (codegen/fanout.py): alias -> aliased value
-    aliases: dict[str, str] = field(default_factory=dict)
-
-
-def map_structure(fn: Any, obj: Any) -> Any:
-    """Apply ``fn`` to the leaves of nested tuples (incl. namedtuples), lists and dicts."""
-    if isinstance(obj, tuple):
-        items = [map_structure(fn, o) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [map_structure(fn, o) for o in obj]
-    if isinstance(obj, dict):
-        return {k: map_structure(fn, v) for k, v in obj.items()}
-    return fn(obj)
 
 
 def _fail(rule: str, value: object, remedy: str) -> CodegenError:
@@ -156,7 +96,7 @@ def _check_assignment(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stage
 
 
 def _check_mutation_ties(gm: fx.GraphModule, stage_of: Mapping[str, int]) -> None:
-    """The trace's mutation ties (``partitioner/alias.py``) hold: one stage per tie.
+    """The trace's mutation ties (``frontend/alias.py``) hold: one stage per tie.
 
     The solvers honour them; a hand-made plan may not, and then a write through
     a view would happen on another stage than a reader that must see it (or
@@ -287,6 +227,7 @@ def build_stages(
     *,
     example_inputs: Sequence[Any] | None = None,
     groups: Sequence[tuple[Sequence[torch.device | str], str]] | None = None,
+    batch_stage: BatchStage | None = None,
 ) -> StagedProgram:
     """Split ``gm`` by ``stage_of`` into stages placed on ``stage_devices``.
 
@@ -294,7 +235,9 @@ def build_stages(
     (optional) are only used to size transfers when ``gm`` carries no shape
     metadata. ``groups[k] = (devices, split)`` (optional) runs stage ``k`` on a
     device group split by ``"channel"`` or ``"batch"``; its first device must be
-    ``stage_devices[k]``. Raises :class:`~crosscut.errors.CodegenError` naming
+    ``stage_devices[k]``; a batch split wraps the stage with ``batch_stage``
+    (the runtime's ``BatchSplitStage``: codegen writes code, it does not run
+    threads). Raises :class:`~crosscut.errors.CodegenError` naming
     the edge, node or parameter when the assignment cannot be honoured.
     """
     devices = [torch.device(d) for d in stage_devices]
@@ -324,7 +267,7 @@ def build_stages(
     ga_targets = {n.name: str(n.target) for n in work.graph.nodes if n.op == "get_attr"}
     placeholders = [n.name for n in work.graph.nodes if n.op == "placeholder"]
 
-    order_by_stage(work, st)  # stage calls in pipeline order (see codegen/order.py)
+    order_by_stage(work, st)  # stage calls in pipeline order (see codegen/stage_order.py)
     split = split_module(
         work, work, lambda n: st[n.name], keep_original_order=True, keep_original_node_name=True
     )
@@ -371,7 +314,7 @@ def build_stages(
             )
     for stage in stages:
         stage.module.to(stage.device)
-    shard_sources = apply_groups(stages, groups or [], origin, key_sources)
+    shard_sources = apply_groups(stages, groups or [], origin, key_sources, batch_stage)
 
     out_node = work.graph.output_node()
     template = map_structure(

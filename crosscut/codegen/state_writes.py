@@ -2,8 +2,8 @@
 
 A buffer updated in forward (a call counter ``self.calls.add_(1)``, an EMA
 ``self.avg.mul_(0.9).add_(0.1 * x.mean())``) is part of the traced graph
-(``partitioner/trace.py`` traces buffers as ``get_attr`` nodes, and
-``partitioner/alias.py`` records every node that writes one), so each stage
+(``frontend/tracer.py`` traces buffers as ``get_attr`` nodes, and
+``frontend/alias.py`` records every node that writes one), so each stage
 updates the copy it owns on every call, as eager does.
 
 With ``M > 1`` micro-batches every stage's forward runs ``M`` times per call,
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from crosscut.errors import CodegenError
-from crosscut.partitioner.alias import MUTATES, STATE
+from crosscut.frontend.alias import MUTATES, STATE
 
 __all__ = [
     "check_state_writes",
@@ -52,7 +52,7 @@ def functional_norm_writes(gm: fx.GraphModule) -> list[tuple[str, str]]:
     """``(node, key)``: a functional batch norm in training mode updating buffers it reads.
 
     Its kernel moves the running statistics without moving their version
-    counters, so the trace's version check (``partitioner/alias.py``) does not
+    counters, so the trace's version check (``frontend/alias.py``) does not
     see the write; the call itself says it (``training=True``, or
     ``use_input_stats`` for ``F.instance_norm``).
     """

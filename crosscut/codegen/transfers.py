@@ -15,38 +15,10 @@ what moves where.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
-__all__ = ["INPUT", "OUTPUT", "Transfer", "plan_transfers", "transfer_name"]
+from crosscut.ir.program import INPUT, OUTPUT, Transfer
 
-INPUT = -1
-"""Pseudo-stage of the model's inputs (placeholders): they come from the caller."""
-
-OUTPUT = -2
-"""Pseudo-stage of the model's output: values gathered for the caller."""
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """Move ``value`` (an fx node name) from ``src_stage`` to ``dst_stage``.
-
-    ``src_stage`` is :data:`INPUT` for model inputs and ``dst_stage`` is
-    :data:`OUTPUT` for values the model returns. ``nbytes`` is 0 for
-    non-tensor values (e.g. a ``size()`` integer), which are passed as-is.
-    """
-
-    name: str
-    value: str
-    src_stage: int
-    dst_stage: int
-    src_device: str
-    dst_device: str
-    nbytes: int
-
-    @property
-    def is_local(self) -> bool:
-        """Both ends on the same physical device: the runtime copies nothing."""
-        return self.src_device == self.dst_device
+__all__ = ["plan_transfers", "transfer_name"]
 
 
 def _stage_label(stage: int) -> str:

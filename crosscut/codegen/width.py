@@ -1,7 +1,7 @@
 """Channel splitting of one stage over a group of devices (cross-shaped plans).
 
 The model-parallel half of a width split (the data-parallel half, a stage
-replicated over the group, is :mod:`crosscut.codegen.batch_split`), exact
+replicated over the group, is :mod:`crosscut.runtime.batch_split`), exact
 against eager mode:
 
 * :func:`channel_split` (model parallel, Krizhevsky's columns): every
@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from crosscut.codegen.attrs import get_attr, set_attr
+from crosscut.codegen.dotted_attrs import get_attr, set_attr
 from crosscut.errors import CodegenError
+from crosscut.ir.program import Collective
 
 __all__ = [
     "ChannelSplit",
-    "Collective",
     "all_gather",
     "broadcast",
     "channel_split",
@@ -113,16 +113,6 @@ def shard_bounds(channels: int, width: int) -> list[tuple[int, int]]:
         out.append((start, start + size))
         start += size
     return out
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective a group stage runs per micro-batch (forward direction)."""
-
-    kind: str  # "all_gather" | "broadcast" | "scatter" | "gather" | "all_reduce"
-    value: str  # fx node (or parameter set) it moves
-    nbytes: int  # bytes of the whole value
-    devices: tuple[str, ...]
 
 
 @dataclass

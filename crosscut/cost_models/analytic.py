@@ -35,7 +35,7 @@ from crosscut.cost_models.efficiency import (
 )
 from crosscut.cost_models.memory import _VIEW, _key, activation_bytes, is_alias, resident_bytes
 from crosscut.cost_models.table import CostTable, NodeCost
-from crosscut.graph import OpGraph, OpNode
+from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = ["MathFlags", "analytic_costs", "node_times", "priced_rate", "rates_summary"]
 

@@ -32,8 +32,9 @@ from crosscut.cost_models.links import (
     measure_link,
     measure_matmul_flops,
 )
-from crosscut.cost_models.mixed import mixed_devices
+from crosscut.cost_models.mixed_node import mixed_devices
 from crosscut.errors import DeviceError
+from crosscut.fileio import parse_json, read_json, write_atomic
 
 __all__ = ["DEFAULT_TOPOLOGY", "Cluster", "ClusterLike"]
 
@@ -228,7 +229,7 @@ class Cluster:
 
         E.g. ``"4xK20c"``, ``"8xH100-nvlink"``, ``"4xV100-pcie"``, ``"2xcpu"``,
         ``"32x8xV100+ib100"`` (:meth:`from_nodes_spec`), ``"6xV100,1xK20c"``
-        (one node of several kinds: :func:`~crosscut.cost_models.mixed.mixed_devices`).
+        (one node of several kinds: :func:`~crosscut.cost_models.mixed_node.mixed_devices`).
         """
         if _NODES_RE.match(spec):
             return cls.from_nodes_spec(spec)
@@ -469,27 +470,15 @@ class Cluster:
 
     @classmethod
     def from_json(cls, text: str) -> Cluster:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DeviceError("a cluster file must be valid JSON", value=str(exc)) from None
-        if not isinstance(data, dict):
-            raise DeviceError("a cluster JSON is an object", value=type(data).__name__)
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, DeviceError, "a cluster file"))
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        write_atomic(path, self.to_json(), "the cluster")
 
     @classmethod
     def load(cls, path: str | Path) -> Cluster:
-        p = Path(path)
-        if not p.is_file():
-            raise DeviceError(
-                "a cluster JSON path must exist",
-                value=str(p),
-                remedy="check the path or use a spec string",
-            )
-        return cls.from_json(p.read_text())
+        remedy = "check the path or use a spec string"
+        return cls.from_dict(read_json(path, DeviceError, "a cluster JSON", remedy=remedy))
 
 
 ClusterLike = Cluster | int | str | Path | Sequence[str | torch.device]

@@ -3,7 +3,7 @@
 Why a module apart from :mod:`crosscut.cost_models.cluster`: what is detected
 comes from the process's surroundings (``torch.cuda``, torchrun's environment)
 rather than from a spec, and its rules are the launcher's, not the cluster's.
-:meth:`crosscut.cost_models.Cluster.detect` builds the cluster from what this
+:meth:`crosscut.cost_models.cluster.Cluster.detect` builds the cluster from what this
 module reads.
 
 Under torchrun every rank sees (``torch/distributed/run.py``; the agent sets

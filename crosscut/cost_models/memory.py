@@ -29,17 +29,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from crosscut.errors import InputError
-from crosscut.graph import OpGraph, OpNode
+from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = [
     "OPTIMIZER_STATE",
     "MemorySim",
     "activation_bytes",
     "is_alias",
+    "live_tensors",
     "peak_memory",
     "resident_bytes",
     "saved_by",
-    "simulate",
 ]
 
 OPTIMIZER_STATE: dict[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
@@ -132,7 +132,7 @@ def saved_by(graph: OpGraph, node: OpNode) -> tuple[list[str], int]:
 
 @dataclass
 class MemorySim:
-    """Result of :func:`simulate`: bytes above the resident base, for one micro-batch."""
+    """Result of :func:`live_tensors`: bytes above the resident base, for one micro-batch."""
 
     peak: int  # highest live bytes during forward and backward
     saved: int  # saved-activation bytes held between forward and backward
@@ -146,7 +146,7 @@ def _roots(graph: OpGraph) -> dict[str, str]:
     return root
 
 
-def simulate(graph: OpGraph, nodes: Sequence[str] | None = None, *, training: bool = True,
+def live_tensors(graph: OpGraph, nodes: Sequence[str] | None = None, *, training: bool = True,
              grads_resident: bool = True) -> MemorySim:  # fmt: skip
     """Live-tensor simulation of one micro-batch over ``nodes`` (default: all compute nodes)."""
     names = (
@@ -245,7 +245,7 @@ def activation_bytes(graph: OpGraph, mode: str | None = None) -> dict[str, int]:
     """Saved bytes per micro-batch charged to each node (0 everywhere in infer mode)."""
     if (mode or graph.mode) != "train":
         return {n.name: 0 for n in graph.nodes}
-    sim = simulate(graph, training=True)
+    sim = live_tensors(graph, training=True)
     out = {n.name: sim.by_node.get(n.name, 0) for n in graph.nodes}
     for n in graph.compute_nodes():
         out[n.name] += saved_by(graph, n)[1]
@@ -276,7 +276,7 @@ def peak_memory(
         if nodes is not None
         else [n.name for n in graph.compute_nodes()]
     )
-    sim = simulate(graph, names, training=training, grads_resident=grads_resident)
+    sim = live_tensors(graph, names, training=training, grads_resident=grads_resident)
     m = "train" if training else "infer"
     res = sum(resident_bytes(graph.node(x), m, optimizer) for x in names)
     if training and not grads_resident:

@@ -30,7 +30,7 @@ from crosscut.cost_models.context import measure_in_context
 from crosscut.cost_models.memory import activation_bytes, is_alias, resident_bytes
 from crosscut.cost_models.table import CostTable, NodeCost
 from crosscut.errors import CostModelError
-from crosscut.graph import OpGraph
+from crosscut.ir.graph import OpGraph
 from crosscut.precision import autocast
 
 __all__ = ["cache_key", "device_kind", "profile_costs", "step_spread"]
@@ -294,7 +294,7 @@ def profile_costs(
         raise CostModelError(
             "profiling needs the traced GraphModule (OpGraph.gm)",
             value=graph.model_name or "OpGraph without gm",
-            remedy="build the graph with crosscut.partitioner.trace.trace(), or use analytic_costs",
+            remedy="build the graph with crosscut.frontend.tracer.trace(), or use analytic_costs",
         )
     if repeats < 1 or warmup < 0:
         raise CostModelError("repeats >= 1 and warmup >= 0", value=(repeats, warmup))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from crosscut.errors import CostModelError
+from crosscut.fileio import parse_json, read_json, write_atomic
 
 __all__ = ["CostTable", "NodeCost"]
 
@@ -155,20 +156,14 @@ class CostTable:
 
     @classmethod
     def from_json(cls, text: str) -> CostTable:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise CostModelError("a cost table file must be valid JSON", value=str(exc)) from None
-        if not isinstance(data, dict):
-            raise CostModelError("a cost table JSON is an object", value=type(data).__name__)
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, CostModelError, "a cost table file"))
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        write_atomic(path, self.to_json(), "the cost table")
 
     @classmethod
     def load(cls, path: str | Path) -> CostTable:
-        return cls.from_json(Path(path).read_text())
+        return cls.from_dict(read_json(path, CostModelError, "a cost table file"))
 
 
 MAX_OP_SECONDS = 3600.0

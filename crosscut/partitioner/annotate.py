@@ -1,6 +1,8 @@
 """annotate: recompute a plan's stage prices, transfers and predictions from its own numbers.
 
-Called after every solve and after loading or hand-editing a plan: what the plan
+Called after every solve and after loading or hand-editing a plan (and by the
+strategy search when it prices a replica as ``R`` copies, or moves a spanning
+replica's stages to their torchrun ranks): what the plan
 says about itself is always what :func:`~crosscut.partitioner.evaluate.evaluate`
 and the simulator compute from its nodes, cluster and assignment, never a copy
 of a solver's internal (integer-scaled) values.
@@ -8,13 +10,19 @@ of a solver's internal (integer-scaled) values.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from crosscut.cost_models.subclusters import slowest_link
+from crosscut.ir.plan import Plan, PlanTransfer, Prediction
 from crosscut.partitioner.build import plan_groups, plan_to_problem
 from crosscut.partitioner.evaluate import evaluate, recomputes
-from crosscut.partitioner.plan import Plan, PlanTransfer, Prediction
 from crosscut.partitioner.replicas import reduction
 from crosscut.partitioner.simulate import simulate
 
-__all__ = ["annotate"]
+if TYPE_CHECKING:
+    from crosscut.cost_models.cluster import Cluster
+
+__all__ = ["annotate", "as_replicas", "in_rank_order"]
 
 
 def annotate(plan: Plan) -> Plan:
@@ -58,3 +66,29 @@ def annotate(plan: Plan) -> Plan:
         device_peak_bytes=dict(sim.device_peak_bytes),
     )
     return plan
+
+
+def as_replicas(plan: Plan, cluster: Cluster, replicas: int) -> Plan:
+    """``plan`` (one replica) priced as ``replicas`` copies on ``cluster``'s nodes."""
+    plan.cluster.nodes = cluster.nodes
+    plan.cluster.network = list(cluster.network)
+    plan.cluster.network_name = cluster.network_name
+    plan.cluster.name = cluster.name
+    plan.cluster.node_link = list(slowest_link(cluster))
+    plan.replication.replicas = replicas
+    return annotate(plan)  # prices the all-reduce and the step from the plan's own numbers
+
+
+def in_rank_order(plan: Plan) -> Plan:
+    """``plan`` with stage ``s`` moved to the replica's ``s``-th device, as torchrun runs it.
+
+    A spanning replica's devices are identical, so each stage keeps its compute
+    and memory; only the links its transfers cross change, and ``annotate``
+    prices them again. Stages on device groups are left as they are."""
+    if any(len(st.devices) != 1 for st in plan.stages):
+        return plan
+    names = [d.name for d in plan.cluster.devices]
+    for k, st in enumerate(plan.stages):
+        st.devices = [names[k]]
+    plan.solver.notes.append("stages moved to the devices of their torchrun ranks, node by node")
+    return annotate(plan)

@@ -15,9 +15,9 @@ from dataclasses import replace
 from typing import Protocol
 
 from crosscut.errors import PlanError
-from crosscut.graph import OpGraph, OpNode
-from crosscut.partitioner.plan import Plan, PlanCluster, PlanNode, PlanOptions
-from crosscut.partitioner.problem import PartitionProblem, StageGroup
+from crosscut.ir.graph import OpGraph, OpNode
+from crosscut.ir.plan import Plan, PlanCluster, PlanNode, PlanOptions
+from crosscut.ir.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.shard import shard_kind
 
 __all__ = [
@@ -32,7 +32,7 @@ __all__ = [
 
 
 class CostLookup(Protocol):
-    """What the builder needs from a cost table (``crosscut.cost_models.CostTable``)."""
+    """What the builder needs from a cost table (``crosscut.cost_models.table.CostTable``)."""
 
     def fwd_s(self, name: str, kind: str) -> float: ...
     def bwd_s(self, name: str, kind: str) -> float: ...

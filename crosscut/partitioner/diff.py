@@ -8,7 +8,7 @@ the solver record moved.
 
 from __future__ import annotations
 
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 
 __all__ = ["diff_plans"]
 

@@ -51,6 +51,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from crosscut.ir.problem import PartitionProblem, StageGroup
+from crosscut.ir.schedule import in_flight as schedule_in_flight
 from crosscut.partitioner.group_costs import (
     batch_split_exports,
     collective_time,
@@ -58,7 +60,6 @@ from crosscut.partitioner.group_costs import (
     node_share,
     ring_allreduce_time,
 )
-from crosscut.partitioner.problem import PartitionProblem, StageGroup
 
 __all__ = [
     "Evaluation",
@@ -118,9 +119,7 @@ def transfer_time(problem: PartitionProblem, node: int, src: int, dst: int) -> f
 
 def in_flight(problem: PartitionProblem, k: int, num_stages: int) -> int:
     """Micro-batches stage ``k`` has started but not finished backward (training)."""
-    if problem.schedule == "gpipe":
-        return problem.microbatches
-    return max(1, min(problem.microbatches, num_stages - k))
+    return schedule_in_flight(problem.schedule, num_stages, k, problem.microbatches)
 
 
 def activation_factor(problem: PartitionProblem, k: int, num_stages: int) -> int:

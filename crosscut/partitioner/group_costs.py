@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from crosscut.partitioner.problem import PartitionProblem, StageGroup
+from crosscut.ir.problem import PartitionProblem, StageGroup
 
 __all__ = [
     "batch_split_exports",

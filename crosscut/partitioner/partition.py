@@ -22,12 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from crosscut.errors import InfeasiblePlanError, PartitionError
-from crosscut.graph import OpGraph
-from crosscut.partitioner.annotate import annotate
-from crosscut.partitioner.build import CostLookup, plan_nodes, problem_from_parts
-from crosscut.partitioner.deadline import Deadline
-from crosscut.partitioner.evaluate import lower_bound
-from crosscut.partitioner.plan import (
+from crosscut.ir.graph import OpGraph
+from crosscut.ir.plan import (
     ModelInfo,
     Plan,
     PlanCluster,
@@ -38,9 +34,13 @@ from crosscut.partitioner.plan import (
     PricedRate,
     SolverRecord,
 )
+from crosscut.partitioner.annotate import annotate
+from crosscut.partitioner.build import CostLookup, plan_nodes, problem_from_parts
+from crosscut.partitioner.deadline import Deadline
+from crosscut.partitioner.evaluate import lower_bound
+from crosscut.partitioner.recompute_choice import keep_needed, plan_objective
 from crosscut.partitioner.solvers import PIPELINE_SHARE, SolveResult, solve
 from crosscut.partitioner.solvers.cross import solve_cross
-from crosscut.partitioner.stage_recompute import keep_needed, plan_objective
 
 __all__ = ["partition_graph", "plan_cluster"]
 
@@ -48,7 +48,7 @@ Progress = Callable[[float, float, float], None]
 
 
 def plan_cluster(cluster: Any) -> PlanCluster:
-    """The plan's copy of a ``crosscut.cost_models.Cluster`` (plain data)."""
+    """The plan's copy of a ``crosscut.cost_models.cluster.Cluster`` (plain data)."""
     return PlanCluster(
         devices=[
             PlanDevice(
@@ -154,7 +154,7 @@ def partition_graph(
     only where that could help: when no plan fits without it, or when the
     plain plan fills a device past 90 % (memory then shaped it). The plan
     solved with recomputation then keeps it only on the stages that do not fit
-    without it (:func:`~crosscut.partitioner.stage_recompute.keep_needed`), and
+    without it (:func:`~crosscut.partitioner.recompute_choice.keep_needed`), and
     "auto" keeps the faster of the two plans, saying why in the solver notes.
     Inference never recomputes. ``"never"`` is exactly the plan of a planner
     that knows nothing of recomputation.
@@ -263,7 +263,7 @@ def _partition_once(
     fine = plan_nodes(graph, costs, [d.kind for d in pc.devices])
     by_name = {n.name: n for n in fine}
     if use_coarsening:
-        from crosscut.coarsen import coarsen
+        from crosscut.partitioner.coarsen import coarsen
 
         coarse_graph, members = coarsen(graph)
     else:
@@ -367,7 +367,7 @@ def _partition_once(
             ],
         ),
     )
-    from crosscut import __version__
+    from crosscut.version import __version__
 
     plan.crosscut_version = __version__
     return annotate(plan)

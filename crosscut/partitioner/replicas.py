@@ -15,7 +15,7 @@ stages sit on the nodes those ranks do).
 
 **The reduction as the runtime does it.** Stage position ``k`` all-reduces its
 gradients over the ``R`` replicas the way DDP's reducer does it
-(runtime/overlap.py): in buckets (the first 1 MB, then 25 MB, in reverse
+(runtime/dist/overlap.py): in buckets (the first 1 MB, then 25 MB, in reverse
 parameter order), each started as its last gradient lands during the
 stage's last backward, one after another on the wire. Gradients travel in the
 dtype they are reduced in (``grad_bytes`` per element, fp32 master gradients
@@ -54,11 +54,16 @@ charges only what is left after it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from crosscut.errors import InputError
-from crosscut.partitioner.plan import Plan
+from crosscut.errors import InputError, PartitionError
+from crosscut.ir.plan import Plan
+
+if TYPE_CHECKING:
+    from crosscut.ir.graph import OpGraph
 
 __all__ = [
     "BUCKET_BYTES",
@@ -70,7 +75,9 @@ __all__ = [
     "NCCL_TREE_BW",
     "PositionReduction",
     "Reduction",
+    "batch_major_cuts",
     "buckets",
+    "check_replica_exports",
     "layouts",
     "reduction",
     "replica_span",
@@ -160,12 +167,12 @@ def runs_in_rank_order(plan: Plan, span: int) -> bool:
     """Whether every stage's devices are on the node its ranks are on under torchrun.
 
     The runtime gives stage ``s`` (member ``m`` of its group) the replica's rank
-    ``offset(s) + m`` (``runtime/world.py``), node by node; the solver picks
+    ``offset(s) + m`` (``runtime/dist/world.py``), node by node; the solver picks
     devices by its own device order. Inside a node any device will do; across
     nodes the plan is priced as run only if the nodes agree."""
     per_node = max(1, len(plan.cluster.devices) // span)
     rank = 0
-    for st in plan.stages:  # a group has a rank per device, a plain stage one (launch.py)
+    for st in plan.stages:  # a group has a rank per device, a plain stage one (cli/launch.py)
         for name in st.devices if st.split in ("channel", "batch") else st.devices[:1]:
             if plan.cluster.index(name) // per_node != rank // per_node:
                 return False
@@ -339,3 +346,58 @@ def reduction(
             remedy="name one of ring, tree, or 2d with several replicas per node",
         )
     return best
+
+
+# ---- rules of replicated plans (crosscut/strategy.py applies them) ---------------------
+
+
+def batch_major_cuts(graph: OpGraph) -> OpGraph:
+    """``graph`` with every value that is not a batch-major tensor tied to its readers.
+
+    Locally the replicas of a stage position run as one batch-split group,
+    which can hand on only tensors whose dim 0 is the batch (it concatenates its
+    shares' copies): a ``x.size(0)``, a mean over the batch or a parameter sent
+    as a value would be each share's own. A tie (``OpGraph.ties``: nodes that
+    share a stage) keeps such a value on its readers' stage, so the solver cuts
+    elsewhere instead of the layout being refused after the solve. The ties are
+    recorded in the plan (``Plan.ties``), so a replay prices the same problem."""
+    from crosscut.partitioner.build import batch_major_value
+
+    readers: dict[str, list[str]] = {}
+    for n in graph.nodes:
+        for u in n.inputs:
+            readers.setdefault(u, []).append(n.name)
+    placed = {n.name for n in graph.nodes if n.op not in ("placeholder", "output")}
+    extra = [
+        [n.name, *(r for r in readers[n.name] if r in placed)]
+        for n in graph.nodes
+        if n.name in placed
+        and n.name in readers
+        and not batch_major_value(n, graph.batch_size)
+        and any(r in placed for r in readers[n.name])
+    ]
+    if not extra:
+        return graph
+    return dataclasses.replace(graph, ties=[*graph.ties, *extra], gm=graph.gm)
+
+
+def check_replica_exports(plan: Plan) -> None:
+    """Refuse replicas of a pipeline whose stages hand on values a batch split cannot join.
+
+    Locally the replicas of a stage position run as one batch-split group
+    (``codegen/grouped_stages.local_groups``), which concatenates its shares'
+    copies of everything it hands on: a ``x.size(0)`` or a mean over the batch
+    crossing a cut — or returned by the model — would be each share's own."""
+    from crosscut.partitioner.build import plan_to_problem
+    from crosscut.partitioner.group_costs import batch_split_exports
+
+    pb, stage_of, _ = plan_to_problem(plan)
+    for k in range(plan.num_stages):
+        names = batch_split_exports(pb, stage_of, k)
+        if names:
+            raise PartitionError(
+                f"replicas split every stage by batch, and stage {k} hands on values "
+                "that are not batch-major tensors",
+                value=names[:4],
+                remedy="the layout is skipped; one replica plans without this rule",
+            )

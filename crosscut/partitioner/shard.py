@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from crosscut.graph import OpGraph, OpNode
+from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = ["shard_kind"]
 

@@ -2,7 +2,7 @@
 
 The solver optimises a steady-state bottleneck; a user wants to know the time of
 one training step, how much of it is bubble, and which device does what when.
-This module replays the plan's schedule (``crosscut.schedule``: GPipe, 1F1B or
+This module replays the plan's schedule (``crosscut.ir.schedule``: GPipe, 1F1B or
 forward-only) action by action on one timeline per device:
 
 * ``F(k, m)`` takes the stage's forward compute plus its one-way transfer time
@@ -28,11 +28,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from crosscut import schedule as sched
 from crosscut.errors import PlanError
+from crosscut.ir import schedule as sched
+from crosscut.ir.plan import Plan
 from crosscut.partitioner.build import plan_groups, plan_to_problem
 from crosscut.partitioner.evaluate import Evaluation, evaluate
-from crosscut.partitioner.plan import Plan
 from crosscut.partitioner.replicas import reduction
 
 __all__ = ["Event", "Simulation", "simulate", "stage_durations"]
@@ -101,9 +101,7 @@ def _actions(plan: Plan) -> list[list[sched.Action]]:
     s, m = plan.num_stages, plan.options.microbatches
     if plan.model.mode != "train":
         return sched.inference(s, m)
-    if plan.options.schedule == "gpipe":
-        return sched.gpipe(s, m)
-    return sched.one_f_one_b(s, m)
+    return sched.make_schedule(plan.options.schedule, s, m)
 
 
 def simulate(plan: Plan) -> Simulation:

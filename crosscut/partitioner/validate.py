@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from crosscut.errors import PlanError
+from crosscut.ir.plan import Plan
 from crosscut.partitioner.build import assigned_names, plan_groups, plan_to_problem
-from crosscut.partitioner.plan import Plan
 
 __all__ = ["plan_problems", "validate_plan"]
 

@@ -1,32 +1,19 @@
-"""Runtime: run a staged program — local executor, ``CompiledModule``, input prefetch.
+"""Runtime: run a staged program.
 
-The names below load on first use (PEP 562): codegen's batch-split stage uses
-this package's device threads (:mod:`crosscut.runtime.device_thread`), so
-importing the package must not pull in the executors, which import codegen.
+A shared core (the stage engine, the module contract, recomputation, step
+batch norm, output merging, micro-batching, device threads, thread state,
+seeded random draws, batch-split stages) with two wings: ``local/`` (a thread
+per device in one process: ``CompiledModule``) and ``dist/`` (a rank per
+stage under torchrun). The runtime sits above codegen and imports it; nothing
+below imports the runtime, so the names below are imported eagerly.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from crosscut.runtime.local.compiled import BN_MODES, CompiledModule
+from crosscut.runtime.local.thread_executor import LocalExecutor
+from crosscut.runtime.microbatch import scatter
+from crosscut.runtime.output_merge import gather
+from crosscut.runtime.prefetch import Prefetcher
 
 __all__ = ["BN_MODES", "CompiledModule", "LocalExecutor", "Prefetcher", "gather", "scatter"]
-
-_HOME = {
-    "BN_MODES": "crosscut.runtime.compiled",
-    "CompiledModule": "crosscut.runtime.compiled",
-    "LocalExecutor": "crosscut.runtime.local",
-    "Prefetcher": "crosscut.runtime.prefetch",
-    "gather": "crosscut.runtime.output_merge",
-    "scatter": "crosscut.runtime.microbatch",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module 'crosscut.runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOME[name]), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)

@@ -35,7 +35,7 @@ forward, per device share); the ``j``-th call of a module under one token is
 call site ``j``. Records are appended under a lock, since the local executor
 runs stages on one thread per device and a batch-split stage its shares on one
 thread per group device; a share's records carry its ``(call, share)`` key
-(:func:`~crosscut.codegen.share_threads.share_order`) and the commit sorts by
+(:func:`~crosscut.runtime.share_threads.share_order`) and the commit sorts by
 it, so the sums run in the sequential order whatever the threads' timing.
 
 Costs: one extra reduction over each batch-norm input (``var_mean``, no
@@ -56,8 +56,8 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from crosscut.codegen.share_threads import share_order
 from crosscut.errors import InputError
+from crosscut.runtime.share_threads import share_order
 
 __all__ = [
     "StepBatchNorm",

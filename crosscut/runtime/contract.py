@@ -1,7 +1,7 @@
 """What both runtimes' modules promise alike: the :class:`Pipeline` contract and its rules.
 
-``crosscut.compile`` returns a :class:`~crosscut.runtime.compiled.CompiledModule`
-in one process and a :class:`~crosscut.runtime.distributed.DistributedPipeline`
+``crosscut.compile`` returns a :class:`~crosscut.runtime.local.compiled.CompiledModule`
+in one process and a :class:`~crosscut.runtime.dist.rank_executor.DistributedPipeline`
 under torchrun. Both are a :class:`Pipeline` (checked by ``isinstance`` in
 ``tests/contract.py``, which runs the same assertions on both), and the
 rules a user meets on both live here once, so the two cannot drift:

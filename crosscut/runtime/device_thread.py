@@ -3,7 +3,7 @@
 Mariana binds one CPU thread to each GPU, and so does crosscut: the local
 executor runs each pipeline stage's schedule row on one :class:`DeviceThread`,
 and a batch-split stage drives each of its other group devices from one
-(:class:`~crosscut.codegen.batch_split.BatchSplitStage`). Both need the same
+(:class:`~crosscut.runtime.batch_split.BatchSplitStage`). Both need the same
 few things, written once here: a queue of jobs, each job's value or
 exception handed back to the caller's thread (never lost in the worker), a
 stop that does not deadlock when called from the thread itself, and — on

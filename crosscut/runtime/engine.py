@@ -54,9 +54,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils import _pytree as pytree
 
-from crosscut.codegen.split import StagedProgram, ValueRef, map_structure
-from crosscut.codegen.transfers import INPUT
-from crosscut.schedule import Action
+from crosscut.ir.program import INPUT, StagedProgram, ValueRef, map_structure
+from crosscut.ir.schedule import Action
 
 __all__ = [
     "Autograd",
@@ -269,7 +268,7 @@ class StageEngine:
 
         ``autograd(roots, grads)`` runs the backward itself (default
         ``torch.autograd.backward``): the torchrun runtime's last backward of a
-        step arms DDP's reducer on exactly these roots (runtime/overlap.py).
+        step arms DDP's reducer on exactly these roots (runtime/dist/overlap.py).
         """
         saved = self.saved.pop(a.microbatch)
         grads_in = transport.receive_grads(a)

@@ -65,8 +65,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from crosscut.codegen.split import ValueRef
 from crosscut.errors import InputError, RuntimeError_
+from crosscut.ir.program import ValueRef
 
 __all__ = ["RULES", "OutputMerge", "check_outputs", "gather", "normalize_merge"]
 

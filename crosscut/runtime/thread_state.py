@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from crosscut.codegen.draw_key import current_key, draw_scope
+from crosscut.runtime.draw_key import current_key, draw_scope
 
 __all__ = ["ThreadState"]
 
@@ -51,7 +51,7 @@ class ThreadState:
     autocast: tuple[tuple[str, bool, torch.dtype], ...]  # (device type, enabled, dtype)
     autocast_cache: bool
     saved_tensor_hooks: tuple[Callable[..., Any], Callable[..., Any]] | None
-    draw_key: tuple[int, int] | None = None  # random ops' (call seed, micro-batch): codegen/rng.py
+    draw_key: tuple[int, int] | None = None  # random ops' (call seed, micro-batch): runtime/rng.py
 
     @classmethod
     def capture(cls, device_types: Iterable[str] = ()) -> ThreadState:

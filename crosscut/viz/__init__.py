@@ -14,7 +14,7 @@ from pathlib import Path
 
 from crosscut.errors import CrosscutError
 from crosscut.fileio import check_writable, write_atomic
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.viz.dot import INSTALL_HINT, VizError, plan_to_dot, render_dot, view_groups
 from crosscut.viz.html import plan_to_html
 from crosscut.viz.layout import layout_svg

@@ -20,7 +20,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 from crosscut.errors import CrosscutError
-from crosscut.partitioner.plan import Plan, PlanStage
+from crosscut.ir.plan import Plan, PlanStage
 
 __all__ = [
     "ATTENTION_COLOR",

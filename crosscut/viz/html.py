@@ -19,7 +19,7 @@ from __future__ import annotations
 import html
 import re
 
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.viz.dot import (
     ATTENTION_COLOR,
     TRANSFER_COLOR,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.viz.dot import (
     TRANSFER_COLOR,
     NodeGroup,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import html
 
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 
 __all__ = ["RATE_COLUMNS", "rates_html", "rates_rows"]
 

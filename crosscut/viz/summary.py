@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from crosscut.partitioner.plan import Plan, PlanStage
+from crosscut.ir.plan import Plan, PlanStage
 from crosscut.viz.dot import human_bytes, human_time
 from crosscut.viz.rates import RATE_COLUMNS, rates_rows
 

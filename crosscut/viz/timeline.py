@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 from crosscut.viz.dot import TRANSFER_COLOR, device_colors, lighten
 
 __all__ = ["EventLike", "SimulationLike", "action_color", "nice_step", "timeline_svg"]

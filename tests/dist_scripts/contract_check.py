@@ -50,7 +50,7 @@ def main() -> None:
     if case == "cross":
         from cross_check import widen  # type: ignore[import-not-found]
 
-        from crosscut.partitioner.plan import Plan
+        from crosscut.ir.plan import Plan
 
         box: list[object] = [None]
         if rank == 0:

@@ -30,7 +30,7 @@ from torch import nn
 
 import crosscut.distributed as cd
 from crosscut.errors import CrosscutError
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 
 
 @dataclass(frozen=True)

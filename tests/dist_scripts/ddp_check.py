@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import crosscut.distributed as cd
-import crosscut.runtime.overlap as overlap
+import crosscut.runtime.dist.overlap as overlap
 from crosscut.errors import CrosscutError
 
 

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from crosscut.cost_models import Cluster
+from crosscut.cost_models.cluster import Cluster
 
 
 def main() -> None:

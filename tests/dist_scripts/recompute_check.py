@@ -53,7 +53,7 @@ def main() -> None:
                                   require_all_devices=True, replicas=1)  # fmt: skip
         box[0] = plan.to_json()
     dist.broadcast_object_list(box, src=0)
-    from crosscut.partitioner.plan import Plan
+    from crosscut.ir.plan import Plan
 
     plan = Plan.from_json(str(box[0]))
     plain, again = run(False, plan, x, y), run(True, plan, x, y)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import crosscut.distributed as cd
-from crosscut.partitioner.plan import Plan
+from crosscut.ir.plan import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cross_check import widen

@@ -1,6 +1,6 @@
 """Solvers of the partition problem and the one front door, :func:`solve`.
 
-Every solver takes a :class:`~crosscut.partitioner.problem.PartitionProblem`
+Every solver takes a :class:`~crosscut.ir.problem.PartitionProblem`
 (plain data, no torch) and returns a :class:`SolveResult` whose objective was
 re-priced by :func:`crosscut.partitioner.evaluate.evaluate`.
 """
@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 
 from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import evaluate, lower_bound
-from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers.baselines import all_baselines, device_order
 from crosscut.partitioner.solvers.bruteforce import brute_force, brute_force_groups
 from crosscut.partitioner.solvers.cpsat import infeasibility_report, solve_cpsat

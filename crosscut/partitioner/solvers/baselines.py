@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import (
     activation_factor,
@@ -36,7 +37,6 @@ from crosscut.partitioner.evaluate import (
     evaluate,
     renumber,
 )
-from crosscut.partitioner.problem import PartitionProblem
 
 __all__ = [
     "Plan",

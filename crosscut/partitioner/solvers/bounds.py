@@ -67,8 +67,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.evaluate import comm_multiplier, consumers, lower_bound
-from crosscut.partitioner.problem import PartitionProblem
 
 __all__ = [
     "Relaxation",

@@ -14,8 +14,8 @@ import time
 from collections.abc import Iterator
 
 from crosscut.errors import InfeasiblePlanError
+from crosscut.ir.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.evaluate import check, evaluate
-from crosscut.partitioner.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.solvers.result import SolveResult
 
 __all__ = ["brute_force", "brute_force_groups", "stage_assignments"]

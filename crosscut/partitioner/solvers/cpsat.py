@@ -50,9 +50,10 @@ import time
 from collections.abc import Callable
 
 from crosscut.errors import InfeasiblePlanError, PartitionError
+from crosscut.ir.problem import PartitionProblem
+from crosscut.ir.schedule import least_in_flight
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import check, evaluate, lower_bound, renumber
-from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers.baselines import Plan, all_baselines
 from crosscut.partitioner.solvers.bounds import comm_lower_bound, tree_relaxation
 from crosscut.partitioner.solvers.cpsat_model import OrderModel
@@ -124,7 +125,7 @@ def _least_in_flight(pb: PartitionProblem) -> int:
     """Micro-batches of activations any stage keeps at least (1F1B's last stage keeps 1)."""
     if not pb.training:
         return 0
-    return 1 if pb.schedule == "1f1b" or pb.recompute else pb.microbatches
+    return 1 if pb.recompute else least_in_flight(pb.schedule, pb.microbatches)
 
 
 def _precheck(pb: PartitionProblem) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import (
     activation_factor,
@@ -45,7 +46,6 @@ from crosscut.partitioner.evaluate import (
     consumers,
     transfer_time,
 )
-from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers.bounds import reach_compute
 
 __all__ = ["OrderModel", "stage_windows"]

@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 from ortools.sat.python import cp_model
 
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import check, evaluate, renumber
-from crosscut.partitioner.problem import PartitionProblem
 from crosscut.partitioner.solvers.baselines import Plan
 from crosscut.partitioner.solvers.cpsat_model import OrderModel
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from crosscut.errors import InfeasiblePlanError
+from crosscut.ir.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import (
     activation_factor,
@@ -50,7 +51,6 @@ from crosscut.partitioner.evaluate import (
     single_groups,
 )
 from crosscut.partitioner.group_costs import batch_split_refused
-from crosscut.partitioner.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.solvers.baselines import allowed_cuts, device_order
 from crosscut.partitioner.solvers.cpsat import caps_summary
 from crosscut.partitioner.solvers.cross_tables import ChunkTables, StageShape

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from crosscut.ir.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.evaluate import comm_multiplier, consumers
 from crosscut.partitioner.group_costs import group_link, node_share
-from crosscut.partitioner.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.solvers.baselines import _comm_matrices
 
 __all__ = ["ChunkTables", "StageShape"]

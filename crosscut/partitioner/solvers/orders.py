@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from crosscut.partitioner.problem import PartitionProblem
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.solvers.baselines import device_order
 
 __all__ = [

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from crosscut.partitioner.problem import StageGroup
+from crosscut.ir.problem import StageGroup
 
 __all__ = ["SolveResult", "relative_gap"]
 

@@ -1,0 +1,143 @@
+"""PartitionProblem: the partition problem as plain numbers — no torch past this line.
+
+The solvers (``partitioner/solvers``) see only this object, so they can be
+tested on random DAGs and checked against brute force without a model. All
+times are seconds per micro-batch, all sizes bytes. ``build_problem`` (in
+``partitioner/build.py``) fills it from an OpGraph, a CostTable and a Cluster.
+
+The model (``docs/ARCHITECTURE.md``, "The partition problem"):
+
+* node ``v`` has compute time ``compute[v][d]`` on device ``d`` (forward, or
+  forward+backward when ``training``), ``resident[v]`` bytes that live on its
+  device for the whole run (parameters; with gradients and optimizer state when
+  training), ``activation[v]`` bytes saved per in-flight micro-batch, and an
+  output of ``out_bytes[v]`` bytes per micro-batch.
+* a plan puts every node in a stage ``s(v)``; every edge ``u → v`` has
+  ``s(u) <= s(v)``; stage ``k`` runs on device ``stage_device[k]``.
+* a node ``u`` whose output is read in a later stage ``k`` is sent once to
+  each such stage, directly (not relayed), costing
+  ``latency[a][b] + out_bytes[u] / bandwidth[a][b]`` between their devices;
+  in training its gradient flows back along the same pair.
+
+Cross-shaped (2-D) splits, opt-in (``partitioner/group_costs.py`` prices them): a
+stage may run on a :class:`StageGroup` of ``w`` devices, split by ``batch``
+(each device takes its share of the micro-batch, gradients are reduced over
+the group) or by ``channel`` (conv/linear split by output channels). The solver
+may use the widths in ``widths`` and the kinds in ``splits``; the per-node
+fields ``shard``, ``channels`` and ``param_bytes`` say how a node splits. With
+the defaults (``widths=(1,)``, no splits) nothing changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from crosscut.ir.schedule import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
+
+__all__ = [
+    "OBJECTIVES",
+    "RECOMPUTE",
+    "SCHEDULES",
+    "SHARD_KINDS",
+    "SPLITS",
+    "PartitionProblem",
+    "StageGroup",
+]
+
+OBJECTIVES = ("throughput", "latency")
+SCHEDULES = PIPELINE_SCHEDULES  # defined once, in ir/schedule.py
+SPLITS = ("none", "batch", "channel")
+RECOMPUTE = ("auto", "never", "always")  # what a caller may ask; a plan records a bool
+# how a node behaves in a channel-split stage: "split" needs its whole input and
+# makes channel shards (conv2d, linear: weights sharded by output channel);
+# "channel" works shard by shard (batch norm, activations, pooling);
+# "full" needs its whole input and runs once, on the group's first device
+SHARD_KINDS = ("split", "channel", "full")
+
+
+@dataclass(frozen=True)
+class StageGroup:
+    """The devices (indices, first one leads) of one stage and how they split it."""
+
+    devices: tuple[int, ...]
+    split: str = "none"  # "none" (one device) | "batch" | "channel"
+
+    @property
+    def width(self) -> int:
+        return len(self.devices)
+
+    @property
+    def leader(self) -> int:
+        return self.devices[0]
+
+
+@dataclass(frozen=True)
+class PartitionProblem:
+    """Everything a solver needs, as lists indexed by node and device."""
+
+    names: list[str]  # node names, topological order
+    compute: list[list[float]]  # [node][device] seconds per micro-batch
+    resident: list[int]  # [node] bytes resident for the whole run
+    activation: list[int]  # [node] bytes saved per in-flight micro-batch
+    out_bytes: list[int]  # [node] output bytes per micro-batch
+    edges: list[tuple[int, int]]  # (producer, consumer), producer < consumer
+    devices: list[str]  # device names
+    mem_cap: list[int]  # [device] bytes
+    bandwidth: list[list[float]]  # [src][dst] bytes/s (diagonal unused)
+    latency: list[list[float]]  # [src][dst] seconds
+    ties: list[list[int]] = field(default_factory=list)  # node groups that share a stage
+    microbatches: int = 1
+    schedule: str = DEFAULT_SCHEDULE
+    objective: str = "throughput"
+    training: bool = True
+    overlap_comm: bool = False  # count a stage as max(compute, comm) instead of their sum
+    # every stage keeps one micro-batch of activations (plus its inputs per in-flight
+    # micro-batch) and recomputes its forward in backward; ``compute`` already holds
+    # that extra forward (build.problem_from_parts adds it)
+    recompute: bool = False
+    # a known solution's per-stage choice (a plan's stages; partitioner/recompute_choice.py):
+    # stage k keeps one micro-batch of activations iff stage_recompute[k]; ``compute`` then
+    # holds the extra forward on exactly those stages' nodes and ``recompute`` is False.
+    # Empty: every stage follows ``recompute`` (what the solvers see)
+    stage_recompute: tuple[bool, ...] = ()
+    # ---- cross-shaped stages (opt-in; empty lists mean "all 0" / "all full") ----------
+    widths: tuple[int, ...] = (1,)  # group widths the solver may use
+    splits: tuple[str, ...] = ()  # split kinds the solver may use: "batch", "channel"
+    shard: list[str] = field(default_factory=list)  # [node] one of SHARD_KINDS
+    channels: list[int] = field(default_factory=list)  # [node] output channels (0: unknown)
+    param_bytes: list[int] = field(default_factory=list)  # [node] gradient bytes to reduce
+    # [node] its output is one tensor whose dim 0 is the micro-batch (empty: all are). A
+    # batch-split stage concatenates its shares' copies of every value it hands on, so
+    # it may not hand on any other (``x.size(0)``, a batch mean): each share would
+    # compute it from its own rows (runtime/batch_shares.py refuses it at compile time)
+    batch_major: list[bool] = field(default_factory=list)
+    batch: int = 0  # samples per micro-batch (0: unknown, shares priced as 1/w)
+    # the model's own inputs and outputs, which a batch-split stage scatters and gathers:
+    # (bytes per micro-batch, the nodes that read it) per input; nodes the model returns
+    graph_inputs: list[tuple[int, list[int]]] = field(default_factory=list)
+    graph_outputs: list[int] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def cross_shaped(self) -> bool:
+        """Whether the solver may put a stage on a group of devices."""
+        return bool(self.splits) and any(w > 1 for w in self.widths)
+
+    def shard_of(self, v: int) -> str:
+        return self.shard[v] if self.shard else "full"
+
+    def channels_of(self, v: int) -> int:
+        return self.channels[v] if self.channels else 0
+
+    def is_batch_major(self, v: int) -> bool:
+        return self.batch_major[v] if self.batch_major else True
+
+    def grad_bytes(self, v: int) -> int:
+        return self.param_bytes[v] if self.param_bytes else 0

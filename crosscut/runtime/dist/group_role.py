@@ -1,0 +1,92 @@
+"""This rank's part in a cross-shaped stage's device group, beside the pipeline.
+
+The executor (:mod:`crosscut.runtime.dist.rank_executor`) runs the pipeline — schedule
+rows, messages between stage leaders, replicas. A stage split over a group of
+ranks adds the group's own duties, kept here so the executor does not grow a
+branch per split: the leader's forward joins its members through a token
+chain, a non-leader follows the same schedule row with only its group's
+messages, and a batch group starts identical, sums its members' gradients and
+copies the leader's buffers after a training run. The member's share of the
+stage itself is built by :mod:`crosscut.runtime.dist.group_members`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from crosscut.ir.schedule import Action
+from crosscut.runtime.dist.group_comm import GroupLink, new_token
+from crosscut.runtime.dist.world import allreduce_grads, broadcast_from_first
+
+__all__ = ["GroupRole"]
+
+
+class GroupRole:
+    """This rank's part in its stage's device group: the member's runs and the group's collectives.
+
+    The executor keeps the pipeline (schedule rows, messages between stage
+    leaders, replicas); everything a device group adds on top lives here.
+    """
+
+    def __init__(self, link: GroupLink, split: str) -> None:
+        self.link = link
+        self.split = split
+
+    def what(self, action: str) -> str:
+        return f"the {action} of stage {self.link.stage}'s {self.split}-split group"
+
+    def start_identical(self, module: nn.Module) -> None:
+        """A batch group starts from its leader's parameters and buffers."""
+        if self.split == "batch":
+            tensors = [t.data for t in [*module.parameters(), *module.buffers()]]
+            broadcast_from_first(
+                tensors, self.link.group, self.link.ranks, self.link.msg, self.what("start-up")
+            )
+
+    def reduce_grads(self, module: nn.Module) -> None:
+        """A batch group sums its members' gradients: each saw a share of the same loss."""
+        if self.split == "batch":
+            params = list(module.parameters())
+            msg, what = self.link.msg, self.what("gradient all-reduce")
+            allreduce_grads(params, self.link.group, self.link.ranks, msg, mean=False, what=what)
+
+    def sync_buffers(self, module: nn.Module) -> None:
+        """A batch group's members take the leader's buffers (running statistics).
+
+        As in the local runtime only the leader's share updates them; the
+        members' own updates are overwritten after every training-mode run, so
+        eval-mode forwards on every member use the leader's values.
+        """
+        buffers = list(module.buffers())
+        if self.split == "batch" and module.training and buffers:
+            broadcast_from_first(
+                buffers, self.link.group, self.link.ranks, self.link.msg, self.what("buffer copy")
+            )
+
+    def lead(
+        self, module: nn.Module, ins: Sequence[Any], microbatch: int, training: bool
+    ) -> tuple[list[Any], torch.Tensor]:
+        """The leader's forward of one micro-batch: (stage outputs, final token)."""
+        self.link.microbatch = microbatch
+        *outs, token = module(*ins, new_token(self.link.device, training))
+        return outs, token
+
+    def follow(self, module: nn.Module, row: Sequence[Action], training: bool) -> None:
+        """A non-leader member's schedule row: only its group's messages, same F/B order."""
+        tokens: dict[int, torch.Tensor] = {}
+        for a in row:
+            if a.kind == "F":
+                self.link.microbatch = a.microbatch
+                (token,) = module(new_token(self.link.device, training))
+                if training:
+                    tokens[a.microbatch] = token
+            else:
+                token = tokens.pop(a.microbatch)
+                if token.requires_grad:
+                    torch.autograd.backward([token], [torch.zeros_like(token)])
+            self.link.msg.drain()
+        self.link.msg.flush()

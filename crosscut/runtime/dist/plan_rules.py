@@ -1,0 +1,74 @@
+"""Which plans and options the distributed runtime accepts, and how many ranks they take.
+
+Why separate from the executor: these rules read only the plan and the
+options — no process group, no model — so they run first, on every rank
+alike, and fail with a named rule before any rank waits on another
+(:func:`crosscut.distributed.compile_distributed` calls :func:`check_bn_mode`
+before it even traces). The checks that need the other ranks (world size,
+same plan everywhere) live with the rank layout in :mod:`crosscut.runtime.dist.world`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from crosscut.errors import DistributedError, InputError
+
+__all__ = ["check_bn_mode", "check_mode", "check_one_stage_per_device", "group_widths"]
+
+
+def group_widths(plan: Any) -> list[int]:
+    """Ranks per stage: the group's size for a channel/batch split, else 1."""
+    return [
+        len(st.devices) if st.split in ("channel", "batch") and len(st.devices) > 1 else 1
+        for st in plan.stages
+    ]
+
+
+def check_one_stage_per_device(plan: Any) -> None:
+    """Ranks are devices: a plan whose stages share a device (a co-located tail) is refused.
+
+    Why: the rank layout gives every (stage, member) its own process and device;
+    two stages on one device would need two ranks on one GPU, which NCCL does
+    not allow, and the solver priced them as taking turns on one device.
+    """
+    seen: dict[str, int] = {}
+    for st in plan.stages:
+        for dev in st.devices:
+            if dev in seen:
+                raise DistributedError(
+                    f"stages {seen[dev]} and {st.index} of the plan share device {dev!r} "
+                    "(a co-located tail); the distributed runtime runs one rank per device "
+                    "and one stage per rank",
+                    value=[(s.index, list(s.devices), s.split) for s in plan.stages],
+                    remedy="run this plan with the local runtime (crosscut.compile without "
+                    "torchrun), or re-partition with cross_shaped=True, colocate=False",
+                )
+            seen[dev] = st.index
+
+
+def check_bn_mode(bn_mode: str) -> None:
+    """Ranks run bn_mode ``"micro"`` or ``"step"``; ``"exact"`` is local only."""
+    if bn_mode not in ("micro", "step"):
+        raise InputError(
+            "the distributed runtime runs batch norm in bn_mode 'micro' or 'step'",
+            value=bn_mode,
+            remedy="use bn_mode='step' for whole-batch running statistics, or compile "
+            "locally for 'exact'",
+        )
+
+
+def check_mode(lock: tuple[bool, list[str]] | None, training: bool) -> None:
+    """Ranks hold one train/eval program: the other mode of a model whose graph reads
+    ``self.training`` is refused on every rank alike (``lock``: compiled flag, differences)."""
+    if lock is None or training == lock[0]:
+        return
+    compiled_in = "train" if lock[0] else "eval"
+    raise InputError(
+        f"this model's forward reads self.training, and ranks under torchrun hold only the "
+        f"{compiled_in}-mode program; running it in the other mode would compute something else",
+        value=lock[1],
+        remedy=f"call .{'train' if lock[0] else 'eval'}() again, compile with mode='train'/"
+        "'infer' for the mode you need, or run it locally (crosscut.compile without torchrun "
+        "switches programs)",
+    )

@@ -1,0 +1,492 @@
+"""The distributed executor: one rank per pipeline stage (or per device of its group).
+
+Layout (Mariana's worker groups × workers): ``R`` replicas of an ``S``-stage
+pipeline, ``rank = replica × S + stage`` — or, for a cross-shaped plan,
+``rank = replica × W + offset[stage] + member`` with ``W`` the plan's devices
+(:class:`~crosscut.runtime.dist.world.RankLayout`). Each rank builds the same
+:class:`~crosscut.ir.program.StagedProgram` from the same plan, keeps only
+its own stage module and runs its row of the GPipe or 1F1B schedule:
+
+* ``F``: receive the stage's inputs (each from the stage that produces it —
+  skip connections come straight from their producer, never relayed), run the
+  stage, send every exported value to each stage that reads it; the last stage
+  also computes ``loss_fn(output, targets) / M``.
+* ``B``: receive the gradient of each exported value from each consumer, sum
+  them, backpropagate through the stage's saved graph, send the gradient of
+  each received input back to its producer.
+
+What each action posts, sends and rebuilds (buffers, tags, pytree leaves, this
+replica's micro-batches of the global batch) is :mod:`crosscut.runtime.dist.stage_io`;
+which plans and options ranks accept is :mod:`crosscut.runtime.dist.plan_rules`;
+the once-per-step batch-norm commit is :mod:`crosscut.runtime.dist.bn_commit`.
+
+Each rank's gradients are averaged over its ``R`` replicas on a per-position
+process group: by DDP's reducer during the stage's last backward of the step
+(:mod:`crosscut.runtime.dist.overlap`), or, with ``overlap_allreduce=False`` and on
+cross-shaped stages, by one flattened all-reduce after the schedule.
+
+**Cross-shaped stages** (a stage on a device group split by channel or by
+batch) get one rank per device of the group. Member 0, the leader, is the
+stage for the rest of the pipeline: it exchanges whole values with other
+stages' leaders exactly as a one-device stage does, so routes and tags
+between stages do not change. The other members run the same schedule row
+(the same F and B actions per micro-batch) and talk only to their group, in
+the group's own process group: :mod:`crosscut.runtime.dist.group_members` cuts the
+width-split stage into each member's share (only its channel shards, or a
+replica over its share of the batch) and holds the group's collectives,
+:mod:`crosscut.runtime.dist.group_comm` carries the messages (tagged sends and
+receives on a token chain, deadlock-free whatever order autograd picks).
+After the schedule a batch-split group sums its members' parameter gradients
+(every member holds the same parameters, and the loss sees the whole batch)
+and copies the leader's buffers to the others, so the members stay
+identical after an optimizer step; a channel-split member owns its shards.
+
+**Shapes and tags are static**: both ends of a transfer read shapes and
+dtypes from the same micro-batch trace (so receivers post before senders
+finish; the global batch must be exactly ``R × M × micro-batch``, checked),
+and tags come from (edge, micro-batch, leaf, direction). **Every wait has a
+timeout** (``timeout_s``); a failure is a :class:`~crosscut.errors.DistributedError`
+naming the lost rank and what this rank waited for (:mod:`crosscut.runtime.dist.p2p`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from crosscut.codegen.split import build_stages
+from crosscut.ir.program import StagedProgram
+from crosscut.codegen.state_writes import check_state_writes
+from crosscut.ir.program import INPUT
+from crosscut.errors import DistributedError, InputError
+from crosscut.ir.schedule import make_schedule, validate_schedule
+from crosscut.precision import autocast
+from crosscut.runtime.batch_split import BatchSplitStage
+from crosscut.runtime.batchnorm import install_step_batchnorm
+from crosscut.runtime.dist.bn_commit import StepCommit
+from crosscut.runtime.dist.state_files import RankState
+from crosscut.runtime.contract import bind_inputs, inference_only, signature_of
+from crosscut.runtime.engine import StageEngine
+from crosscut.runtime.dist.group_comm import GroupLink
+from crosscut.runtime.dist.group_role import GroupRole
+from crosscut.runtime.dist.group_members import build_member
+from crosscut.runtime.output_merge import OutputMerge, check_outputs
+from crosscut.runtime.dist.overlap import ReplicaReducer
+from crosscut.runtime.dist.p2p import Messenger, build_routes
+from crosscut.runtime.dist.plan_rules import (
+    check_bn_mode,
+    check_mode,
+    check_one_stage_per_device,
+    group_widths,
+)
+from crosscut.runtime.recomputing import recompute_flags, recomputing, written_inputs
+from crosscut.runtime.rng import RandomScope
+from crosscut.runtime.dist.stage_io import StageIO
+from crosscut.runtime.thread_state import ThreadState
+from crosscut.runtime.dist.wire_dtypes import WireDtypes
+from crosscut.runtime.dist.world import (
+    RankLayout,
+    allreduce_mean,
+    broadcast_from_first,
+    check_same_plan,
+    check_world,
+    make_device_groups,
+    make_position_groups,
+    plan_hash,
+)
+
+__all__ = [
+    "DistributedPipeline",
+    "check_bn_mode",
+    "check_one_stage_per_device",
+    "group_widths",
+    "plan_hash",
+]
+
+
+class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
+    """This rank's stage of a pipelined, possibly replicated, model.
+
+    ``parameters()`` are this rank's parameters only (build the optimizer
+    from them on every rank); state under the original keys comes from
+    :class:`~crosscut.runtime.dist.state_files.RankState`. Call :meth:`train_step` with the same global
+    batch on every rank (ranks whose stage reads no model input may pass
+    ``None`` as inputs, and all but the last stage may pass ``None`` as
+    targets).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        gm: fx.GraphModule,
+        plan: Any,
+        *,
+        replicas: int = 1,
+        schedule: str | None = None,
+        microbatches: int | None = None,
+        timeout_s: float = 300.0,
+        device: torch.device | str | None = None,
+        bn_mode: str = "micro",
+        output_merge: Any = None,
+        recompute: bool | Sequence[bool] = False,
+        overlap_allreduce: bool = True,
+    ) -> None:
+        super().__init__()
+        check_bn_mode(bn_mode)
+        check_one_stage_per_device(plan)
+        self.mode_lock: tuple[bool, list[str]] | None = None  # plan_rules.check_mode
+        self.bn_mode = bn_mode
+        if not dist.is_available() or not dist.is_initialized():
+            raise DistributedError(
+                "a DistributedPipeline needs an initialised torch.distributed process group",
+                remedy="call crosscut.distributed.init() first (launch with `crosscut run` "
+                "or torchrun)",
+            )
+        self.plan = plan
+        self.num_stages = int(plan.num_stages)
+        self.replicas = int(replicas)
+        self.microbatches = int(microbatches or plan.options.microbatches)
+        self.schedule_name = schedule or plan.options.schedule
+        self.timeout_s = float(timeout_s)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.plan_hash = plan_hash(plan)
+        widths = group_widths(plan)
+        check_world(self.world_size, widths, self.replicas)
+        self.rank_layout = RankLayout(tuple(widths), self.replicas)
+        self.replica, self.stage_index, self.member = self.rank_layout.role(self.rank)
+        self.position = self.rank % self.rank_layout.per_replica
+        self.width = widths[self.stage_index]
+        self.split = plan.stages[self.stage_index].split if self.width > 1 else "none"
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        check_same_plan(
+            self.rank,
+            self.world_size,
+            {
+                "plan": self.plan_hash,
+                "stages": self.num_stages,
+                "group_widths": widths,
+                "replicas": self.replicas,
+                "microbatches": self.microbatches,
+                "schedule": self.schedule_name,
+            },
+        )
+        me = f"rank {self.rank} (stage {self.stage_index}, replica {self.replica}"
+        if self.width > 1:
+            me += f", member {self.member} of its {self.width}-device {self.split}-split group"
+        self._msg = Messenger(self.rank, self.timeout_s, me + ")")
+        program = self._build(model, gm)
+        # the last stage's merge of micro-batch outputs in forward (runtime/output_merge.py)
+        rules = check_outputs(gm, output_merge, self.microbatches)
+        check_state_writes(model, gm, self.microbatches, bn_mode)  # codegen/state_writes.py
+        self._merge = OutputMerge(self._template, rules)
+        # the dtypes values cross ranks in under the caller's autocast (runtime/dist/wire_dtypes.py)
+        self._wire = WireDtypes(gm, self.device, any(w > 1 for w in widths))
+        # every rank creates every process group, in the same order (new_group is collective)
+        self._position_groups = make_position_groups(self.rank_layout, self.timeout_s)
+        self._device_groups = make_device_groups(self.rank_layout, self.timeout_s)
+        self._bn = StepCommit.for_rank(
+            bn_mode,
+            self._msg,
+            layout=self.rank_layout,
+            rank=self.rank,
+            split=self.split,
+            device_groups=self._device_groups,
+            position_groups=self._position_groups,
+        )
+        self._group: GroupRole | None = None
+        # forward/backward of one micro-batch, shared with the local runtime (runtime/engine.py);
+        # a recomputing stage keeps only its inputs (runtime/recomputing.py)
+        again = recompute_flags(recompute, self.num_stages, bn_mode)[self.stage_index]
+        if again and self.width > 1:
+            raise InputError(
+                f"stage {self.stage_index} is split over {self.width} ranks and cannot recompute "
+                "under torchrun: its recomputation would send its group's messages again",
+                value={"stage": self.stage_index, "width": self.width, "split": self.split},
+                remedy="recompute only the one-rank stages (a list of flags), or run locally",
+            )
+        writes = written_inputs(program.stages[self.stage_index])
+        run = recomputing(self.stage, lambda: self._rng, writes) if again else None
+        self._engine = StageEngine.for_stage(
+            program, self.stage_index, self.microbatches, run=run or self._call_stage
+        )
+        if self.width > 1:
+            link = GroupLink(
+                self._msg,
+                self._device_groups[(self.replica, self.stage_index)],
+                self.rank_layout.group_ranks(self.replica, self.stage_index),
+                self.stage_index,
+                self.member,
+                self.device,
+            )
+            self._group = GroupRole(link, self.split)
+            self._keep_member(build_member(gm, program.stages[self.stage_index], link))
+        self.stage = self.stage.to(self.device)
+        self._rng = RandomScope([self.stage])  # plan-independent draws (runtime/rng.py)
+        if bn_mode == "step":
+            install_step_batchnorm(self.stage)
+        if self._group is not None:
+            self._group.start_identical(self.stage)
+        self._reducer: ReplicaReducer | None = None
+        if self.replicas > 1:  # replicas start from replica 0's weights, as with DDP
+            tensors = [t.data for t in [*self.stage.parameters(), *self.stage.buffers()]]
+            ranks = self.rank_layout.position_ranks(self.position)
+            group = self._position_groups[self.position]
+            broadcast_from_first(tensors, group, ranks, self._msg)
+            # DDP's reducer during the stage's last backward (runtime/dist/overlap.py); a
+            # cross-shaped group sums its shares first, after the schedule
+            if overlap_allreduce and self._group is None and ReplicaReducer.wanted(self.stage):
+                self._reducer = ReplicaReducer(self.stage, group, ranks, self._msg)
+
+    # ---- start-up ---------------------------------------------------------------------
+    def _build(self, model: nn.Module, gm: fx.GraphModule) -> StagedProgram:
+        s_count = self.num_stages
+        # only this rank's stage is width-split (it is the only one kept); members share a
+        # placeholder device: each keeps its own shards and talks to the others by message
+        groups: list[tuple[list[str], str]] = [(["cpu"], "none")] * s_count
+        groups[self.stage_index] = (["cpu"] * self.width, self.split)
+        program = build_stages(
+            gm,
+            dict(self.plan.assignment),
+            ["cpu"] * s_count,
+            groups=groups if self.width > 1 else None,
+            batch_stage=BatchSplitStage,
+        )
+        me = program.stages[self.stage_index]
+        self.stage: nn.Module = me.module
+        self._inputs = [list(st.inputs) for st in program.stages]
+        self._outputs = list(me.outputs)
+        self._param_keys = dict(me.param_keys)
+        self._shard_sources = {
+            k: v for k, v in program.shard_sources.items() if v[0] == self.stage_index
+        }
+        self._placeholders = list(program.placeholders)
+        self._signature = signature_of(gm)
+        self._template = program.output_template
+        self._output_sources = dict(program.output_sources)
+        self.key_sources = dict(program.key_sources)
+        self.original_keys = list(model.state_dict().keys())
+        self._orphans = {
+            k: v.detach().to("cpu", copy=True)
+            for k, v in model.state_dict().items()
+            if k not in self.key_sources and k not in program.shard_sources
+        }
+        self.routes = build_routes(gm, self._inputs, self._output_sources, program.aliases)
+        self.edges = self.routes.edges
+        nodes = {n.name: n for n in gm.graph.nodes}
+        self.micro_batch = (
+            int(nodes[self._placeholders[0]].meta["val"].shape[0])
+            if (self._placeholders and "val" in nodes[self._placeholders[0]].meta)
+            else 0
+        )
+        self._schedules = {
+            "train": make_schedule(self.schedule_name, s_count, self.microbatches),
+            "infer": make_schedule("inference", s_count, self.microbatches),
+        }
+        validate_schedule(self._schedules["train"], s_count, self.microbatches, training=True)
+        self._io = StageIO(
+            routes=self.routes,
+            msg=self._msg,
+            stage=self.stage_index,
+            rank_of=self.rank_of,
+            device=self.device,
+            micro_batch=self.micro_batch,
+            replica=self.replica,
+            replicas=self.replicas,
+            microbatches=self.microbatches,
+        )
+        return program
+
+    def _keep_member(self, member: nn.Module) -> None:
+        """Hold only this member's share of the width-split stage (module docstring)."""
+        held = {
+            *dict(member.named_parameters(remove_duplicate=False)),
+            *dict(member.named_buffers(remove_duplicate=False)),
+        }
+        self._param_keys = {k: v for k, v in self._param_keys.items() if k in held}
+        self.stage = member
+
+    def use_schedule(self, name: str) -> None:
+        """Switch the training schedule (every rank must switch alike, between steps)."""
+        rows = make_schedule(name, self.num_stages, self.microbatches)
+        validate_schedule(rows, self.num_stages, self.microbatches, training=True)
+        self.schedule_name = name
+        self._schedules["train"] = rows
+
+    # ---- helpers --------------------------------------------------------------------
+    def rank_of(self, stage: int) -> int:
+        """The global rank running ``stage`` (its group's leader) in this rank's replica."""
+        return self.rank_layout.rank(self.replica, stage)
+
+    # ---- execution ------------------------------------------------------------------
+    def _run(
+        self,
+        kind: str,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    ) -> tuple[list[torch.Tensor], list[Any]]:
+        check_mode(self.mode_lock, self.training)
+        # this thread runs the schedule: the caller's autocast holds; the messages follow it
+        self._io.dtypes = self._wire.for_state(ThreadState.capture([self.device.type]))
+        if self._group is not None and self.member > 0:
+            self._group.follow(self.stage, self._schedules[kind][self.stage_index], kind == "train")
+            return [], []
+        s, last = self.stage_index, self.num_stages - 1
+        reads_input = any(src == INPUT for _, src in self._inputs[s]) or (
+            s == last and any(src == INPUT for src in self._output_sources.values())
+        )
+        mbs = self._io.split_batch(inputs, "inputs")
+        if reads_input and mbs is None:
+            raise InputError(
+                f"stage {s} reads the model's inputs, so rank {self.rank} needs them",
+                remedy="pass the same global batch on every rank",
+            )
+        tgts = self._io.split_batch(targets, "targets") if kind == "train" and s == last else None
+        if kind == "train" and s == last and (tgts is None or loss_fn is None):
+            raise InputError(
+                "the last stage computes the loss: it needs targets and loss_fn",
+                remedy="pass targets and loss_fn on every rank",
+            )
+        training = kind == "train"
+        engine = self._engine
+        losses: list[torch.Tensor] = []
+        results: list[Any] = []
+
+        def model_input(m: int) -> Callable[[str], Any]:
+            def get(name: str) -> Any:
+                assert mbs is not None
+                return mbs[m][self._placeholders.index(name)]
+
+            return get
+
+        row = self._schedules[kind][s]
+        last_b = max((i for i, a in enumerate(row) if a.kind == "B"), default=-1)
+        try:
+            for i, a in enumerate(self._io.start(row)):
+                if a.kind == "B":  # the last one reduces the replicas' gradients as it runs
+                    armed = self._reducer if i == last_b else None
+                    engine.backward(a, self._io, armed.backward if armed is not None else None)
+                else:
+                    m = a.microbatch
+                    out, loss = engine.forward(
+                        a,
+                        self._io,
+                        model_input(m),
+                        training=training,
+                        target=tgts[m][0] if tgts is not None else None,
+                        loss_fn=loss_fn,
+                    )
+                    if loss is not None:
+                        losses.append(loss)
+                    if s == last and not training:
+                        results.append(out)
+                self._msg.drain()
+        finally:
+            engine.saved.clear()
+        self._msg.flush()
+        return losses, results
+
+    def _call_stage(
+        self, ins: list[Any], m: int, training: bool
+    ) -> tuple[list[Any], torch.Tensor | None]:
+        """Run this rank's stage; a group leader's members join through the token chain."""
+        if self._group is not None:
+            results, token = self._group.lead(self.stage, ins, m, training)
+            return list(results), token
+        return list(self.stage(*ins)), None
+
+    def _allreduce_grads(self) -> None:
+        """Sum a batch group's shares' gradients, then average the replicas'."""
+        if self._group is not None:
+            self._group.reduce_grads(self.stage)
+        if self.replicas > 1 and self._reducer is None:  # else done in the last backward
+            ranks = self.rank_layout.position_ranks(self.position)
+            # the same parameters on every replica (one stage graph); those backward never
+            # reached keep grad None, as in eager training and under DDP
+            params = [p for p in self.stage.parameters() if p.grad is not None]
+            allreduce_mean(params, self._position_groups[self.position], ranks, self._msg)
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        """The plan's precision (crosscut/precision.py) on this rank's device type."""
+        return autocast(getattr(self.plan.options, "precision", "fp32"), self.device.type)
+
+    def train_step(
+        self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """One pipelined forward+backward over the global batch; gradients land in ``.grad``.
+
+        Returns the full-batch mean loss (averaged over micro-batches and
+        replicas) on last-stage ranks (the group leader's, for a cross-shaped
+        last stage) and ``None`` on the others. ``loss_fn``
+        must average over its batch (``reduction="mean"``); each micro-batch's
+        loss is divided by ``M`` and the replicas' gradients are averaged, so
+        the gradients equal those of the whole batch's mean loss. Call
+        ``optimizer.zero_grad()`` before and ``optimizer.step()`` after.
+        """
+        self._rng.start(enabled=True)
+        if self._reducer is not None:  # rebuilt after a dtype change (runtime/dist/overlap.py)
+            self._reducer = self._reducer.current()
+        with self._autocast():
+            losses, _ = self._bn.run(
+                self.stage, lambda: self._run("train", inputs, targets, loss_fn)
+            )
+        self._allreduce_grads()
+        if self._group is not None:
+            self._group.sync_buffers(self.stage)
+        if self.stage_index != self.num_stages - 1 or self.member > 0:
+            return None
+        total = torch.stack([x.detach() for x in losses]).sum()
+        if self.replicas > 1:
+            group = self._position_groups[self.position]
+            ranks = self.rank_layout.position_ranks(self.position)
+            work = dist.all_reduce(total, group=group, async_op=True)
+            self._msg.wait_collective(work, ranks, "the loss all-reduce")
+            total = total / self.replicas
+        return total
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Inference through the pipeline; the output on last-stage ranks, else None.
+
+        Under grad mode the output requires grad as eager's would, but its
+        backward is refused by name: train with :meth:`train_step`
+        (:func:`~crosscut.runtime.contract.inference_only`).
+
+        Each replica computes its shard; the output is this replica's shard, its
+        micro-batches merged by the ``output_merge`` rules (a ``"sum"`` is this
+        replica's sum). Keywords bind to the model's forward as on the model.
+        """
+        inputs = bind_inputs(self._signature, inputs, kwargs)
+        with torch.no_grad(), self._autocast():
+            self._rng.start(enabled=True)
+            _, results = self._bn.run(self.stage, lambda: self._run("infer", inputs, None, None))
+        if self._group is not None:
+            self._group.sync_buffers(self.stage)
+        if self.stage_index != self.num_stages - 1 or self.member > 0:
+            return None
+        merged = self._merge.merge(results, self.device, [self.micro_batch] * len(results))
+        return inference_only(merged)  # a backward through it is refused by name (contract.py)
+
+    # ---- description (state under the original keys: checkpoint.RankState) -----------
+    def layout(self) -> dict[str, Any]:
+        """Plain-data description of this rank: for logs and for checkpoint manifests."""
+        return {
+            "rank": self.rank,
+            "stage": self.stage_index,
+            "replica": self.replica,
+            "member": self.member,
+            "width": self.width,
+            "split": self.split,
+            "position": self.position,
+            "group_widths": list(self.rank_layout.widths),
+            "stages": self.num_stages,
+            "replicas": self.replicas,
+            "world_size": self.world_size,
+            "plan_hash": self.plan_hash,
+            "edges": [(e.value, e.src, e.dst) for e in self.edges],
+        }

@@ -297,3 +297,54 @@ def test_a_value_written_through_an_op_that_returned_it_is_not_aliased() -> None
     assert separate_fanout(gm, stage_of, mutators) == {}  # ...it stops the rewrite
     # (the trace ties v's class, so codegen would refuse this plan anyway: the
     # rule holds for graphs without the trace's ties too)
+
+
+class _Stats(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(channels))
+        self.register_buffer("var", torch.ones(channels))
+
+
+class _ReadsWrittenStatsLate(nn.Module):
+    """``F.batch_norm`` on a plain module's buffers moves them (no version counter moves),
+    and the network reads the moved mean again at its end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.stats = nn.Conv2d(3, 8, 3, padding=1), _Stats(8)
+        self.body = nn.Sequential(*(nn.Conv2d(8, 8, 3, padding=1) for _ in range(4)))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.stats
+        y = F.batch_norm(self.c1(x), s.mean, s.var, training=self.training)
+        y = self.body(y) + s.mean.view(1, -1, 1, 1)
+        return self.head(y.mean((2, 3)))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_buffer_a_functional_norm_writes_keeps_its_readers_on_its_stage(devices: int) -> None:
+    """The buffer cannot be sent as a value (a copy would take the write), and codegen refused
+    the 3-device plan ``partition`` made ("tied (shared) across stages [0, 2]"): its readers
+    are now tied to its stage, and the plan compiles and trains like eager."""
+    torch.manual_seed(0)
+    model, x = _ReadsWrittenStatsLate(), torch.randn(4, 3, 8, 8)
+    graph = crosscut.trace(model, x)
+    assert ["stats_mean", "batch_norm", "view"] in graph.ties
+    c = crosscut.compile(
+        copy.deepcopy(model), ["cpu"] * devices, x, microbatches=1, replicas=1,
+        require_all_devices=True, time_limit=5,
+    )  # fmt: skip
+    assert c.plan.num_stages == devices
+    at = c.plan.assignment
+    assert at["stats_mean"] == at["batch_norm"] == at["view"]
+    ref = copy.deepcopy(model)
+    out, want = c(x), ref(x)
+    assert torch.equal(out, want)
+    out.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    params = dict(c.named_parameters())
+    assert all(torch.equal(params[k].grad, p.grad) for k, p in ref.named_parameters())
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in c.state_dict().items())
+    c.close()

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from crosscut.errors import CodegenError
-from crosscut.frontend.alias import MUTATES, STATE
+from crosscut.frontend.alias import MUTATES, STATE, functional_norm_writes
 
 __all__ = [
     "check_state_writes",
@@ -34,40 +34,6 @@ __all__ = [
     "state_writes",
     "traced_batch_norm_writes",
 ]
-
-
-# fn -> (running_mean, running_var, training flag: name, position, default)
-_NORMS: dict[object, tuple[tuple[str, int], tuple[str, int], tuple[str, int, bool]]] = {
-    F.batch_norm: (("running_mean", 1), ("running_var", 2), ("training", 5, False)),
-    F.instance_norm: (("running_mean", 1), ("running_var", 2), ("use_input_stats", 5, True)),
-    torch.batch_norm: (("running_mean", 3), ("running_var", 4), ("training", 5, False)),
-}
-
-
-def _arg(n: fx.Node, name: str, i: int, default: object = None) -> object:
-    return n.kwargs.get(name, n.args[i] if len(n.args) > i else default)
-
-
-def functional_norm_writes(gm: fx.GraphModule) -> list[tuple[str, str]]:
-    """``(node, key)``: a functional batch norm in training mode updating buffers it reads.
-
-    Its kernel moves the running statistics without moving their version
-    counters, so the trace's version check (``frontend/alias.py``) does not
-    see the write; the call itself says it (``training=True``, or
-    ``use_input_stats`` for ``F.instance_norm``).
-    """
-    out: list[tuple[str, str]] = []
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in _NORMS:
-            continue
-        mean, var, flag = _NORMS[n.target]
-        if _arg(n, *flag) is False:
-            continue
-        stats = [_arg(n, *mean), _arg(n, *var)]
-        out += [
-            (n.name, str(a.target)) for a in stats if isinstance(a, fx.Node) and a.op == "get_attr"
-        ]
-    return out
 
 
 def state_writes(gm: fx.GraphModule) -> list[tuple[str, str]]:

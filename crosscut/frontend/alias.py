@@ -60,6 +60,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -72,12 +74,14 @@ __all__ = [
     "STATE",
     "AliasClass",
     "alias_classes",
+    "functional_norm_writes",
     "inplace_target",
     "mutated_value",
     "order_mutations",
     "own_value",
     "record_writes",
     "versions",
+    "written_state_ties",
 ]
 
 MUTATED = "crosscut_mutated"  # meta: input nodes whose storage this node wrote (trace time)
@@ -412,3 +416,56 @@ def _rewire_later_readers(
                 made[x] = anchor = ident
             u.replace_input_with(x, made[x])
     return set(made.values())
+
+
+# fn -> (running_mean, running_var, training flag: name, position, default)
+_NORMS: dict[object, tuple[tuple[str, int], tuple[str, int], tuple[str, int, bool]]] = {
+    F.batch_norm: (("running_mean", 1), ("running_var", 2), ("training", 5, False)),
+    F.instance_norm: (("running_mean", 1), ("running_var", 2), ("use_input_stats", 5, True)),
+    torch.batch_norm: (("running_mean", 3), ("running_var", 4), ("training", 5, False)),
+}
+
+
+def _arg(n: fx.Node, name: str, i: int, default: object = None) -> object:
+    return n.kwargs.get(name, n.args[i] if len(n.args) > i else default)
+
+
+def functional_norm_writes(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    """``(node, key)``: a functional batch norm in training mode updating buffers it reads.
+
+    Its kernel moves the running statistics without moving their version
+    counters, so the trace's version check (``frontend/alias.py``) does not
+    see the write; the call itself says it (``training=True``, or
+    ``use_input_stats`` for ``F.instance_norm``).
+    """
+    out: list[tuple[str, str]] = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in _NORMS:
+            continue
+        mean, var, flag = _NORMS[n.target]
+        if _arg(n, *flag) is False:
+            continue
+        stats = [_arg(n, *mean), _arg(n, *var)]
+        out += [
+            (n.name, str(a.target)) for a in stats if isinstance(a, fx.Node) and a.op == "get_attr"
+        ]
+    return out
+
+
+def written_state_ties(gm: fx.GraphModule) -> list[list[str]]:
+    """The buffer node of every state a functional norm writes, with all its readers.
+
+    A buffer forward writes cannot be sent to another stage as a value (a copy
+    would take the write: ``codegen/fanout.share_state_reads``), and codegen
+    refuses a tensor owned by two stages. Its readers therefore share the
+    buffer's stage: a tie (``OpGraph.ties``) the solver honours, so a plan from
+    ``partition`` compiles. What they compute from it crosses cuts as usual.
+    Writes in place move a version counter and are tied by
+    :func:`order_mutations`; a functional norm's kernel moves none.
+    """
+    keys = {key for _, key in functional_norm_writes(gm)}
+    return [
+        [n.name, *(u.name for u in n.users if u.op != "output")]
+        for n in gm.graph.nodes
+        if n.op == "get_attr" and str(n.target) in keys and len(n.users) > 1
+    ]

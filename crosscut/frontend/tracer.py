@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from crosscut.errors import InputError, TraceError
-from crosscut.frontend.alias import order_mutations
+from crosscut.frontend.alias import order_mutations, written_state_ties
 from crosscut.frontend.grad_mode import NO_GRAD, detach_no_grad
 from crosscut.frontend.propagate import (
     Propagator,
@@ -261,7 +261,8 @@ def trace(
     with _training(model, train), _untouched_state(model), refusing_python_state(model):
         gm, auto = _symbolic_trace(model, leaf_paths, leaf_types)
         prop = propagate(gm, inputs, train, precision)
-    ties = _ties(gm) + order_mutations(gm)  # writes through views: frontend/alias.py
+    # writes through views, and buffers a functional norm writes: frontend/alias.py
+    ties = _ties(gm) + order_mutations(gm) + written_state_ties(gm)
     nodes = _build_nodes(gm, prop, auto)
     graph = OpGraph(
         nodes=nodes,

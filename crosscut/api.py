@@ -22,7 +22,7 @@ from torch import nn
 from crosscut.codegen.grouped_stages import local_groups
 from crosscut.errors import InputError
 from crosscut.ir.plan import Plan
-from crosscut.ir.schedule import DEFAULT_SCHEDULE
+from crosscut.ir.schedule import AUTO_SCHEDULE
 from crosscut.partitioner.validate import validate_plan
 from crosscut.planning import (
     PlanRequest,
@@ -61,7 +61,7 @@ def compile(
     example_inputs: Any,
     *,
     mode: str = "train",
-    schedule: str = DEFAULT_SCHEDULE,
+    schedule: str = AUTO_SCHEDULE,
     microbatches: int | None = None,
     replicas: int | None = None,
     objective: str = "throughput",

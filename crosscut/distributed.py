@@ -25,6 +25,7 @@ from torch import nn
 
 from crosscut.errors import CrosscutError, DistributedError, InputError
 from crosscut.ir.plan import Plan
+from crosscut.ir.schedule import AUTO_SCHEDULE
 from crosscut.partitioner.validate import validate_plan
 from crosscut.planning import as_tuple
 from crosscut.runtime.dist.grad_scaler import PipelineGradScaler
@@ -282,7 +283,7 @@ def compile_distributed(
         if precision is not None:
             options["precision"] = precision
         the_plan = _plan_on_rank0(
-            model, inputs, cluster, microbatches, fixed, schedule or "1f1b", options
+            model, inputs, cluster, microbatches, fixed, schedule or AUTO_SCHEDULE, options
         )
         reps = the_plan.replication.replicas
     else:

@@ -24,8 +24,8 @@ from typing import Any
 
 from crosscut.errors import InputError
 from crosscut.ir.graph import MODES
-from crosscut.ir.problem import OBJECTIVES, RECOMPUTE, SCHEDULES
-from crosscut.ir.schedule import DEFAULT_SCHEDULE
+from crosscut.ir.problem import OBJECTIVES, RECOMPUTE
+from crosscut.ir.schedule import AUTO_SCHEDULE, SCHEDULE_CHOICES
 from crosscut.precision import check_precision
 
 __all__ = ["COSTS", "MODES", "OPTIMIZERS", "PlanRequest", "check_options", "cross_options"]
@@ -57,7 +57,7 @@ def check_options(
     for label, value, allowed in (
         ("mode", mode, MODES),
         ("objective", objective, OBJECTIVES),
-        ("schedule", schedule, SCHEDULES),
+        ("schedule", schedule, SCHEDULE_CHOICES),
         ("optimizer", optimizer, OPTIMIZERS),
         ("cost", cost, COSTS),
     ):
@@ -94,7 +94,7 @@ class PlanRequest:
 
     mode: str = "train"
     objective: str = "throughput"
-    schedule: str = DEFAULT_SCHEDULE
+    schedule: str = AUTO_SCHEDULE
     microbatches: int | None = None
     time_limit: float = 10.0
     optimizer: str = "sgd"

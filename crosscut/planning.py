@@ -24,7 +24,7 @@ from torch import nn
 from crosscut.errors import CrosscutError, InputError, PlanError
 from crosscut.ir.graph import OpGraph
 from crosscut.ir.plan import Plan
-from crosscut.ir.schedule import DEFAULT_SCHEDULE
+from crosscut.ir.schedule import AUTO_SCHEDULE
 from crosscut.options import PlanRequest, check_options, cross_options
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.recompute_choice import (
@@ -140,7 +140,7 @@ def partition(
     *,
     mode: str = "train",
     objective: str = "throughput",
-    schedule: str = DEFAULT_SCHEDULE,
+    schedule: str = AUTO_SCHEDULE,
     microbatches: int | None = None,
     replicas: int | None = None,
     time_limit: float = 10.0,

@@ -80,6 +80,7 @@ from typing import TYPE_CHECKING
 from crosscut.cost_models.subclusters import replica_cluster
 from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
 from crosscut.ir.plan import Alternative, Plan, Strategy
+from crosscut.ir.schedule import AUTO_SCHEDULE
 from crosscut.options import PlanRequest
 from crosscut.partitioner.annotate import as_replicas, in_rank_order
 from crosscut.partitioner.deadline import Deadline
@@ -92,6 +93,7 @@ from crosscut.partitioner.replicas import (
     spanning_layouts,
     stage_nodes,
 )
+from crosscut.partitioner.schedule_choice import choose_schedule
 from crosscut.traced import Progress, TraceCache, solve_traced
 
 if TYPE_CHECKING:
@@ -320,6 +322,8 @@ def _attempt(
         graph, costs, node, req, input_shapes=shapes, progress=progress, deadline=by
     )
     plan = as_replicas(plan, cluster, lay.replicas)
+    if lay.replicas > 1 and request.schedule == AUTO_SCHEDULE:  # with the all-reduce priced
+        plan = choose_schedule(plan)
     if lay.replicas > 1:
         check_replica_exports(plan)
     wall = time.monotonic() - t0

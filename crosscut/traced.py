@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from crosscut.ir.graph import OpGraph
 from crosscut.ir.plan import Plan, PlanOptions
+from crosscut.ir.schedule import AUTO_SCHEDULE, DEFAULT_SCHEDULE
 from crosscut.options import PlanRequest, cross_options
 from crosscut.partitioner.deadline import Deadline
+from crosscut.partitioner.schedule_choice import choose_schedule
 
 if TYPE_CHECKING:
     import torch
@@ -134,7 +136,7 @@ def solve_traced(
     widths, splits = cross_options(groups, r.widths, allowed, len(cluster.devices))
     options = PlanOptions(
         objective=r.objective,
-        schedule=r.schedule,
+        schedule=DEFAULT_SCHEDULE if r.schedule == AUTO_SCHEDULE else r.schedule,
         microbatches=r.microbatches or 1,
         overlap_comm=r.overlap_comm,
         optimizer=r.optimizer,
@@ -145,7 +147,7 @@ def solve_traced(
         splits=splits,
         precision=r.precision,
     )
-    return partition_graph(
+    plan = partition_graph(
         graph,
         costs,
         cluster,
@@ -158,3 +160,4 @@ def solve_traced(
         recompute=r.recompute,
         deadline=deadline,
     )
+    return choose_schedule(plan) if r.schedule == AUTO_SCHEDULE else plan

@@ -20,13 +20,21 @@ from contract import Small, batch, check_contract, eager_loss
 SCRIPT = Path(__file__).parent / "dist_scripts" / "contract_check.py"
 
 
-@pytest.mark.parametrize(("k", "m"), [(2, 1), (3, 2)])
-def test_local_runtime_keeps_the_contract(k: int, m: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("k", "m", "schedule"), [(2, 1, "1f1b"), (3, 2, "1f1b"), (3, 2, "gpipe"), (3, 4, "zb-h1")]
+)
+def test_local_runtime_keeps_the_contract(k: int, m: int, schedule: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Small()
     x, _ = batch()
     pipe = crosscut.compile(
-        model, ["cpu"] * k, x, microbatches=m, require_all_devices=True, replicas=1
+        model,
+        ["cpu"] * k,
+        x,
+        microbatches=m,
+        require_all_devices=True,
+        replicas=1,
+        schedule=schedule,
     )
     assert check_contract(pipe, model, m, tmp_path) is not None
 
@@ -34,12 +42,23 @@ def test_local_runtime_keeps_the_contract(k: int, m: int, tmp_path: Path) -> Non
 @pytest.mark.distributed
 @pytest.mark.xdist_group("dist")
 @pytest.mark.parametrize(
-    ("world", "case"), [(2, "pipeline"), (4, "pipeline"), (4, "replicas"), (4, "cross")]
+    ("world", "case", "schedule"),
+    [
+        (2, "pipeline", "1f1b"),
+        (4, "pipeline", "1f1b"),
+        (4, "replicas", "1f1b"),
+        (4, "cross", "1f1b"),
+        (2, "pipeline", "zb-h1"),
+        (4, "replicas", "zb-h1"),
+        (4, "cross", "zb-h1"),
+    ],
 )
-def test_torchrun_ranks_keep_the_contract(world: int, case: str, tmp_path: Path) -> None:
+def test_torchrun_ranks_keep_the_contract(
+    world: int, case: str, schedule: str, tmp_path: Path
+) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     done = subprocess.run(
-        [*cmd, "--nproc-per-node", str(world), str(SCRIPT), case, str(tmp_path)],
+        [*cmd, "--nproc-per-node", str(world), str(SCRIPT), case, str(tmp_path), schedule],
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,

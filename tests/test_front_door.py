@@ -33,7 +33,7 @@ def run(case: str, tmp: Path) -> list[str]:
 @pytest.mark.parametrize(
     ("case", "message"),
     [
-        ("bogus-schedule", "InputError: schedule must be one of ['gpipe', '1f1b']; got: bogus"),
+        ("bogus-schedule", "InputError: schedule must be one of ['auto', 'gpipe', '1f1b', 'zb-h1'"),
         ("zero-microbatches", "InputError: microbatches must be a positive integer; got: 0"),
         ("three-devices", "InputError: under torchrun, devices must list one device per"),
     ],

@@ -28,6 +28,7 @@ from torch import nn
 
 import crosscut
 from crosscut.errors import CrosscutError
+from crosscut.ir.schedule import PIPELINE_SCHEDULES
 from crosscut.partitioner.validate import validate_plan
 from crosscut.verify import verify_plan
 
@@ -92,7 +93,7 @@ def cnn_specs(draw: st.DrawFn) -> list[tuple[int, int, str, bool, bool]]:
 @settings(
     max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
-@given(cnn_specs(), st.integers(2, 3), st.sampled_from([1, 2]), st.sampled_from(["gpipe", "1f1b"]))
+@given(cnn_specs(), st.integers(2, 3), st.sampled_from([1, 2]), st.sampled_from(PIPELINE_SCHEDULES))
 def test_random_cnns_compile_like_eager(
     spec: list[tuple[int, int, str, bool, bool]], devices: int, micro: int, schedule: str
 ) -> None:

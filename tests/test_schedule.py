@@ -20,6 +20,7 @@ from crosscut.ir.schedule import (
     one_f_one_b,
     parse_schedule,
     validate_schedule,
+    zero_bubble_h1,
 )
 
 sizes = st.tuples(st.integers(1, 6), st.integers(1, 9))
@@ -30,11 +31,11 @@ def test_action_text_round_trips() -> None:
     assert str(a) == "2F0"
     assert Action.parse("2F0") == a
     assert Action.parse("11B13") == Action(11, "B", 13)
-    with pytest.raises(ScheduleError, match=re.escape("<stage><F|B><microbatch>")):
+    with pytest.raises(ScheduleError, match=re.escape("<stage><F|B|W><microbatch>")):
         Action.parse("2X0")
 
 
-@given(sizes, st.sampled_from(["gpipe", "1f1b", "inference"]))
+@given(sizes, st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2", "inference"]))
 def test_builders_are_valid_and_round_trip(sm: tuple[int, int], name: str) -> None:
     s, m = sm
     sched = make_schedule(name, s, m)
@@ -56,6 +57,7 @@ def test_inflight_counts(sm: tuple[int, int]) -> None:
         assert max_inflight(gpipe(s, m), k) == m
         assert max_inflight(one_f_one_b(s, m), k) == min(m, s - k)
         assert max_inflight(inference(s, m), k) == m
+        assert max_inflight(zero_bubble_h1(s, m), k) == min(m, s - k)
 
 
 def test_deadlock_is_detected_and_named() -> None:
@@ -93,7 +95,11 @@ def test_unknown_schedule_name() -> None:
         make_schedule("zb", 2, 2)
 
 
-@given(st.integers(1, 8), st.integers(1, 12), st.sampled_from(["gpipe", "1f1b", "inference"]))
+@given(
+    st.integers(1, 8),
+    st.integers(1, 12),
+    st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2", "inference"]),
+)
 def test_the_closed_form_in_flight_count_is_the_schedules_own(s: int, m: int, name: str) -> None:
     """``in_flight`` (what the evaluator and the solver price) equals the built schedule's peak."""
     from crosscut.ir.schedule import in_flight, least_in_flight
@@ -102,4 +108,35 @@ def test_the_closed_form_in_flight_count_is_the_schedules_own(s: int, m: int, na
     assert [in_flight(name, s, k, m) for k in range(s)] == [
         max_inflight(built, k) for k in range(s)
     ]
-    assert least_in_flight(name, m) == min(max_inflight(built, k) for k in range(s))
+    # a lower bound for every pipeline (the solver's memory bound): exact but for zb-h2,
+    # whose stages all hold up to 2S - 1
+    least = min(max_inflight(built, k) for k in range(s))
+    assert least_in_flight(name, m) <= least
+    assert name == "zb-h2" or least_in_flight(name, m) == least
+
+
+@given(sizes)
+def test_zb_h1_idles_less_than_1f1b_with_the_same_memory(sm: tuple[int, int]) -> None:
+    """With F = B = W (a backward of two forwards), ZB-H1 never takes longer than 1F1B,
+    is shorter whenever there is a pipeline, and holds as many micro-batches per stage."""
+    s, m = sm
+    zb, ofob = zero_bubble_h1(s, m), one_f_one_b(s, m)
+    ones, twos = [1.0] * s, [2.0] * s
+    t_zb = max(e for _, e in action_times(zb, s, ones, twos, ones).values())
+    t_1f1b = max(e for _, e in action_times(ofob, s, ones, twos).values())
+    assert t_zb <= t_1f1b
+    if s > 1:
+        assert t_zb < t_1f1b
+    assert [max_inflight(zb, k) for k in range(s)] == [max_inflight(ofob, k) for k in range(s)]
+
+
+def test_a_split_backward_keeps_its_rules() -> None:
+    """W after its own B, and a W for every B once any W appears."""
+    good = parse_schedule("0: 0F0 0B0 0W0")
+    validate_schedule(good, 1, 1, training=True)
+    with pytest.raises(ScheduleError, match="before its input-gradient pass"):
+        validate_schedule(parse_schedule("0: 0F0 0W0 0B0"), 1, 1, training=True)
+    with pytest.raises(ScheduleError, match="0W1 is missing"):
+        validate_schedule(parse_schedule("0: 0F0 0F1 0B0 0W0 0B1"), 1, 2, training=True)
+    with pytest.raises(ScheduleError, match="not part of this run"):
+        validate_schedule(parse_schedule("0: 0F0 0W0"), 1, 1, training=False)

@@ -17,7 +17,7 @@ from typing import Any
 from crosscut.cli.args import _positive_float, _positive_int, _shape
 from crosscut.errors import CrosscutError
 from crosscut.fileio import check_writable, write_atomic
-from crosscut.ir.schedule import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
+from crosscut.ir.schedule import AUTO_SCHEDULE, SCHEDULE_CHOICES
 from crosscut.version import __version__
 
 __all__ = ["build_parser", "main"]
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--mode", choices=["train", "infer"], default="train")
     p.add_argument("--objective", choices=["throughput", "latency"], default="throughput")
-    p.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default=DEFAULT_SCHEDULE)
+    p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default=AUTO_SCHEDULE)
     p.add_argument(
         "--microbatches",
         type=_positive_int,

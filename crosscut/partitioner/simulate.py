@@ -10,6 +10,10 @@ forward-only) action by action on one timeline per device:
   every stage that sends to ``k`` has finished ``F(·, m)``;
 * ``B(k, m)`` takes the backward compute plus the transfer time of the
   gradients, after ``F(k, m)`` and ``B(·, m)`` of every stage ``k`` sends to;
+* in a split backward (``zb-h1``) ``B`` is the input-gradient part and
+  ``W(k, m)``, after ``B(k, m)``, the weight-gradient part
+  (:func:`backward_split`); the replicas' all-reduce then starts after the
+  stage's last ``W`` (the torchrun runtime reduces after the schedule);
 * an action also waits until every device of its stage is free: co-located
   stages (one device group, two stages) take turns on their devices.
 
@@ -35,14 +39,18 @@ from crosscut.partitioner.build import plan_groups, plan_to_problem
 from crosscut.partitioner.evaluate import Evaluation, evaluate
 from crosscut.partitioner.replicas import reduction
 
-__all__ = ["Event", "Simulation", "simulate", "stage_durations"]
+__all__ = ["Event", "Simulation", "backward_split", "simulate", "stage_durations"]
+
+# node kinds whose backward is two products of the same size: a data gradient (B) and a
+# weight gradient (W), half of the backward each
+_MATMUL_KINDS = ("conv", "linear", "matmul", "mm", "addmm", "bmm", "einsum")
 
 
 @dataclass(frozen=True)
 class Event:
     device: str
     stage: int
-    kind: str  # "F" | "B"; "T": the transfer part of the F/B action just before it;
+    kind: str  # "F" | "B" | "W"; "T": the transfer part of the F/B action just before it;
     # "R": the stage's gradient all-reduce, from its last backward's start (stage -1);
     # "U": the stage's optimizer update (stage -1)
     microbatch: int
@@ -59,13 +67,14 @@ class Simulation:
     device_peak_bytes: dict[str, int]
     stage_fwd_s: list[float] = field(default_factory=list)
     stage_bwd_s: list[float] = field(default_factory=list)
+    stage_wgt_s: list[float] = field(default_factory=list)  # W of a split backward (else 0)
     evaluation: Evaluation | None = None
     exposed_s: float = 0.0  # the all-reduce left after the backward it overlaps
     update_s: float = 0.0  # the slowest stage's optimizer update
 
 
-def stage_durations(plan: Plan, ev: Evaluation) -> tuple[list[float], list[float]]:
-    """Duration of one F and one B action per stage, transfers included."""
+def _forward_compute(plan: Plan, ev: Evaluation) -> list[float]:
+    """Seconds of one stage's forward compute per micro-batch, transfers excluded."""
     kinds = {d.name: d.kind for d in plan.cluster.devices}
     fwd = [0.0] * plan.num_stages
     for node in plan.nodes:
@@ -82,6 +91,12 @@ def stage_durations(plan: Plan, ev: Evaluation) -> tuple[list[float], list[float
                 if plan.assignment.get(n.name) == k
             )
             fwd[k] = ev.stage_compute[k] * (fwd[k] / whole if whole > 0 else 1.0)
+    return fwd
+
+
+def stage_durations(plan: Plan, ev: Evaluation) -> tuple[list[float], list[float]]:
+    """Duration of one F and one B action per stage, transfers included."""
+    fwd = _forward_compute(plan, ev)
     mult = 2 if plan.model.mode == "train" else 1
     f_out: list[float] = []
     b_out: list[float] = []
@@ -97,6 +112,36 @@ def stage_durations(plan: Plan, ev: Evaluation) -> tuple[list[float], list[float
     return f_out, b_out
 
 
+def backward_split(plan: Plan, k: int, backward_s: float, receives: bool) -> tuple[float, float]:
+    """(moved, W): the seconds of stage ``k``'s backward compute ``backward_s`` that leave
+    ``B`` for ``W``, and ``W``'s seconds, when the backward is split.
+
+    What ``runtime/split_backward.py`` does, priced per node: a convolution's or
+    a matmul's backward is a data gradient in ``B`` and a weight gradient of the
+    same size in ``W`` (half each); another node with parameters (batch norm,
+    a learned scale) runs whole in ``B`` and again for its weights in ``W``,
+    whose reductions it repeats (half its backward: measured on resnet50 on
+    CPU, ``B + W`` = 1.18 x one backward, docs/BENCHMARKS.md). A stage that
+    receives nothing to differentiate (the first) sends nothing upstream: all
+    of its backward is ``W``. A group's stage (several devices) is not split.
+    """
+    if len(plan.stages[k].devices) > 1:
+        return 0.0, 0.0
+    if not receives:
+        return backward_s, backward_s
+    kind = next(d.kind for d in plan.cluster.devices if d.name == plan.stages[k].devices[0])
+    moved = extra = 0.0
+    for n in plan.nodes:
+        if plan.assignment.get(n.name) != k or n.param_bytes <= 0:
+            continue
+        if any(t in n.kind for t in _MATMUL_KINDS):
+            moved += 0.5 * n.bwd_s.get(kind, 0.0)
+        else:
+            extra += 0.5 * n.bwd_s.get(kind, 0.0)
+    moved = min(moved, backward_s)
+    return moved, moved + extra
+
+
 def _actions(plan: Plan) -> list[list[sched.Action]]:
     s, m = plan.num_stages, plan.options.microbatches
     if plan.model.mode != "train":
@@ -109,6 +154,7 @@ def simulate(plan: Plan) -> Simulation:
     problem, stage_of, stage_device = plan_to_problem(plan)
     ev = evaluate(problem, stage_of, stage_device, plan_groups(plan))
     fwd, bwd = stage_durations(plan, ev)
+    bwd_compute = [max(0.0, c - f) for c, f in zip(ev.stage_compute, _forward_compute(plan, ev))]
     mult = 2 if plan.model.mode == "train" else 1
     comm = [c / mult for c in ev.stage_comm]  # one direction's transfers, per action
     senders: list[set[int]] = [set() for _ in range(plan.num_stages)]
@@ -117,6 +163,11 @@ def simulate(plan: Plan) -> Simulation:
         senders[k].add(j)
         receivers[j].add(k)
     queues = _actions(plan)
+    wgt = [0.0] * plan.num_stages
+    if sched.splits_backward(queues):
+        for k in range(plan.num_stages):
+            moved, wgt[k] = backward_split(plan, k, bwd_compute[k], bool(senders[k]))
+            bwd[k] -= moved
     done: dict[tuple[int, str, int], float] = {}
     free = {d.name: 0.0 for d in plan.cluster.devices}  # co-located stages share devices
     head = [0] * plan.num_stages
@@ -132,9 +183,13 @@ def simulate(plan: Plan) -> Simulation:
                     break
                 devs = plan.stages[k].devices
                 start = max([*(free[x] for x in devs), *(done[d] for d in deps)])
-                end = start + (fwd[k] if a.kind == "F" else bwd[k])
+                end = start + {"F": fwd[k], "B": bwd[k], "W": wgt[k]}[a.kind]
                 done[(k, a.kind, a.microbatch)] = end
-                wire = comm[k] if a.kind == "F" or plan.model.mode == "train" else 0.0
+                wire = (
+                    comm[k]
+                    if a.kind == "F" or (a.kind == "B" and plan.model.mode == "train")
+                    else 0.0
+                )
                 for dev in devs:  # every device of a group is busy
                     free[dev] = end
                     events.append(Event(dev, k, a.kind, a.microbatch, start, end))
@@ -168,6 +223,7 @@ def simulate(plan: Plan) -> Simulation:
         device_peak_bytes=peaks,
         stage_fwd_s=fwd,
         stage_bwd_s=bwd,
+        stage_wgt_s=wgt,
         evaluation=ev,
         exposed_s=exposed,
         update_s=update,
@@ -208,8 +264,9 @@ def _step_tail(plan: Plan, events: list[Event]) -> tuple[float, float, float]:
     red = reduction(plan, plan.replication.replicas)
     exposed = update = 0.0
     end_all = step
+    split = any(e.kind == "W" for e in events)
     for k, stage in enumerate(plan.stages):
-        last = [e for e in events if e.stage == k and e.kind == "B"]
+        last = [e for e in events if e.stage == k and e.kind == ("W" if split else "B")]
         if not last:
             continue
         b = max(last, key=lambda e: e.end)
@@ -219,9 +276,11 @@ def _step_tail(plan: Plan, events: list[Event]) -> tuple[float, float, float]:
             back = sum(
                 n.bwd_s.get(kind, 0.0) for n in plan.nodes if plan.assignment.get(n.name) == k
             )
-            done = max(done, red.positions[k].finish(b.start, b.end, back))
+            # overlapped with the last backward; after the last W of a split backward
+            start = b.end if split else b.start
+            done = max(done, red.positions[k].finish(start, b.end, 0.0 if split else back))
             for dev in stage.devices:
-                events.append(Event(dev, -1, "R", k, b.start, done))
+                events.append(Event(dev, -1, "R", k, start, done))
         exposed = max(exposed, done - b.end)
         up = _stage_update(plan, k)
         update = max(update, up)
@@ -240,6 +299,8 @@ def _deps(
 ) -> list[tuple[int, str, int]]:
     if a.kind == "F":
         return [(j, "F", a.microbatch) for j in sorted(senders[a.stage])]
+    if a.kind == "W":
+        return [(a.stage, "B", a.microbatch)]
     return [(a.stage, "F", a.microbatch)] + [
         (j, "B", a.microbatch) for j in sorted(receivers[a.stage])
     ]

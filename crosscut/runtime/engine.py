@@ -56,6 +56,7 @@ from torch.utils import _pytree as pytree
 
 from crosscut.ir.program import INPUT, StagedProgram, ValueRef, map_structure
 from crosscut.ir.schedule import Action
+from crosscut.runtime.split_backward import WeightPass, backward_input, backward_weight
 
 __all__ = [
     "Autograd",
@@ -138,6 +139,7 @@ class Saved:
     outs: dict[str, Any]
     loss: torch.Tensor | None
     token: torch.Tensor | None = None
+    pending: WeightPass | None = None  # what W still owes (split backward only)
 
 
 def consumers(program: StagedProgram) -> dict[str, list[int]]:
@@ -180,6 +182,7 @@ class StageEngine:
     microbatches: int
     run: RunStage
     saved: dict[int, Saved] = field(default_factory=dict)
+    split: bool = False  # the schedule runs each backward as a B and a later W
 
     @classmethod
     def for_stage(
@@ -269,8 +272,12 @@ class StageEngine:
         ``autograd(roots, grads)`` runs the backward itself (default
         ``torch.autograd.backward``): the torchrun runtime's last backward of a
         step arms DDP's reducer on exactly these roots (runtime/dist/overlap.py).
+        With :attr:`split`, only the gradients of the received values are
+        computed here and the weight gradients wait for :meth:`weight`
+        (runtime/split_backward.py); a cross-shaped group's stage (a token:
+        its members' messages run in its backward) still runs all of it here.
         """
-        saved = self.saved.pop(a.microbatch)
+        saved = self.saved[a.microbatch] if self.split else self.saved.pop(a.microbatch)
         grads_in = transport.receive_grads(a)
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
@@ -288,9 +295,22 @@ class StageEngine:
         if saved.token is not None and saved.token.requires_grad:  # the group's messages
             roots.append(saved.token)
             grads.append(torch.zeros_like(saved.token))
-        if roots:
+        if roots and self.split and saved.token is None:
+            leaves = [
+                t
+                for t in pytree.tree_leaves(saved.received)
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf
+            ]
+            saved.pending = backward_input(roots, grads, leaves)
+        elif roots:
             (autograd or torch.autograd.backward)(roots, grads)
         transport.send_grads(a, saved.received)
+
+    def weight(self, a: Action) -> None:
+        """Run ``W(stage, m)``: the weight gradients :meth:`backward` left (split backward)."""
+        saved = self.saved.pop(a.microbatch)
+        if saved.pending is not None:
+            backward_weight(saved.pending)
 
 
 def sum_leaves(

@@ -3,7 +3,7 @@
 argv: ``pipeline`` (rank 0 plans for world-size CPU stages), ``replicas`` (2
 replicas of a pipeline over half the world: each stage under DDP, kept inside
 the executor) or ``cross`` (a cross-shaped plan: 2 devices split by channel,
-then 2 by batch), and a directory.
+then 2 by batch), a directory and optionally a schedule (default ``1f1b``).
 Prints ``OK <rank>`` and, on the rank that computes the loss, ``LOSS <value>``.
 """
 
@@ -42,6 +42,7 @@ def replicas_still_reduce(pipe: cd.DistributedPipeline) -> None:
 def main() -> None:
     cd.init(timeout_s=60)
     case, out = sys.argv[1], Path(sys.argv[2])
+    schedule = sys.argv[3] if len(sys.argv) > 3 else "1f1b"
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = Small()
@@ -55,14 +56,14 @@ def main() -> None:
         box: list[object] = [None]
         if rank == 0:
             base = crosscut.partition(
-                model, ["cpu", "cpu"], x, microbatches=2, solver="dp", replicas=1
+                model, ["cpu", "cpu"], x, microbatches=2, solver="dp", replicas=1, schedule=schedule
             )
             box[0] = widen(base, ((2, "channel"), (2, "batch"))).to_json()
         dist.broadcast_object_list(box, src=0)
         plan = Plan.from_json(str(box[0]))
     # replicas fixed as `crosscut run` fixes them: 2, or 1 for the pipeline case
     os.environ["CROSSCUT_REPLICAS"] = "2" if case == "replicas" else "1"
-    pipe = crosscut.compile(model, None, x, microbatches=2, plan=plan)
+    pipe = crosscut.compile(model, None, x, microbatches=2, plan=plan, schedule=schedule)
     if case == "replicas":
         assert pipe.replicas == 2 and pipe._reducer is not None
     loss = check_contract(pipe, model, 2, out)  # it ends with .to(float64) and back

@@ -84,7 +84,7 @@ class GroupRole:
                 (token,) = module(new_token(self.link.device, training))
                 if training:
                     tokens[a.microbatch] = token
-            else:
+            elif a.kind == "B":  # a group stage's backward is never split: W has no messages
                 token = tokens.pop(a.microbatch)
                 if token.requires_grad:
                     torch.autograd.backward([token], [torch.zeros_like(token)])

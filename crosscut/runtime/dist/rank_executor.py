@@ -64,7 +64,7 @@ from crosscut.ir.program import StagedProgram
 from crosscut.codegen.state_writes import check_state_writes
 from crosscut.ir.program import INPUT
 from crosscut.errors import DistributedError, InputError
-from crosscut.ir.schedule import make_schedule, validate_schedule
+from crosscut.ir.schedule import make_schedule, splits_backward, validate_schedule
 from crosscut.precision import autocast
 from crosscut.runtime.batch_split import BatchSplitStage
 from crosscut.runtime.batchnorm import install_step_batchnorm
@@ -366,11 +366,16 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             return get
 
         row = self._schedules[kind][s]
+        # the last backward reduces the replicas' gradients as it runs; a split backward
+        # reduces them after the schedule (its weight gradients come in many W calls)
+        engine.split = splits_backward(self._schedules[kind])
         last_b = max((i for i, a in enumerate(row) if a.kind == "B"), default=-1)
         try:
             for i, a in enumerate(self._io.start(row)):
-                if a.kind == "B":  # the last one reduces the replicas' gradients as it runs
-                    armed = self._reducer if i == last_b else None
+                if a.kind == "W":
+                    engine.weight(a)
+                elif a.kind == "B":
+                    armed = self._reducer if i == last_b and not engine.split else None
                     engine.backward(a, self._io, armed.backward if armed is not None else None)
                 else:
                     m = a.microbatch
@@ -405,7 +410,8 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         """Sum a batch group's shares' gradients, then average the replicas'."""
         if self._group is not None:
             self._group.reduce_grads(self.stage)
-        if self.replicas > 1 and self._reducer is None:  # else done in the last backward
+        split = splits_backward(self._schedules["train"])
+        if self.replicas > 1 and (self._reducer is None or split):  # else in the last backward
             ranks = self.rank_layout.position_ranks(self.position)
             # the same parameters on every replica (one stage graph); those backward never
             # reached keep grad None, as in eager training and under DDP

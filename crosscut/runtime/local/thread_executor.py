@@ -69,6 +69,7 @@ from crosscut.ir.schedule import (
     action_times,
     inference,
     make_schedule,
+    splits_backward,
     validate_schedule,
 )
 from crosscut.runtime.batch_split import BatchSplitStage
@@ -177,6 +178,8 @@ class LocalExecutor:
             StageEngine.for_stage(program, k, microbatches, run=runs[k] if runs else None)
             for k in range(len(program.stages))
         ]
+        for engine in self._engines:
+            engine.split = splits_backward(self.train_schedule)
 
     # ---- workers ------------------------------------------------------------------
     def _ensure_workers(self) -> list[DeviceThread]:
@@ -358,6 +361,9 @@ class LocalExecutor:
             transport = _LocalTransport(self, run, a.stage)
             if a.kind == "B":
                 engine.backward(a, transport)
+                return
+            if a.kind == "W":
+                engine.weight(a)
                 return
             m = a.microbatch
             _, loss = engine.forward(

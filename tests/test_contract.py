@@ -21,7 +21,8 @@ SCRIPT = Path(__file__).parent / "dist_scripts" / "contract_check.py"
 
 
 @pytest.mark.parametrize(
-    ("k", "m", "schedule"), [(2, 1, "1f1b"), (3, 2, "1f1b"), (3, 2, "gpipe"), (3, 4, "zb-h1")]
+    ("k", "m", "schedule"),
+    [(2, 1, "1f1b"), (3, 2, "1f1b"), (3, 2, "gpipe"), (3, 4, "zb-h1"), (2, 4, "zb-h2")],
 )
 def test_local_runtime_keeps_the_contract(k: int, m: int, schedule: str, tmp_path: Path) -> None:
     torch.manual_seed(0)

@@ -196,14 +196,15 @@ def compare(got: dict[str, Any], ref: dict[str, Any], *, buffers: bool = True) -
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipeline_matches_eager(world: int, tmp_path: Path) -> None:
-    """GPipe, 1F1B and ZB-H1 over 2 and 4 ranks: loss, gradients and the SGD step equal eager."""
+    """GPipe, 1F1B, ZB-H1 and ZB-H2 over 2 and 4 ranks: loss, gradients and the SGD step
+    equal eager."""
     ranks = launch(
         world,
         [
             "--models",
             ",".join(MODELS),
             "--schedules",
-            "gpipe,1f1b,zb-h1",
+            "gpipe,1f1b,zb-h1,zb-h2",
             "--microbatches",
             "2",
             "--out",
@@ -213,7 +214,7 @@ def test_pipeline_matches_eager(world: int, tmp_path: Path) -> None:
     ok(ranks)
     for name in MODELS:
         ref = eager(name, 8, 32, 2)
-        for schedule in ("gpipe", "1f1b", "zb-h1"):
+        for schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
             got = merged(tmp_path, f"{name}_{schedule}", world, world)
             assert len(got["losses"]) == 1  # only the last stage returns the loss
             compare(got, ref)

@@ -191,3 +191,30 @@ def test_a_weight_used_twice_falls_back_to_one_backward_in_b() -> None:
     pending = backward_input([out], [torch.ones_like(out)], [x])
     assert module.w.grad is not None and x.grad is not None
     assert pending.items == [] and pending.whole is None
+
+
+def test_a_split_backward_shows_b_and_w_apart() -> None:
+    """Under a zero-bubble schedule the timeline draws every W in its own shade and the
+    key says what B and W are."""
+    from crosscut.partitioner.simulate import simulate
+    from crosscut.viz import plan_to_html
+
+    model = torchvision.models.resnet18(weights=None)
+    plan = crosscut.partition(
+        model,
+        "3xV100",
+        torch.randn(12, 3, 64, 64),
+        replicas=1,
+        microbatches=3,
+        require_all_devices=True,
+        schedule="zb-h1",
+    )
+    sim = simulate(plan)
+    page = plan_to_html(plan, simulation=sim)
+    timeline = page[page.index('<svg class="timeline"') :]
+    timeline = timeline[: timeline.index("</svg>")]
+    n_w = sum(e.kind == "W" for e in sim.events)
+    assert n_w == 3 * 3
+    assert timeline.count('class="ev ev-W"') == n_w
+    assert timeline.count('class="ev ev-B"') == n_w
+    assert "darkest W = the weight gradients" in page

@@ -268,10 +268,16 @@ def _timeline(plan: Plan, sim: SimulationLike | None, colors: dict[str, str]) ->
             "<section id='timeline'><h2>Pipeline timeline</h2><p class='muted'>no simulation "
             "was given; render the report with crosscut.viz.render to include one</p></section>"
         )
+    split = any(e.kind == "W" for e in sim.events)
     key = " ".join(
         f'<span class="swatch" style="background:{action_color(colors[d], "F")}"></span>'
         f'<span class="swatch" style="background:{action_color(colors[d], "B")}"></span>'
-        f"{_e(d)}"
+        + (
+            f'<span class="swatch" style="background:{action_color(colors[d], "W")}"></span>'
+            if split
+            else ""
+        )
+        + f"{_e(d)}"
         for d in dict.fromkeys(plan.used_devices())
     )
     return (
@@ -280,7 +286,14 @@ def _timeline(plan: Plan, sim: SimulationLike | None, colors: dict[str, str]) ->
         f"{plan.options.microbatches} micro-batches · step {human_time(sim.step_time_s)} · "
         f"bubble {sim.bubble_fraction:.1%} (grey: the device waits) · box colour = device, "
         "light = forward, dark = backward, label = action and micro-batch (F3: forward of "
-        f"micro-batch 3) · <span style='color:{TRANSFER_COLOR}'>red lane under a row = the "
+        "micro-batch 3)"
+        + (
+            " · the backward is split: B = the input gradients the stage before waits for, "
+            "darkest W = the weight gradients, run where the device would idle"
+            if split
+            else ""
+        )
+        + f" · <span style='color:{TRANSFER_COLOR}'>red lane under a row = the "
         "transfer part of that action</span>"
         + (
             f" · dark grey at the end = the {plan.replication.replicas} replicas' gradient "

@@ -55,12 +55,27 @@ class SimulationLike(Protocol):
     def device_peak_bytes(self) -> Mapping[str, int]: ...
 
 
-_WHAT = {"F": "forward", "B": "backward", "T": "transfer", "R": "gradient all-reduce"}
+_WHAT = {
+    "F": "forward",
+    "B": "backward",
+    "W": "weight-gradient backward",
+    "T": "transfer",
+    "R": "gradient all-reduce",
+}
+
+
+def _darken(color: str, amount: float) -> str:
+    """``color`` (#rrggbb) mixed with black by ``amount``."""
+    r, g, b = (int(color[i : i + 2], 16) for i in (1, 3, 5))
+    return "#" + "".join(f"{round(c * (1.0 - amount)):02x}" for c in (r, g, b))
 
 
 def action_color(device_color: str, kind: str) -> str:
-    """A forward in the device's colour lightened, a backward in the colour itself."""
-    return lighten(device_color, 0.45) if kind == "F" else device_color
+    """A forward in the device's colour lightened, a backward in the colour itself, the
+    weight-gradient part of a split backward (``W``) darkened."""
+    if kind == "F":
+        return lighten(device_color, 0.45)
+    return _darken(device_color, 0.45) if kind == "W" else device_color
 
 
 def _text_on(fill: str) -> str:

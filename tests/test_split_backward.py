@@ -218,3 +218,33 @@ def test_a_split_backward_shows_b_and_w_apart() -> None:
     assert timeline.count('class="ev ev-W"') == n_w
     assert timeline.count('class="ev ev-B"') == n_w
     assert "darkest W = the weight gradients" in page
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
+def test_local_replicas_and_recomputation_under_zero_bubble_equal_1f1b(schedule: str) -> None:
+    """2 replicas x 2 stages (each stage position a batch-split group of 2 devices), and
+    every stage recomputing: a zero-bubble step's gradients are 1F1B's, bit for bit."""
+    torch.manual_seed(0)
+    model = _family("resnet18")
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    for kw in ({"replicas": 2}, {"replicas": 1, "recompute": "always"}):
+        got = []
+        for name in ("1f1b", schedule):
+            torch.manual_seed(1)
+            pipe = crosscut.compile(
+                copy.deepcopy(model),
+                ["cpu"] * (4 if kw["replicas"] == 2 else 2),
+                x,
+                microbatches=2,
+                require_all_devices=True,
+                schedule=name,
+                time_limit=5,
+                **kw,
+            )
+            assert pipe.plan.num_stages == 2
+            loss = pipe.train_step(x, y, F.cross_entropy)
+            got.append((float(loss), {n: p.grad for n, p in pipe.named_parameters()}))
+            pipe.close()
+        (la, ga), (lb, gb) = got
+        assert la == lb, kw
+        assert [n for n in ga if not torch.equal(ga[n], gb[n])] == [], kw

@@ -141,19 +141,19 @@ def balanced_split(cands: list[Candidate]) -> str:
 def balanced_splits(cands: list[Candidate], pieces: int) -> list[str]:
     """``pieces - 1`` cuts, the ``k``-th at the next candidate with ``k / pieces`` of the weights.
 
-    With 2 pieces this is :func:`balanced_split`. A model whose parameters sit
-    in its last modules (resnet's ``layer4``) gets its later cuts on the
-    candidates right after the earlier ones, as a user sharing parameters out
-    would; it raises ``ValueError`` when the candidates run out.
+    With 2 pieces this is :func:`balanced_split`. A cut never goes so late
+    that the later cuts run out of candidates: a model whose parameters sit in
+    its last modules (resnet's ``layer4``) gets those cuts on the candidates
+    just before and after, as a user sharing parameters out would. It raises
+    ``ValueError`` only when there are fewer candidates than cuts.
     """
+    if len(cands) < pieces - 1:
+        raise ValueError(f"{len(cands)} candidate modules cannot make {pieces} pieces")
     cuts: list[int] = []
     for k in range(1, pieces):
         after = cuts[-1] + 1 if cuts else 0
-        i = next((j for j in range(after, len(cands)) if cands[j][1] >= k / pieces), None)
-        if i is None:
-            i = after  # no candidate reaches the share: the next one, so the pieces stay apart
-        if i >= len(cands):
-            raise ValueError(f"{len(cands)} candidate modules cannot make {pieces} pieces")
+        room = len(cands) - (pieces - 1 - k) - 1  # the last index that leaves one per later cut
+        i = next((j for j in range(after, room + 1) if cands[j][1] >= k / pieces), room)
         cuts.append(i)
     return [cands[i][0] for i in cuts]
 

@@ -244,6 +244,7 @@ def _timed_steps(ns: argparse.Namespace, build: Any, data: Any) -> int:
         raise ValueError(f"pipeline() made {pipe.num_stages} pieces of {cuts}, not {pieces}")
     here = [i for i in range(pieces) if kind.rank_of(i, ranks) == rank]
     cpu = torch.device("cpu")
+    stages: list[Any]  # PipelineStage or pipe's own _PipelineStage: torch's common base is private
     if kind.placement == "v":
         # pipe.build_stage's stages greet both neighbours with a gloo message at
         # start-up, and V puts two neighbours (1 and 2 of 4) on one rank: gloo

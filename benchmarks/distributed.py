@@ -171,9 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", default="")
     ap.add_argument("--peer", action="store_true", help="also time torch.distributed.pipelining")
     ap.add_argument("--peer-tries", type=int, default=5, help="split points tried for its best")
+    ap.add_argument(
+        "--peer-schedule",
+        type=peer.schedule_names,
+        action="extend",
+        help="the peer's torch schedules, comma-separated or repeated: "
+        f"{', '.join(peer.SCHEDULES)} (default 1f1b)",
+    )
     ap.add_argument("--peer-worker", default="")
     ap.add_argument("--split", default="")
     ns = ap.parse_args(argv)
+    ns.peer_schedule = list(dict.fromkeys(ns.peer_schedule or ["1f1b"]))
     if ns.worker:
         return _worker(ns)
     if ns.peer_worker:
@@ -187,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     rows = []
-    peer_rows: list[tuple[str, str, str, float, float, float]] = []
+    peer_rows: list[tuple[str, str, str, str, float, float, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in ns.models.split(","):
             x, _ = data(ns.batch, ns.size)
@@ -208,17 +216,20 @@ def main(argv: list[str] | None = None) -> int:
             # drifts hit all of them alike; medians reported, each round's speed-up too
             eagers, micros, pipes = [], [], []
             splits = _peer_splits(name, ns, Path(tmp)) if ns.peer else {}
-            peer_times: dict[str, list[float]] = {k: [] for k in splits}
+            peer_times: dict[tuple[str, str], list[float]] = {k: [] for k in splits}
             for r in range(ns.rounds):
                 eagers.append(eager_step_time(name, ns.batch, ns.size, ns.steps, ns.warmup))
                 micros.append(
                     eager_step_time(name, ns.batch, ns.size, ns.steps, ns.warmup, ns.microbatches)
                 )
                 pipes.append(pipeline_step_time(name, path, ns))
-                for label, split in splits.items():
-                    got = peer.peer_step_time(__file__, name, split, ns, Path(tmp))
-                    peer_times[label].append(got.get("step_s", float("nan")))
-                    print(f"  {name} round {r + 1}: pipelining {label} split at {split}: "
+                for (sched, label), split in splits.items():
+                    if not split:  # no split of this kind (refused while choosing): nothing to time
+                        peer_times[sched, label].append(float("nan"))
+                        continue
+                    got = peer.peer_step_time(__file__, name, split, ns, Path(tmp), sched)
+                    peer_times[sched, label].append(got.get("step_s", float("nan")))
+                    print(f"  {name} round {r + 1}: pipelining {sched} {label} split at {split}: "
                           f"{got.get('step_s', float('nan')):.2f} s {got.get('error', '')}",
                           flush=True)  # fmt: skip
                 print(
@@ -230,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
             eager, micro, piped = (statistics.median(v) for v in (eagers, micros, pipes))
             cap = capacity(name, ns, micro)
             rows.append((name, eager, micro, piped, cap, one_device, sim.step_time_s))
-            for label, split in splits.items():
-                t = statistics.median(peer_times[label])
-                peer_rows.append((name, label, split, t, piped, eager))
+            for (sched, label), split in splits.items():
+                ran = [v for v in peer_times[sched, label] if v == v]  # NaN: a failed round
+                t = statistics.median(ran) if ran else float("nan")
+                peer_rows.append((name, label, sched, split or "-", t, piped, eager))
     print(
         f"\n{ns.batch}x3x{ns.size}x{ns.size}, {ns.microbatches} micro-batches, "
         f"{ns.schedule}, costs {ns.cost}; 2 ranks x 1 thread vs 1 process x 1 thread"
@@ -253,32 +265,53 @@ def main(argv: list[str] | None = None) -> int:
             f"{one / sim_step:7.2f}x | {piped / sim_step:8.2f}"
         )
     if peer_rows:
-        print("\ntorch.distributed.pipelining (pipeline() + Schedule1F1B), same job, medians:")
-        print(f"{'model':<10} {'split':<22} {'at':<14} {'peer s':>8} {'crosscut s':>10} "
-              f"{'peer/crosscut':>13} {'eager/peer':>10}")  # fmt: skip
-        for name, label, split, t, piped, eager in peer_rows:
-            print(f"{name:<10} {label:<22} {split:<14} {t:8.2f} {piped:10.2f} "
+        used = ", ".join(peer.SCHEDULES[k].torch_name for k in ns.peer_schedule)
+        print(f"\ntorch.distributed.pipelining (pipeline() + {used}), same job, medians "
+              f"(crosscut ran {ns.schedule}; nan: refused or failed, see the rounds):")  # fmt: skip
+        at = max(14, *(len(row[3]) for row in peer_rows))  # 3 cuts for 2 pieces per rank
+        print(f"{'model':<10} {'split':<22} {'schedule':<16} {'at':<{at}} {'peer s':>8} "
+              f"{'crosscut s':>10} {'peer/crosscut':>13} {'eager/peer':>10}")  # fmt: skip
+        for name, label, sched, split, t, piped, eager in peer_rows:
+            print(f"{name:<10} {label:<22} {sched:<16} {split:<{at}} {t:8.2f} {piped:10.2f} "
                   f"{t / piped:12.2f}x {eager / t:9.2f}x")  # fmt: skip
     return 0
 
 
-def _peer_splits(name: str, ns: argparse.Namespace, tmp: Path) -> dict[str, str]:
-    """The peer's parameter-balanced split and its best of ``--peer-tries`` tried ones."""
+def _peer_splits(name: str, ns: argparse.Namespace, tmp: Path) -> dict[tuple[str, str], str]:
+    """Per peer schedule, its parameter-balanced cuts and its best of ``--peer-tries`` tried ones.
+
+    Keys are (schedule, label); values the cuts, comma-separated ("" where no
+    cut list could be made, e.g. a model with fewer candidates than pieces).
+    A tried cut list torch refuses counts as infinitely slow; its error is
+    printed, and the run goes on.
+    """
     x, _ = data(ns.batch, ns.size)
     cands = peer.candidates(build(name), x[: ns.batch // ns.microbatches])
-    balanced = peer.balanced_split(cands)
-    near = sorted(cands, key=lambda c: abs(c[2] - 0.5))[: ns.peer_tries]
     trial = argparse.Namespace(**{**vars(ns), "steps": 1, "warmup": 1})
-    tried = {}
-    for split, _, share in near:
-        got = peer.peer_step_time(__file__, name, split, trial, tmp)
-        tried[split] = got.get("step_s", float("inf"))
-        took = got.get("step_s", float("nan"))
-        print(f"  {name}: pipelining trial split at {split} ({share:.0%} of the forward "
-              f"before it): {took:.2f} s {got.get('error', '')}", flush=True)  # fmt: skip
-    best = min(tried, key=lambda k: tried[k])
-    print(f"  {name}: parameter-balanced split at {balanced}; best of {len(tried)} tried: {best}")
-    return {"parameter-balanced": balanced, f"best of {len(tried)} tried": best}
+    out: dict[tuple[str, str], str] = {}
+    for sched in ns.peer_schedule:
+        pieces = peer.SCHEDULES[sched].pieces(2)
+        try:
+            balanced = ",".join(peer.balanced_splits(cands, pieces))
+        except ValueError as e:
+            print(f"  {name}: pipelining {sched}: no parameter-balanced split: {e}", flush=True)
+            balanced = ""
+        tried: dict[str, float] = {}
+        for cuts in peer.tried_splits(cands, pieces, ns.peer_tries):
+            split = ",".join(cuts)
+            shares = "/".join(f"{c[2]:.0%}" for c in cands if c[0] in cuts)
+            got = peer.peer_step_time(__file__, name, split, trial, tmp, sched)
+            tried[split] = got.get("step_s", float("inf"))
+            took = got.get("step_s", float("nan"))
+            print(f"  {name}: pipelining trial split at {split} under {sched} ({shares} of the "
+                  f"forward before): {took:.2f} s {got.get('error', '')}", flush=True)  # fmt: skip
+        ran = [k for k in tried if tried[k] < float("inf")]
+        best = min(ran, key=lambda k: tried[k]) if ran else ""
+        print(f"  {name}: pipelining {sched}: parameter-balanced split at {balanced or '-'}; "
+              f"best of {len(tried)} tried: {best or '- (none ran)'}", flush=True)  # fmt: skip
+        out[sched, "parameter-balanced"] = balanced
+        out[sched, f"best of {len(tried)} tried"] = best
+    return out
 
 
 if __name__ == "__main__":

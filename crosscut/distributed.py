@@ -307,7 +307,7 @@ def compile_distributed(
         graph.gm,
         the_plan,
         replicas=reps,
-        schedule=schedule,
+        schedule=None if schedule == AUTO_SCHEDULE else schedule,  # "auto": the plan's choice
         microbatches=m,
         timeout_s=t_out,
         device=dev,

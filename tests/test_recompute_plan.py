@@ -70,7 +70,7 @@ def _plan(cap: int, recompute: str, **kw: object) -> Plan:
         replicas=1,
         recompute=recompute,
         time_limit=5,
-        **kw,
+        **{"schedule": "1f1b", **kw},  # the rule is 1F1B's (in flight: S - k)
     )
 
 
@@ -288,7 +288,14 @@ def test_bn_step_mode_plans_without_recomputation() -> None:
     with pytest.raises(InfeasiblePlanError):
         torch.manual_seed(0)
         crosscut.compile(
-            Net(), _cluster(cap), X, microbatches=M, bn_mode="step", time_limit=5, replicas=1
+            Net(),
+            _cluster(cap),
+            X,
+            microbatches=M,
+            bn_mode="step",
+            time_limit=5,
+            replicas=1,
+            schedule="1f1b",
         )
 
 

@@ -111,6 +111,7 @@ def lose_a_replica(rank: int, die: int, timeout: float) -> int:
         batch()[0],
         replicas=2,
         microbatches=2,
+        schedule="1f1b",  # DDP's reducer runs in the last backward (not after a split one)
         timeout_s=timeout,
         recompute=False,
         partition_options={"require_all_devices": True},

@@ -223,6 +223,7 @@ class _Search:
                 reduction="none" if plan is None else plan.replication.reduction,
                 allreduce_s=0.0 if plan is None else plan.replication.allreduce_s,
                 widths=[] if plan is None else _widths(plan),
+                schedule="" if plan is None else plan.options.schedule,
             )
         )
 

@@ -227,6 +227,8 @@ class Alternative:
     # devices of each stage where some stage runs on a group (a stage's own data
     # parallelism); empty: one device per stage
     widths: list[int] = field(default_factory=list)
+    # the pipeline schedule the step was priced under ("": no plan, or plans written before)
+    schedule: str = ""
 
     @property
     def data_parallel(self) -> bool:
@@ -243,7 +245,8 @@ class Alternative:
         else:
             each = f"{self.devices} devices" + (f" ({self.stages} stages)" if self.stages else "")
             shape = f"{self.replicas} replica{'s' if self.replicas > 1 else ''} × {each}"
-        return f"{shape}, M={self.microbatches}"
+        pipelined = self.schedule and (self.stages > 1 or self.widths)
+        return f"{shape}, M={self.microbatches}" + (f", {self.schedule}" if pipelined else "")
 
     def text(self) -> str:
         """The label, then the step (and all-reduce) or why there is none."""

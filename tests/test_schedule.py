@@ -130,13 +130,18 @@ def test_zb_h1_idles_less_than_1f1b_with_the_same_memory(sm: tuple[int, int]) ->
     assert [max_inflight(zb, k) for k in range(s)] == [max_inflight(ofob, k) for k in range(s)]
 
 
-def test_a_split_backward_keeps_its_rules() -> None:
-    """W after its own B, and a W for every B once any W appears."""
-    good = parse_schedule("0: 0F0 0B0 0W0")
-    validate_schedule(good, 1, 1, training=True)
-    with pytest.raises(ScheduleError, match="before its input-gradient pass"):
-        validate_schedule(parse_schedule("0: 0F0 0W0 0B0"), 1, 1, training=True)
-    with pytest.raises(ScheduleError, match="0W1 is missing"):
-        validate_schedule(parse_schedule("0: 0F0 0F1 0B0 0W0 0B1"), 1, 2, training=True)
-    with pytest.raises(ScheduleError, match="not part of this run"):
-        validate_schedule(parse_schedule("0: 0F0 0W0"), 1, 1, training=False)
+@pytest.mark.parametrize(
+    ("text", "micro", "training", "message"),
+    [
+        ("0: 0F0 0W0 0B0", 1, True, "before its input-gradient pass"),
+        ("0: 0F0 0F1 0B0 0W0 0B1", 2, True, "0W1 is missing"),
+        ("0: 0F0 0W0", 1, False, "not part of this run"),
+    ],
+)
+def test_a_split_backward_keeps_its_rules(
+    text: str, micro: int, training: bool, message: str
+) -> None:
+    """W after its own B, a W for every B once any W appears, none in inference."""
+    validate_schedule(parse_schedule("0: 0F0 0B0 0W0"), 1, 1, training=True)
+    with pytest.raises(ScheduleError, match=message):
+        validate_schedule(parse_schedule(text), 1, micro, training=training)

@@ -154,7 +154,6 @@ def simulate(plan: Plan) -> Simulation:
     problem, stage_of, stage_device = plan_to_problem(plan)
     ev = evaluate(problem, stage_of, stage_device, plan_groups(plan))
     fwd, bwd = stage_durations(plan, ev)
-    bwd_compute = [max(0.0, c - f) for c, f in zip(ev.stage_compute, _forward_compute(plan, ev))]
     mult = 2 if plan.model.mode == "train" else 1
     comm = [c / mult for c in ev.stage_comm]  # one direction's transfers, per action
     senders: list[set[int]] = [set() for _ in range(plan.num_stages)]
@@ -164,7 +163,9 @@ def simulate(plan: Plan) -> Simulation:
         receivers[j].add(k)
     queues = _actions(plan)
     wgt = [0.0] * plan.num_stages
-    if sched.splits_backward(queues):
+    if sched.splits_backward(queues):  # only then: the compute part of each backward
+        fwd_compute = _forward_compute(plan, ev)
+        bwd_compute = [max(0.0, c - f) for c, f in zip(ev.stage_compute, fwd_compute)]
         for k in range(plan.num_stages):
             moved, wgt[k] = backward_split(plan, k, bwd_compute[k], bool(senders[k]))
             bwd[k] -= moved

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from crosscut.codegen.grouped_stages import local_groups
 from crosscut.errors import InputError
 from crosscut.ir.plan import Plan
 from crosscut.ir.schedule import AUTO_SCHEDULE
+from crosscut.options import CompileKeywords, RunOptions, split_options
 from crosscut.partitioner.validate import validate_plan
 from crosscut.planning import (
     PlanRequest,
@@ -30,7 +31,6 @@ from crosscut.planning import (
     as_tuple,
     check_plan_devices,
     check_plan_precision,
-    check_recompute,
     get_costs,
     load_plan,
     micro_inputs,
@@ -39,7 +39,6 @@ from crosscut.planning import (
     plan_request,
     public_errors,
     recompute_flags_for,
-    recompute_request,
     trace,
 )
 from crosscut.precision import check_precision_devices
@@ -60,58 +59,28 @@ def compile(
     devices: Any,
     example_inputs: Any,
     *,
-    mode: str = "train",
-    schedule: str = AUTO_SCHEDULE,
-    microbatches: int | None = None,
-    replicas: int | None = None,
-    objective: str = "throughput",
     plan: Plan | str | Path | None = None,
-    time_limit: float = 10.0,
-    optimizer: str = "sgd",
-    cost: str = "analytic",
-    seed: int = 0,
-    require_all_devices: bool = False,
     progress: Callable[[float, float, float], None] | None = None,
-    cross_shaped: bool = False,
-    widths: Sequence[int] | None = None,
-    splits: Sequence[str] = ("batch", "channel"),
-    bn_mode: str = "micro",
-    output_merge: Any = None,
-    recompute: str | bool | Sequence[bool] = "auto",
-    precision: str | None = None,
+    options: PlanRequest | None = None,
+    run: RunOptions | None = None,
+    **keywords: Unpack[CompileKeywords],
 ) -> Any:
     """Partition ``model`` over ``devices`` and return a CompiledModule that trains.
 
     The planner chooses the strategy with the shortest predicted step
     (:func:`partition`): data-parallel ``replicas`` (run here as batch-split
     device groups, one per stage position), the pipeline and ``microbatches``;
-    a number given for either is kept. ``bn_mode="exact"`` fixes both at 1
-    unless given (whole-batch statistics rule out splitting the batch).
+    a number given for either is kept.
 
-    ``recompute``: stages keep only their inputs per micro-batch and recompute
-    their activations in backward, with the same numbers
-    (:mod:`crosscut.runtime.recomputing`). ``"auto"`` (default): the planner
-    decides, pricing the memory saved and the extra forward (see
-    :func:`partition`), and a given plan runs as it says; ``"always"``/``True``
-    and ``"never"``/``False`` plan and run every stage that way; one bool per
-    stage overrides the run time only (the plan does not price that).
-
-    ``precision`` (``"fp32"``, ``"bf16"``, ``"fp16"``; default: fp32, or a given
-    plan's): the plan is priced and every call runs under autocast with that
-    dtype (:mod:`crosscut.precision`); fp16 training wants a loss scaler.
-
-    ``bn_mode`` (``"micro"``, ``"step"``, ``"exact"``): batch norm over
-    micro-batches, see :mod:`crosscut.runtime.local.compiled`.
-
-    ``output_merge``: how the micro-batches' outputs become one output
-    (:mod:`crosscut.runtime.output_merge`): batch-major outputs are
-    concatenated on dim 0; any other output needs a rule (``"sum"``,
-    ``"mean"``, ``"same"``, ``"cat"`` or a callable over the list of
-    micro-batch values) at its path, e.g. ``{1: "sum"}`` or ``{"aux.count":
-    "sum"}``, or it is refused here when ``microbatches > 1``.
-
-    ``cross_shaped``/``widths``/``splits``: see :func:`partition`; stages of the
-    plan that run on device groups are width-split by ``codegen/width.py``.
+    Options: :class:`~crosscut.options.PlanRequest`'s fields (how to plan:
+    ``microbatches``, ``schedule``, ``cross_shaped``, ``time_limit``, ...) and
+    :class:`~crosscut.options.RunOptions`' (how to run: ``bn_mode``,
+    ``output_merge``, ``recompute``, ``precision``), as keywords or as the
+    ``options=`` and ``run=`` objects with keywords put over them; each
+    class's docstring says what its fields do. ``bn_mode="exact"`` fixes
+    micro-batches and replicas at 1 unless given (whole-batch statistics rule
+    out splitting the batch). Stages that run on device groups
+    (``cross_shaped=True``) are width-split by ``codegen/width.py``.
 
     With ``plan=`` the saved plan is replayed after checking that it was made
     for this model (fingerprint) and that enough devices are given; its stages
@@ -120,13 +89,8 @@ def compile(
     :class:`~crosscut.runtime.dist.rank_executor.DistributedPipeline` running its own
     stage instead: every option is validated on every rank first, and
     without ``plan`` rank 0 partitions with these options for ``devices`` (one
-    per stage; ``None``: the ranks' own device kind). ``require_all_devices`` makes the solver
-    use every device even where fewer stages would be faster (useful for tests
-    and for models that must be spread for memory).
+    per stage; ``None``: the ranks' own device kind).
     """
-    from crosscut.cost_models.cluster import Cluster
-    from crosscut.runtime import CompiledModule
-
     if not isinstance(model, nn.Module):
         raise InputError(
             "model must be a torch.nn.Module",
@@ -135,30 +99,10 @@ def compile(
         )
     from crosscut.runtime.output_merge import normalize_merge
 
-    normalize_merge(output_merge)  # a bad rule fails here, before tracing
     # every option is checked here, once, on every rank alike under torchrun: the same
-    # error everywhere, before any rank waits on another (planning.PlanRequest)
-    if bn_mode == "exact":  # the whole batch's statistics: one micro-batch on one device
-        microbatches = 1 if microbatches is None else microbatches
-        replicas = 1 if replicas is None else replicas
-    request = PlanRequest(
-        mode=mode,
-        objective=objective,
-        schedule=schedule,
-        microbatches=microbatches,
-        replicas=replicas,
-        time_limit=time_limit,
-        optimizer=optimizer,
-        cost=cost,
-        seed=seed,
-        require_all_devices=require_all_devices,
-        cross_shaped=cross_shaped,
-        widths=None if widths is None else tuple(widths),
-        splits=tuple(splits),
-        recompute=recompute_request(recompute, bn_mode),
-        precision=precision or "fp32",
-    )
-    check_recompute(recompute)
+    # error everywhere, before any rank waits on another
+    request, the_run = split_options(options, run, keywords)
+    normalize_merge(the_run.output_merge)  # a bad rule fails here, before tracing
     if _distributed_run():
         # Under torchrun every rank runs its own stage; the devices come from the ranks
         # (or, given, say what rank 0 plans for).
@@ -166,25 +110,29 @@ def compile(
 
         # a plan (given, or from `crosscut run`'s CROSSCUT_PLAN) brings its own schedule
         # and micro-batches: the model is traced at the plan's micro-batch
-        planned = plan is not None or bool(os.environ.get("CROSSCUT_PLAN"))
+        if plan is not None or os.environ.get("CROSSCUT_PLAN"):
+            request = dataclasses.replace(
+                request, schedule=AUTO_SCHEDULE, microbatches=None, replicas=None
+            )
         return compile_distributed(
-            model,
-            example_inputs,
-            plan,
-            schedule=None if planned else schedule,
-            microbatches=None if planned else microbatches,
-            replicas=None if planned else replicas,
-            bn_mode=bn_mode,
-            output_merge=output_merge,
-            recompute=recompute,
-            precision=precision,
-            devices=devices,
-            partition_options={
-                k: v
-                for k, v in request.partition_options().items()
-                if k not in ("schedule", "microbatches", "replicas", "fill_devices")
-            },
+            model, example_inputs, plan, devices=devices, options=request, run=the_run
         )
+    return _compile_local(model, devices, example_inputs, plan, request, the_run, progress)
+
+
+def _compile_local(
+    model: nn.Module,
+    devices: Any,
+    example_inputs: Any,
+    plan: Plan | str | Path | None,
+    request: PlanRequest,
+    run: RunOptions,
+    progress: Callable[[float, float, float], None] | None,
+) -> Any:
+    """:func:`compile` in this process: plan (or replay ``plan``), trace, build the module."""
+    from crosscut.cost_models.cluster import Cluster
+    from crosscut.runtime import CompiledModule
+
     cl = Cluster.from_any(devices)
     if cl.nodes > 1:
         raise InputError(
@@ -201,7 +149,7 @@ def compile(
         the_plan = plan_request(model, cl, inputs, request, progress=progress, traces=traces)
     else:
         the_plan = load_plan(plan)
-        check_plan_precision(the_plan, precision)
+        check_plan_precision(the_plan, run.precision)
         check_plan_devices(the_plan, cl)
         traces = TraceCache(
             model,
@@ -217,22 +165,20 @@ def compile(
         validate_plan(the_plan, graph)
     # replicas run as batch-split groups over one micro-batch of the whole batch
     run_graph = graph if reps == 1 else traces.graph(int(inputs[0].shape[0]) // m)
-    other_gm = other_mode_graph(model, run_graph)
     groups = local_groups(the_plan, [torch.device(d.device) for d in cl.devices])
-    stage_devices = [devs[0] for devs, _ in groups]
     return CompiledModule(
         model,
         run_graph.gm,
         dict(the_plan.assignment),
-        stage_devices,
+        [devs[0] for devs, _ in groups],
         schedule=the_plan.options.schedule,
-        microbatches=the_plan.options.microbatches,
+        microbatches=m,
         plan=the_plan,
         groups=groups if any(len(devs) > 1 for devs, _ in groups) else None,
-        output_merge=output_merge,
-        bn_mode=bn_mode,
-        other_gm=other_gm,
+        output_merge=run.output_merge,
+        bn_mode=run.bn_mode,
+        other_gm=other_mode_graph(model, run_graph),
         gm_training=the_plan.model.mode == "train",
-        recompute=recompute_flags_for(recompute, the_plan),
+        recompute=recompute_flags_for(run.recompute, the_plan),
         precision=the_plan.options.precision,
     )

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import atexit
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.distributed as dist
@@ -26,6 +25,7 @@ from torch import nn
 from crosscut.errors import CrosscutError, DistributedError, InputError
 from crosscut.ir.plan import Plan
 from crosscut.ir.schedule import AUTO_SCHEDULE
+from crosscut.options import CompileKeywords, PlanRequest, RunOptions, split_options
 from crosscut.partitioner.validate import validate_plan
 from crosscut.planning import as_tuple
 from crosscut.runtime.dist.grad_scaler import PipelineGradScaler
@@ -130,35 +130,25 @@ def init(
 
 
 def _plan_on_rank0(
-    model: nn.Module,
-    inputs: tuple[torch.Tensor, ...],
-    cluster: Any,
-    microbatches: int | None,
-    replicas: int | None,
-    schedule: str,
-    options: Mapping[str, Any],
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], cluster: Any, request: PlanRequest
 ) -> Plan:
     """Rank 0 plans the whole strategy for the job's ranks; everyone gets its plan.
 
     ``inputs`` is the global batch and ``cluster`` one device per rank: the
-    planner chooses the replicas (``None``), the pipeline and the
-    micro-batches (``None``), every rank running a stage
-    (``fill_devices``). ``options`` are :func:`crosscut.partition`'s
-    (objective, time limit, costs, cross-shaped search): what the caller gave
-    ``compile``, honoured here. A planning error on rank 0 is raised on every
-    rank, so none waits for a plan that will not come.
+    planner chooses what ``request`` leaves to it (replicas, micro-batches,
+    schedule), every rank running a stage (``fill_devices``). A planning error
+    on rank 0 is raised on every rank, so none waits for a plan that will not
+    come.
     """
-    from crosscut.options import PlanRequest
     from crosscut.planning import plan_request
 
     box: list[Any] = [None, None]
     if dist.get_rank() == 0:
-        extra = {**dict(options), "microbatches": microbatches, "schedule": schedule}
-        extra.update(replicas=replicas, fill_devices=True)  # one stage per rank
-        if extra.get("cross_shaped"):
-            extra["colocate"] = False  # ranks are devices: no two stages on one group
+        # one stage per rank; ranks are devices: no two stages on one group
+        colocate = request.colocate and not request.cross_shaped
+        request = replace(request, fill_devices=True, colocate=colocate)
         try:
-            plan = plan_request(model, cluster, inputs, PlanRequest(**extra))
+            plan = plan_request(model, cluster, inputs, request)
             box[0] = plan.to_json()
         except CrosscutError as exc:
             box[1] = exc
@@ -208,18 +198,11 @@ def compile_distributed(
     example_inputs: Any,
     plan: Plan | str | Path | None = None,
     *,
-    replicas: int | None = None,
-    schedule: str | None = None,
-    microbatches: int | None = None,
-    timeout_s: float | None = None,
-    device: torch.device | str | None = None,
-    bn_mode: str = "micro",
-    output_merge: Any = None,
     devices: Any = None,
-    partition_options: Mapping[str, Any] | None = None,
-    recompute: str | bool | Sequence[bool] = "auto",
-    precision: str | None = None,
-    overlap_allreduce: bool = True,
+    device: torch.device | str | None = None,
+    options: PlanRequest | None = None,
+    run: RunOptions | None = None,
+    **keywords: Unpack[CompileKeywords],
 ) -> DistributedPipeline:
     """This rank's :class:`DistributedPipeline` of ``model`` under ``plan``.
 
@@ -233,15 +216,72 @@ def compile_distributed(
     (``replicas`` or ``CROSSCUT_REPLICAS``; a given plan brings its own).
     Every rank must build ``model`` identically (same seed) or load a
     checkpoint; replicas are synchronised from replica 0.
-    ``bn_mode``: ``"micro"`` or ``"step"``; ``recompute``: as for :func:`crosscut.compile`.
-    ``overlap_allreduce``: the replicas' gradient all-reduce runs during each
-    stage's last backward, by DDP's reducer (:mod:`crosscut.runtime.dist.overlap`);
-    ``False`` runs it after the backward.
-    ``output_merge``: as for :func:`crosscut.compile` (the last stage merges
-    its replica's micro-batch outputs in ``forward``). Without a plan, rank 0
-    partitions for ``devices`` (one per stage; ``None``: the ranks' own kind)
-    with ``partition_options`` (:func:`crosscut.partition`'s keywords).
+
+    Options are :func:`crosscut.compile`'s (keywords, or ``options=`` and
+    ``run=``): without a plan rank 0 partitions for ``devices`` (one per
+    stage; ``None``: the ranks' own kind) with the planning options; a
+    ``schedule`` or ``microbatches`` given overrides a given plan's. ``device``
+    is this rank's (default: its CUDA device under NCCL, else the CPU).
     """
+    request, the_run = split_options(options, run, keywords)
+    check_bn_mode(the_run.bn_mode)
+    t_out = float(
+        the_run.timeout_s
+        if the_run.timeout_s is not None
+        else os.environ.get("CROSSCUT_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+    )
+    if not dist.is_initialized():
+        init(timeout_s=the_run.timeout_s or DEFAULT_TIMEOUT_S)
+    env_reps = os.environ.get("CROSSCUT_REPLICAS")
+    if request.replicas is None and env_reps:
+        request = replace(request, replicas=int(env_reps))
+    if plan is None and os.environ.get("CROSSCUT_PLAN"):
+        plan = os.environ["CROSSCUT_PLAN"]
+    dev = _rank_device(device)
+    inputs = as_tuple(example_inputs)
+    if plan is None:
+        the_plan = _plan_for_the_job(model, inputs, devices, dev, request)
+    else:
+        the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    return _rank_pipeline(model, inputs, the_plan, request, the_run, dev, t_out)
+
+
+def _rank_device(device: torch.device | str | None) -> torch.device:
+    """This rank's device: as given, else its CUDA device under NCCL, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _plan_for_the_job(
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    devices: Any,
+    dev: torch.device,
+    request: PlanRequest,
+) -> Plan:
+    """Rank 0's plan for the job's ranks, with the replicas (if fixed) dividing the world."""
+    world = dist.get_world_size()
+    if request.replicas is not None and world % request.replicas:
+        raise DistributedError(
+            f"replicas ({request.replicas}) must divide the world size ({world})",
+            remedy="launch replicas × stages processes, or leave replicas to the planner",
+        )
+    return _plan_on_rank0(model, inputs, _plan_cluster(devices, world, dev), request)
+
+
+def _rank_pipeline(
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    the_plan: Plan,
+    request: PlanRequest,
+    run: RunOptions,
+    dev: torch.device,
+    timeout_s: float,
+) -> DistributedPipeline:
+    """Trace this rank's graph at the plan's micro-batch and build its pipeline."""
     from crosscut.codegen.modes import mode_differences
     from crosscut.planning import (
         check_plan_precision,
@@ -250,47 +290,9 @@ def compile_distributed(
         trace,
     )
 
-    check_bn_mode(bn_mode)
-    if not dist.is_initialized():
-        init(timeout_s=timeout_s or DEFAULT_TIMEOUT_S)
-    env_reps = os.environ.get("CROSSCUT_REPLICAS")
-    fixed = replicas if replicas is not None else (int(env_reps) if env_reps else None)
-    t_out = float(
-        timeout_s
-        if timeout_s is not None
-        else os.environ.get("CROSSCUT_TIMEOUT_S", DEFAULT_TIMEOUT_S)
-    )
-    if device is None:
-        dev = (
-            torch.device("cuda", torch.cuda.current_device())
-            if (dist.get_backend() == "nccl")
-            else torch.device("cpu")
-        )
-    else:
-        dev = torch.device(device)
-    if plan is None and os.environ.get("CROSSCUT_PLAN"):
-        plan = os.environ["CROSSCUT_PLAN"]
-    inputs = as_tuple(example_inputs)
-    world = dist.get_world_size()
-    if plan is None:
-        if fixed is not None and world % fixed:
-            raise DistributedError(
-                f"replicas ({fixed}) must divide the world size ({world})",
-                remedy="launch replicas × stages processes, or leave replicas to the planner",
-            )
-        cluster = _plan_cluster(devices, world, dev)
-        options = {**(partition_options or {})}
-        if precision is not None:
-            options["precision"] = precision
-        the_plan = _plan_on_rank0(
-            model, inputs, cluster, microbatches, fixed, schedule or AUTO_SCHEDULE, options
-        )
-        reps = the_plan.replication.replicas
-    else:
-        the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
-        reps = fixed if fixed is not None else the_plan.replication.replicas
-    check_plan_precision(the_plan, precision)
-    m = microbatches or the_plan.options.microbatches
+    reps = request.replicas if request.replicas is not None else the_plan.replication.replicas
+    check_plan_precision(the_plan, run.precision)
+    m = request.microbatches or the_plan.options.microbatches
     batch = int(inputs[0].shape[0])
     if batch % (reps * m):
         raise InputError(
@@ -307,14 +309,15 @@ def compile_distributed(
         graph.gm,
         the_plan,
         replicas=reps,
-        schedule=None if schedule == AUTO_SCHEDULE else schedule,  # "auto": the plan's choice
+        # "auto": the plan's choice
+        schedule=None if request.schedule == AUTO_SCHEDULE else request.schedule,
         microbatches=m,
-        timeout_s=t_out,
+        timeout_s=timeout_s,
         device=dev,
-        bn_mode=bn_mode,
-        output_merge=output_merge,
-        recompute=recompute_flags_for(recompute, the_plan),
-        overlap_allreduce=overlap_allreduce,
+        bn_mode=run.bn_mode,
+        output_merge=run.output_merge,
+        recompute=recompute_flags_for(run.recompute, the_plan),
+        overlap_allreduce=run.overlap_allreduce,
     )
     if other is not None:  # one program per rank: the other mode is refused, never run wrong
         why = [str(other)] if isinstance(other, Exception) else mode_differences(graph.gm, other)

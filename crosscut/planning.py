@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import torch
 from torch import nn
@@ -24,8 +24,7 @@ from torch import nn
 from crosscut.errors import CrosscutError, InputError, PlanError
 from crosscut.ir.graph import OpGraph
 from crosscut.ir.plan import Plan
-from crosscut.ir.schedule import AUTO_SCHEDULE
-from crosscut.options import PlanRequest, check_options, cross_options
+from crosscut.options import PlanKeywords, PlanRequest, check_options, cross_options, plan_options
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.recompute_choice import (
     check_recompute,
@@ -138,26 +137,10 @@ def partition(
     cluster: Any,
     example_inputs: Any = None,
     *,
-    mode: str = "train",
-    objective: str = "throughput",
-    schedule: str = AUTO_SCHEDULE,
-    microbatches: int | None = None,
-    replicas: int | None = None,
-    time_limit: float = 10.0,
-    optimizer: str = "sgd",
-    cost: str = "analytic",
-    overlap_comm: bool = False,
-    seed: int = 0,
-    solver: str = "cpsat",
-    require_all_devices: bool = False,
     model_name: str = "",
     progress: Callable[[float, float, float], None] | None = None,
-    cross_shaped: bool = False,
-    widths: Sequence[int] | None = None,
-    splits: Sequence[str] = ("batch", "channel"),
-    colocate: bool = True,
-    recompute: str = "auto",
-    precision: str = "fp32",
+    options: PlanRequest | None = None,
+    **keywords: Unpack[PlanKeywords],
 ) -> Plan:
     """Find the fastest plan for a model (or an already traced OpGraph) on ``cluster``.
 
@@ -168,48 +151,18 @@ def partition(
     Given a model and its (global) batch, the planner chooses the whole
     strategy for the shortest predicted step (:mod:`crosscut.strategy`):
     ``replicas`` data-parallel copies (data parallelism on every device is
-    always priced), the pipeline each runs, and ``microbatches``. ``None``
-    (default) leaves a count to the planner; a number is a constraint. The
-    plan lists every strategy considered (``plan.strategy``). Given an
-    OpGraph (traced at one micro-batch), only the pipeline is planned.
+    always priced), the pipeline each runs, and ``microbatches``. The plan
+    lists every strategy considered (``plan.strategy``). Given an OpGraph
+    (traced at one micro-batch), only the pipeline is planned.
 
-    ``cross_shaped=True`` lets a stage run on a group of devices split by
-    ``splits`` (``"batch"``: data parallel inside the stage; ``"channel"``:
-    conv/linear split by output channels) with group widths from ``widths``
-    (default: 2, 4, 8, ... up to the device count, and the count itself).
-    ``colocate=False`` forbids the last stage from sharing the previous stage's
-    device group (needed for plans run under torchrun: one stage per rank).
-
-    ``recompute`` (training only): ``"auto"`` lets stages keep only their inputs
-    and recompute their activations in backward where that makes a plan fit
-    the memory caps or run faster; ``"never"``; ``"always"``. The plan records
-    it per stage and ``crosscut.compile`` runs it
-    (:func:`crosscut.partitioner.partition.partition_graph` says how).
-
-    ``precision`` (``"fp32"``, ``"bf16"``, ``"fp16"``): ops are priced and run
-    under autocast with that dtype (:mod:`crosscut.precision`); bf16 is refused
-    on devices without it.
+    The options are :class:`~crosscut.options.PlanRequest`'s fields, given
+    as keywords (``microbatches=8``, ``cross_shaped=True``, ...) or as one
+    ``options=`` object with keywords put over it; its docstring says what
+    each does. ``None`` leaves a count to the planner; a number is a
+    constraint. ``progress(wall_s, objective_s, bound_s)`` is called for each
+    new solver incumbent; ``model_name`` is recorded in the plan.
     """
-    request = PlanRequest(
-        mode=mode,
-        objective=objective,
-        schedule=schedule,
-        microbatches=microbatches,
-        replicas=replicas,
-        time_limit=time_limit,
-        optimizer=optimizer,
-        cost=cost,
-        overlap_comm=overlap_comm,
-        seed=seed,
-        solver=solver,
-        require_all_devices=require_all_devices,
-        cross_shaped=cross_shaped,
-        widths=None if widths is None else tuple(widths),
-        splits=tuple(splits),
-        colocate=colocate,
-        recompute=recompute,
-        precision=precision,
-    )
+    request = plan_options(options, keywords)
     return plan_request(
         model_or_graph, cluster, example_inputs, request, model_name=model_name, progress=progress
     )

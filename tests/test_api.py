@@ -254,3 +254,60 @@ def test_one_device_partition_is_one_optimal_stage() -> None:
         )
         assert plan.solver.status == "OPTIMAL"
         assert [s.devices for s in plan.stages] == [[plan.cluster.devices[0].name]]
+
+
+# ---- one options object (issue 26) -----------------------------------------------------
+
+
+def test_the_keywords_types_list_exactly_the_options_fields() -> None:
+    """A new option is a field of PlanRequest or RunOptions: the keywords' types must follow,
+    or a type checker would refuse (or miss) it at every front door."""
+    from crosscut.options import (
+        PLAN_FIELDS,
+        RUN_FIELDS,
+        CompileKeywords,
+        PlanKeywords,
+    )
+
+    assert set(PlanKeywords.__annotations__) | set(PlanKeywords.__optional_keys__) == set(
+        PLAN_FIELDS
+    )
+    assert set(CompileKeywords.__optional_keys__) == set(PLAN_FIELDS) | set(RUN_FIELDS)
+
+
+def test_an_unknown_option_is_refused_with_the_nearest_name(resnet18: nn.Module) -> None:
+    x = torch.randn(4, 3, 32, 32)
+    with pytest.raises(InputError, match=r"no option 'microbatch'.*did you mean 'microbatches'"):
+        crosscut.partition(resnet18, ["cpu", "cpu"], x, microbatch=2)  # type: ignore[call-arg]
+    with pytest.raises(InputError, match=r"crosscut\.partition has no option 'bn_mode'"):
+        crosscut.partition(resnet18, ["cpu"], x, bn_mode="step")  # type: ignore[call-arg]
+    with pytest.raises(InputError, match=r"crosscut\.compile has no option 'shedule'"):
+        crosscut.compile(resnet18, ["cpu"], x, shedule="1f1b")  # type: ignore[call-arg]
+
+
+def test_an_options_object_and_keywords_over_it_plan_alike() -> None:
+    """options= is the same request as its fields given as keywords; a keyword wins."""
+    from crosscut.options import PlanRequest, RunOptions, split_options
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(8, 8)
+    base = PlanRequest(microbatches=2, schedule="gpipe", time_limit=5)
+    by_object = crosscut.partition(model, ["cpu", "cpu"], x, options=base, replicas=1)
+    by_keywords = crosscut.partition(
+        model, ["cpu", "cpu"], x, microbatches=2, schedule="gpipe", time_limit=5, replicas=1
+    )
+    assert by_object.options.microbatches == by_keywords.options.microbatches == 2
+    assert by_object.options.schedule == by_keywords.options.schedule == "gpipe"
+    assert by_object.assignment == by_keywords.assignment
+    # compile's run options: the run's recompute and precision also set the plan's;
+    # exact batch norm fixes M and R at 1 unless given
+    request, run = split_options(base, RunOptions(recompute="always"), {"bn_mode": "exact"})
+    assert (request.recompute, run.recompute, run.bn_mode) == ("always", "always", "exact")
+    assert (request.microbatches, request.replicas) == (2, 1)
+    request, _ = split_options(None, None, {"bn_mode": "step"})
+    assert request.recompute == "never"  # "auto" cannot run under step statistics
+    request, run = split_options(None, None, {"recompute": [True, False], "precision": "bf16"})
+    assert (request.recompute, run.recompute) == ("never", (True, False))
+    assert (request.precision, run.precision) == ("bf16", "bf16")
+    with pytest.raises(InputError, match="recompute must be one of"):
+        RunOptions(recompute="sometimes")

@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from crosscut.cli.args import _positive_float, _positive_int, _shape
 from crosscut.errors import CrosscutError
@@ -21,6 +21,9 @@ from crosscut.ir.schedule import AUTO_SCHEDULE, SCHEDULE_CHOICES
 from crosscut.version import __version__
 
 __all__ = ["build_parser", "main"]
+
+if TYPE_CHECKING:
+    from crosscut.options import PlanRequest
 
 EXIT_USAGE = 2
 
@@ -192,6 +195,14 @@ def _load(args: argparse.Namespace, *, meta: bool = False) -> tuple[Any, Any]:
     return model, example_batch(tuple(shape), args.batch)
 
 
+def _plan_request(args: argparse.Namespace) -> PlanRequest:
+    """The planning options the command line gave: every PlanRequest field it has a flag for."""
+    from crosscut.options import PLAN_FIELDS, PlanRequest
+
+    given = {name: getattr(args, name) for name in PLAN_FIELDS if hasattr(args, name)}
+    return PlanRequest(**given, colocate=not args.no_colocate)
+
+
 def _cmd_partition(args: argparse.Namespace) -> int:
     import crosscut
     from crosscut.viz import print_summary
@@ -213,21 +224,9 @@ def _cmd_partition(args: argparse.Namespace) -> int:
             model,
             args.devices,
             x,
-            mode=args.mode,
-            objective=args.objective,
-            schedule=args.schedule,
-            microbatches=args.microbatches,
-            replicas=args.replicas,
-            time_limit=args.time_limit,
-            optimizer=args.optimizer,
-            cost=args.cost,
-            seed=args.seed,
             model_name=args.model,
             progress=progress,
-            cross_shaped=args.cross_shaped,
-            colocate=not args.no_colocate,
-            recompute=args.recompute,
-            precision=args.precision,
+            options=_plan_request(args),
         )
     plan.save(args.output)
     print_summary(plan)

@@ -114,7 +114,7 @@ def lose_a_replica(rank: int, die: int, timeout: float) -> int:
         schedule="1f1b",  # DDP's reducer runs in the last backward (not after a split one)
         timeout_s=timeout,
         recompute=False,
-        partition_options={"require_all_devices": True},
+        require_all_devices=True,
     )
     if rank == die:
         backward = pipe._engine.backward
@@ -153,7 +153,7 @@ def main() -> int:
                     timeout_s=a.timeout,
                     overlap_allreduce=on,
                     recompute=False,
-                    partition_options={"require_all_devices": True},
+                    require_all_devices=True,
                 )
                 assert (pipe._reducer is not None) == on
                 log: list[Any] = []

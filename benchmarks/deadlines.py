@@ -42,14 +42,14 @@ def _resnet50(cross: bool, limit: float) -> tuple[float, str]:
 def _synthetic(limit: float) -> tuple[float, str]:
     from synthetic import make_problem, num_nodes, resnet_like
 
-    from crosscut.partitioner.solvers import solve
+    from crosscut.partitioner.solvers import SolveSettings, solve
 
     edges = resnet_like(854)
     pb = make_problem(edges, num_nodes(edges), 7, rng=random.Random(1), mem_cap=128 << 30)
     speed = (1.0, 1.0, 1.5, 1.5, 2.0, 3.0, 3.0)
     pb = dataclasses.replace(pb, compute=[[row[0] * s for s in speed] for row in pb.compute])
     t0 = time.perf_counter()
-    res = solve(pb, time_limit=limit)
+    res = solve(pb, SolveSettings(time_limit=limit))
     wall = time.perf_counter() - t0
     return wall, (
         f"{res.status} objective {res.objective * 1e3:.3f} ms bound {res.best_bound * 1e3:.3f} ms"

@@ -40,6 +40,7 @@ from synthetic import (
 
 from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.solvers.cpsat import solve_cpsat
+from crosscut.partitioner.solvers.settings import SolveSettings
 
 STRATEGIES = ("auto", "enumerate", "heuristic")
 
@@ -95,7 +96,7 @@ def main() -> None:
         runs = {}
         for s in STRATEGIES:
             t0 = time.perf_counter()
-            res = solve_cpsat(pb, time_limit=args.limit, orders=s)
+            res = solve_cpsat(pb, SolveSettings(time_limit=args.limit, orders=s))
             runs[s] = (res, time.perf_counter() - t0)
         best = min(r.objective for r, _ in runs.values())
         row = f"{name:34} {pb.n:5d} {pb.num_devices:2d}"

@@ -142,7 +142,7 @@ def num_nodes(edges: list[tuple[int, int]]) -> int:
 
 
 def _bench(argv: list[str]) -> None:
-    from crosscut.partitioner.solvers import solve
+    from crosscut.partitioner.solvers import SolveSettings, solve
 
     limit = float(argv[0]) if argv else 10.0
     workers = int(argv[1]) if len(argv) > 1 else 1
@@ -161,7 +161,7 @@ def _bench(argv: list[str]) -> None:
         for d in (2, 4, 8):
             prob = make_problem(edges, n, d, rng=random.Random(1))
             t0 = time.perf_counter()
-            res = solve(prob, time_limit=limit, seed=0, workers=workers)
+            res = solve(prob, SolveSettings(time_limit=limit, seed=0, workers=workers))
             wall = time.perf_counter() - t0
             print(
                 f"{name:15} {n:4d} {len(prob.edges):5d} {d:2d} {res.status:>9} {wall:7.2f} "

@@ -130,6 +130,7 @@ def solve_traced(
 ) -> Plan:
     """One pipeline over ``cluster`` for ``graph`` (traced at one micro-batch)."""
     from crosscut.partitioner.partition import partition_graph
+    from crosscut.partitioner.solvers.settings import SolveSettings
 
     r = request
     groups, allowed = r.stage_groups(1)
@@ -152,12 +153,14 @@ def solve_traced(
         costs,
         cluster,
         options,
+        settings=SolveSettings(
+            solver=r.solver,
+            require_all_devices=r.require_all_devices,
+            progress=progress,
+            colocate=r.colocate,
+            deadline=deadline,
+        ),
         input_shapes=input_shapes or [],
-        solver=r.solver,
-        require_all_devices=r.require_all_devices,
-        progress=progress,
-        colocate=r.colocate,
         recompute=r.recompute,
-        deadline=deadline,
     )
     return choose_schedule(plan) if r.schedule == AUTO_SCHEDULE else plan

@@ -17,7 +17,7 @@ import pytest
 from crosscut.ir.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.evaluate import check, evaluate, lower_bound, single_groups
 from crosscut.partitioner.group_costs import batch_split_exports, share
-from crosscut.partitioner.solvers import solve
+from crosscut.partitioner.solvers import SolveSettings, solve
 from crosscut.partitioner.solvers.bruteforce import brute_force_groups
 from crosscut.partitioner.solvers.cross import cross_dp, data_parallel
 
@@ -231,7 +231,7 @@ def test_group_dp_valid_on_dags_and_never_beats_brute_force(seed: int) -> None:
     rng = random.Random(100 + seed)
     pb = make(rng, rng.randint(5, 7), chain=False, microbatches=rng.choice([1, 2]))
     brute = brute_force_groups(pb)
-    res = solve(pb, time_limit=2.0)
+    res = solve(pb, SolveSettings(time_limit=2.0))
     assert res.groups is not None
     leaders = [g.leader for g in res.groups]
     assert not check(pb, res.stage_of, leaders, res.groups)
@@ -244,8 +244,8 @@ def test_group_dp_valid_on_dags_and_never_beats_brute_force(seed: int) -> None:
 def test_cross_never_worse_than_pipeline_or_data_parallel() -> None:
     rng = random.Random(7)
     pb = make(rng, 7, chain=False)
-    res = solve(pb, time_limit=2.0)
-    plain = solve(dataclasses.replace(pb, widths=(1,), splits=()), time_limit=2.0)
+    res = solve(pb, SolveSettings(time_limit=2.0))
+    plain = solve(dataclasses.replace(pb, widths=(1,), splits=()), SolveSettings(time_limit=2.0))
     dp = data_parallel(pb)
     assert dp is not None
     dp_obj = evaluate(pb, dp[0], [g.leader for g in dp[1]], dp[1]).objective
@@ -256,7 +256,7 @@ def test_cross_never_worse_than_pipeline_or_data_parallel() -> None:
 
 def test_defaults_leave_the_pipeline_solver_alone() -> None:
     pb = dataclasses.replace(make(random.Random(2), 6, chain=False), widths=(1,), splits=())
-    res = solve(pb, time_limit=2.0)
+    res = solve(pb, SolveSettings(time_limit=2.0))
     assert res.groups is None and res.solver == "cpsat"
 
 

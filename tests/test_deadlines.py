@@ -21,7 +21,7 @@ from benchmarks.synthetic import make_problem, num_nodes, resnet_like
 from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import check, evaluate
-from crosscut.partitioner.solvers import SolveResult, solve
+from crosscut.partitioner.solvers import SolveResult, SolveSettings, solve
 from crosscut.partitioner.solvers.baselines import all_baselines, chain_dp, greedy, time_balanced
 from crosscut.partitioner.solvers.cross import cross_dp_search, solve_cross
 
@@ -87,7 +87,7 @@ def test_large_graph_on_unequal_devices_returns_by_the_limit(
 ) -> None:
     limit = 1.5
     t0 = time.perf_counter()
-    res = solve(big, time_limit=limit, solver=solver)
+    res = solve(big, SolveSettings(time_limit=limit, solver=solver))
     _within(limit, time.perf_counter() - t0)
     _honest(big, res)
     assert res.status in ("FEASIBLE", "FALLBACK", "OPTIMAL")
@@ -131,7 +131,7 @@ def test_cross_shaped_search_on_64_devices_returns_by_the_limit() -> None:
     pb = _cross(64)
     limit = 2.0
     t0 = time.perf_counter()
-    res = solve(pb, time_limit=limit)
+    res = solve(pb, SolveSettings(time_limit=limit))
     _within(limit, time.perf_counter() - t0)
     assert res.groups is not None
     _honest(pb, res)

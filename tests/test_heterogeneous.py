@@ -23,6 +23,7 @@ from crosscut.partitioner.evaluate import check
 from crosscut.partitioner.solvers.bruteforce import brute_force
 from crosscut.partitioner.solvers.cpsat import solve_cpsat
 from crosscut.partitioner.solvers.orders import candidate_orders, count_orders, device_classes
+from crosscut.partitioner.solvers.settings import SolveSettings
 
 
 def _six_and_one(seed: int, n: int = 6) -> PartitionProblem:
@@ -49,7 +50,7 @@ def _six_and_one(seed: int, n: int = 6) -> PartitionProblem:
 def test_six_identical_plus_one_slow_is_within_one_percent_and_proved(seed: int) -> None:
     pb = _six_and_one(seed)
     best = brute_force(pb).objective
-    res = solve_cpsat(pb, time_limit=10.0)
+    res = solve_cpsat(pb, SolveSettings(time_limit=10.0))
     assert res.objective <= best * 1.01, (res.objective, best)
     assert res.best_bound <= best * (1 + 1e-6)  # a valid bound
     assert res.gap <= 0.01 and res.best_bound >= res.objective / 1.01  # and it proves 1 %
@@ -125,7 +126,7 @@ def test_the_slow_device_in_the_middle_of_the_pipeline() -> None:
         latency=[[0.0] * d for _ in range(d)],
         training=False,
     )
-    res = solve_cpsat(pb, time_limit=10.0)
+    res = solve_cpsat(pb, SolveSettings(time_limit=10.0))
     assert res.objective == pytest.approx(1.0) and res.status == "OPTIMAL"
     assert res.stage_device[res.stage_of[3]] == 6 and res.stage_of[3] == 3
 
@@ -134,7 +135,7 @@ def test_the_slow_device_in_the_middle_of_the_pipeline() -> None:
 def test_five_device_kinds_on_uniform_links_match_brute_force(seed: int) -> None:
     pb = _kinds(seed, [1.0, 1.3, 1.7, 2.5, 4.0])  # 120 orders: the class model, exact
     best = brute_force(pb).objective
-    res = solve_cpsat(pb, time_limit=10.0)
+    res = solve_cpsat(pb, SolveSettings(time_limit=10.0))
     assert res.objective == pytest.approx(best, rel=1e-6)
     assert res.status == "OPTIMAL" and res.gap <= 1e-5
     assert any("class model over 120 device orders" in note for note in res.notes)
@@ -143,7 +144,7 @@ def test_five_device_kinds_on_uniform_links_match_brute_force(seed: int) -> None
 @pytest.mark.parametrize("seed", range(3))
 def test_pairwise_links_leave_5040_orders_and_the_class_model_bounds_them(seed: int) -> None:
     pb = _kinds(seed, [1.0] * 6 + [4.0], links="pairwise")  # no symmetry left: 5,040 orders
-    res = solve_cpsat(pb, time_limit=10.0)
+    res = solve_cpsat(pb, SolveSettings(time_limit=10.0))
     best = brute_force(pb).objective
     assert res.best_bound <= best * (1 + 1e-6) <= res.objective * (1 + 1e-6)
     assert check(pb, res.stage_of, res.stage_device) == []
@@ -157,7 +158,7 @@ def test_three_kinds_on_two_link_classes_are_enumerated_exactly(seed: int) -> No
     pb = dataclasses.replace(
         pb, bandwidth=[[8e3 if a // 2 == b // 2 else 5e2 for b in range(4)] for a in range(4)]
     )
-    res = solve_cpsat(pb, time_limit=10.0)
+    res = solve_cpsat(pb, SolveSettings(time_limit=10.0))
     best = brute_force(pb).objective
     assert res.objective == pytest.approx(best, rel=1e-6) and res.status == "OPTIMAL"
 
@@ -168,9 +169,9 @@ def _matches_brute_force(pb: PartitionProblem, require_all: bool) -> float | Non
         best = brute_force(pb, require_all_devices=require_all).objective
     except InfeasiblePlanError:
         with pytest.raises(InfeasiblePlanError):
-            solve_cpsat(pb, time_limit=10.0, require_all_devices=require_all)
+            solve_cpsat(pb, SolveSettings(time_limit=10.0, require_all_devices=require_all))
         return None
-    res = solve_cpsat(pb, time_limit=10.0, require_all_devices=require_all)
+    res = solve_cpsat(pb, SolveSettings(time_limit=10.0, require_all_devices=require_all))
     assert check(pb, res.stage_of, res.stage_device) == []
     assert res.objective == pytest.approx(best, rel=1e-6), require_all
     assert res.status == "OPTIMAL" and res.best_bound <= best * (1 + 1e-6)
@@ -188,7 +189,7 @@ def test_class_model_with_binding_memory_caps_and_every_device_used(seed: int) -
         best = _matches_brute_force(pb, require_all)
         if best is None:
             continue
-        res = solve_cpsat(pb, time_limit=10.0, require_all_devices=require_all)
+        res = solve_cpsat(pb, SolveSettings(time_limit=10.0, require_all_devices=require_all))
         if require_all:
             assert sorted(res.stage_device) == list(range(5))
         # two heuristic orders, one model each, when no baseline fits: CP-SAT runs (an
@@ -196,7 +197,8 @@ def test_class_model_with_binding_memory_caps_and_every_device_used(seed: int) -
         # plan or says it found none, never that none exists (those orders are not all)
         try:
             heur = solve_cpsat(
-                pb, time_limit=10.0, require_all_devices=require_all, orders="heuristic"
+                pb,
+                SolveSettings(time_limit=10.0, require_all_devices=require_all, orders="heuristic"),
             )
         except PartitionError as exc:
             assert not isinstance(exc, InfeasiblePlanError)
@@ -209,7 +211,7 @@ def test_class_model_with_binding_memory_caps_and_every_device_used(seed: int) -
 def test_latency_objective_on_five_kinds_matches_brute_force(seed: int) -> None:
     pb = dataclasses.replace(_kinds(seed, [1.0, 1.3, 1.7, 2.5, 4.0]), objective="latency")
     best = brute_force(pb).objective
-    res = solve_cpsat(pb, time_limit=10.0)
+    res = solve_cpsat(pb, SolveSettings(time_limit=10.0))
     assert res.objective == pytest.approx(best, rel=1e-6)
     assert res.status == "OPTIMAL"
     assert any("class model over 120 device orders" in note for note in res.notes)

@@ -25,7 +25,7 @@ from benchmarks.synthetic import (
 from crosscut.errors import InfeasiblePlanError, PartitionError
 from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.evaluate import check, evaluate, lower_bound
-from crosscut.partitioner.solvers import solve, solve_cpsat
+from crosscut.partitioner.solvers import SolveSettings, solve, solve_cpsat
 from crosscut.partitioner.solvers.baselines import (
     chain_dp,
     device_order,
@@ -90,10 +90,10 @@ def test_cpsat_matches_brute_force(pb: PartitionProblem) -> None:
     best = _brute_or_none(pb)
     if best is None:
         with pytest.raises(InfeasiblePlanError) as info:
-            solve_cpsat(pb, time_limit=5.0)
+            solve_cpsat(pb, SolveSettings(time_limit=5.0))
         assert any(ch.isdigit() for ch in str(info.value))
         return
-    res = solve_cpsat(pb, time_limit=5.0)
+    res = solve_cpsat(pb, SolveSettings(time_limit=5.0))
     assert res.status == "OPTIMAL"
     assert check(pb, res.stage_of, res.stage_device) == []
     assert res.objective == pytest.approx(evaluate(pb, res.stage_of, res.stage_device).objective)
@@ -119,7 +119,7 @@ def test_baselines_are_valid_and_chain_dp_beats_naive_splits(pb: PartitionProble
     if dp is not None:
         assert check(pb, *dp) == []
         for solver in ("dp", "greedy"):
-            res = solve(pb, solver=solver)
+            res = solve(pb, SolveSettings(solver=solver))
             assert check(pb, res.stage_of, res.stage_device) == []
             assert res.objective <= evaluate(pb, *dp).objective * (1 + 1e-9)
             assert res.best_bound <= res.objective
@@ -147,8 +147,8 @@ def test_deterministic_and_progress_reported() -> None:
     edges = resnet_like(30)
     pb = make_problem(edges, num_nodes(edges), 4, rng=random.Random(7))
     seen: list[tuple[float, float, float]] = []
-    a = solve(pb, seed=3, progress=lambda *x: seen.append(x))
-    b = solve(pb, seed=3)
+    a = solve(pb, SolveSettings(seed=3, progress=lambda *x: seen.append(x)))
+    b = solve(pb, SolveSettings(seed=3))
     assert (a.stage_of, a.stage_device, a.objective) == (b.stage_of, b.stage_device, b.objective)
     assert seen and all(obj >= bound * (1 - 1e-6) for _, obj, bound in seen)
 
@@ -156,7 +156,7 @@ def test_deterministic_and_progress_reported() -> None:
 def test_tiny_time_limit_still_returns_a_valid_plan_with_a_gap() -> None:
     edges = densenet_like()
     pb = make_problem(edges, num_nodes(edges), 8, rng=random.Random(1))
-    res = solve(pb, time_limit=0.01)
+    res = solve(pb, SolveSettings(time_limit=0.01))
     assert res.status in ("OPTIMAL", "FEASIBLE", "FALLBACK")
     assert check(pb, res.stage_of, res.stage_device) == []
     assert 0.0 <= res.gap < 1.0
@@ -171,9 +171,9 @@ def test_more_devices_than_useful_and_require_all() -> None:
     assert res.num_stages <= 3
     assert any("of 4 devices" in note for note in res.notes)
     with pytest.raises(PartitionError):
-        solve(pb, require_all_devices=True)
+        solve(pb, SolveSettings(require_all_devices=True))
     pb2 = make_problem(resnet_like(3), 11, 4, rng=rng, bandwidth=1e6)  # comm dominates
-    res2 = solve(pb2, require_all_devices=True)
+    res2 = solve(pb2, SolveSettings(require_all_devices=True))
     assert res2.num_stages == 4
     assert check(pb2, res2.stage_of, res2.stage_device) == []
 
@@ -186,7 +186,7 @@ def test_heterogeneous_many_devices_are_searched_by_device_class() -> None:
     pb = PartitionProblem(
         **{**pb.__dict__, "compute": [[c[0] * (1 + (d % 2)) for d in range(5)] for c in pb.compute]}
     )
-    res = solve(pb, time_limit=5.0)
+    res = solve(pb, SolveSettings(time_limit=5.0))
     assert check(pb, res.stage_of, res.stage_device) == []
     assert res.status == "OPTIMAL" and res.best_bound == pytest.approx(res.objective, rel=1e-5)
     assert any("class model over 10 device orders" in note for note in res.notes)
@@ -297,14 +297,16 @@ def test_bounds_never_exceed_brute_force(seed: int) -> None:
     assert comm_lower_bound(relaxed.problem, floating=floating) <= best * (1 + 1e-9)
     sub = brute_force(relaxed.problem)
     assert sub.objective <= best * (1 + 1e-9)
-    with_c10 = solve_cpsat(relaxed.problem, time_limit=5.0, relax=False, floating=floating)
+    with_c10 = solve_cpsat(
+        relaxed.problem, SolveSettings(time_limit=5.0, relax=False, floating=floating)
+    )
     assert with_c10.best_bound <= best * (1 + 1e-6)
     # the expanded plan is a plan of the original (placement rules; memory may differ)
     plan = relaxed.expand(
         sub.stage_of, evaluate(relaxed.problem, sub.stage_of, sub.stage_device).stage_time
     )
     assert not [e for e in check(pb, plan, sub.stage_device) if "needs" not in e]
-    full = solve_cpsat(pb, time_limit=5.0)
+    full = solve_cpsat(pb, SolveSettings(time_limit=5.0))
     assert full.status == "OPTIMAL"
     assert full.objective == pytest.approx(best, rel=REL)
     assert full.best_bound <= best * (1 + 1e-6)
@@ -383,8 +385,8 @@ def _transformer_with_bias_trees(blocks: int, devices: int) -> PartitionProblem:
 
 def test_side_tree_phase_proves_the_same_optimum() -> None:
     pb = _transformer_with_bias_trees(12, 8)
-    plain = solve_cpsat(pb, time_limit=10.0, relax=False)
-    res = solve_cpsat(pb, time_limit=10.0)
+    plain = solve_cpsat(pb, SolveSettings(time_limit=10.0, relax=False))
+    res = solve_cpsat(pb, SolveSettings(time_limit=10.0))
     assert any("side-tree relaxation (24 of 74 nodes removed)" in note for note in res.notes)
     assert res.status == plain.status == "OPTIMAL"
     assert res.objective == pytest.approx(plain.objective, rel=1e-5)

@@ -34,17 +34,16 @@ from crosscut.ir.plan import (
     PricedRate,
     SolverRecord,
 )
+from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.build import CostLookup, plan_nodes, problem_from_parts
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import lower_bound
 from crosscut.partitioner.recompute_choice import keep_needed, plan_objective
-from crosscut.partitioner.solvers import PIPELINE_SHARE, SolveResult, solve
+from crosscut.partitioner.solvers import PIPELINE_SHARE, SolveResult, SolveSettings, solve
 from crosscut.partitioner.solvers.cross import solve_cross
 
 __all__ = ["partition_graph", "plan_cluster"]
-
-Progress = Callable[[float, float, float], None]
 
 
 def plan_cluster(cluster: Any) -> PlanCluster:
@@ -137,16 +136,19 @@ def partition_graph(
     cluster: Any,
     options: PlanOptions,
     *,
+    settings: SolveSettings | None = None,
     input_shapes: list[list[int]] | None = None,
-    solver: str = "cpsat",
-    require_all_devices: bool = False,
     use_coarsening: bool = True,
-    progress: Progress | None = None,
-    colocate: bool = True,
     recompute: str = "never",
-    deadline: Deadline | None = None,
 ) -> Plan:
     """Solve the partition of ``graph`` (traced at micro-batch size) over ``cluster``.
+
+    ``settings``: how to solve (solver, require_all_devices, progress,
+    colocate, ...). The seed and the time limit are the plan's, so they come
+    from ``options`` (``options.seed``, ``options.time_limit_s``), not from
+    ``settings``; ``settings.deadline`` (the caller's, covering tracing too)
+    defaults to ``options.time_limit_s`` from now, and the call returns by it
+    (module docstring).
 
     ``recompute``: ``"never"`` keeps every activation; ``"always"`` makes every
     stage keep only its inputs and one micro-batch of activations, paying one
@@ -158,14 +160,9 @@ def partition_graph(
     "auto" keeps the faster of the two plans, saying why in the solver notes.
     Inference never recomputes. ``"never"`` is exactly the plan of a planner
     that knows nothing of recomputation.
-
-    ``deadline`` (the caller's, covering tracing too) defaults to
-    ``options.time_limit_s`` from now; the call returns by it (module docstring).
     """
-    dl = Deadline.of(deadline, options.time_limit_s)
-    auto = graph.mode == "train" and recompute == "auto"
-    # the first solve leaves AUTO_RESERVE for a second one where "auto" may need it
-    first = dl.before(AUTO_RESERVE * dl.left()) if auto else dl
+    s = settings or SolveSettings()
+    dl = Deadline.of(s.deadline, options.time_limit_s)
 
     def once(again: bool, within: Deadline) -> Plan:
         return _partition_once(
@@ -173,19 +170,23 @@ def partition_graph(
             costs,
             cluster,
             dataclasses.replace(options, recompute=again),
+            dataclasses.replace(s, deadline=within, seed=options.seed),
             input_shapes=input_shapes,
-            solver=solver,
-            require_all_devices=require_all_devices,
             use_coarsening=use_coarsening,
-            progress=progress,
-            colocate=colocate,
-            deadline=within,
         )
 
     if graph.mode != "train" or recompute == "never":
         return once(False, dl)
     if recompute == "always":
         return once(True, dl)
+    return _auto_recompute(once, dl)
+
+
+def _auto_recompute(once: Callable[[bool, Deadline], Plan], dl: Deadline) -> Plan:
+    """``recompute="auto"`` (see :func:`partition_graph`): ``once(recompute, deadline)``
+    solves with or without recomputation; the reasons go into the plan's notes."""
+    # the first solve leaves AUTO_RESERVE for a second one where "auto" may need it
+    first = dl.before(AUTO_RESERVE * dl.left())
 
     def per_stage() -> Plan:
         plan = once(True, dl)
@@ -203,7 +204,7 @@ def partition_graph(
                 value=again.value,
                 remedy=again.remedy,
             ) from exc
-        which = [k for k, s in enumerate(plan.stages) if s.recompute]
+        which = [k for k, st in enumerate(plan.stages) if st.recompute]
         why = (
             "no plan fits the memory caps without recomputation"
             if isinstance(exc, InfeasiblePlanError)
@@ -231,7 +232,7 @@ def partition_graph(
     if new < old * (1 - 1e-9):
         plan.solver.notes.append(
             f"recompute='auto': recomputing on stage(s) "
-            f"{[k for k, s in enumerate(plan.stages) if s.recompute]} gives {new:.6g} s "
+            f"{[k for k, st in enumerate(plan.stages) if st.recompute]} gives {new:.6g} s "
             f"against {old:.6g} s without (a device was {fullest:.0%} full)"
         )
         return plan
@@ -242,45 +243,73 @@ def partition_graph(
     return plain
 
 
+@dataclasses.dataclass
+class _Solved:
+    """What the solve decided, on the original (fine) nodes, and what it is measured by."""
+
+    result: SolveResult
+    assignment: dict[str, int]  # node name -> stage
+    groups: list[list[int]]  # device indices of every stage
+    split_of: list[str]  # how every stage splits over its group ("none": one device)
+    lb_problem: PartitionProblem  # the problem the solver record's lower bound is of
+    coarse_nodes: int  # nodes the pipeline-only solve saw
+
+
 def _partition_once(
     graph: OpGraph,
     costs: CostLookup,
     cluster: Any,
     options: PlanOptions,
+    settings: SolveSettings,
     *,
     input_shapes: list[list[int]] | None,
-    solver: str,
-    require_all_devices: bool,
     use_coarsening: bool,
-    progress: Progress | None,
-    colocate: bool,
-    deadline: Deadline,
 ) -> Plan:
-    """One solve, with the recomputation setting in ``options``, done by ``deadline``."""
-    work = deadline.before(FINAL_RESERVE * deadline.seconds)
+    """One solve, with the recomputation setting in ``options``, by ``settings.deadline``."""
+    assert settings.deadline is not None  # partition_graph always passes one
+    work = settings.deadline.before(FINAL_RESERVE * settings.deadline.seconds)
     pc = plan_cluster(cluster)
-    training = graph.mode == "train"
     fine = plan_nodes(graph, costs, [d.kind for d in pc.devices])
-    by_name = {n.name: n for n in fine}
+    solved = _solve(
+        graph, fine, pc, options, dataclasses.replace(settings, deadline=work), use_coarsening
+    )
+    plan = _make_plan(graph, costs, pc, options, fine, solved, input_shapes)
+    from crosscut.version import __version__
+
+    plan.crosscut_version = __version__
+    return annotate(plan)
+
+
+def _solve(
+    graph: OpGraph,
+    fine: list[PlanNode],
+    pc: PlanCluster,
+    options: PlanOptions,
+    settings: SolveSettings,
+    use_coarsening: bool,
+) -> _Solved:
+    """The pipeline-only solve on the coarse graph; where cross-shaped stages are
+    allowed, weighed against data parallelism and the group DP on the fine graph."""
+    training = graph.mode == "train"
+    work = settings.deadline
+    assert work is not None
     if use_coarsening:
         from crosscut.partitioner.coarsen import coarsen
 
         coarse_graph, members = coarsen(graph)
     else:
         coarse_graph, members = graph, {n.name: [n.name] for n in graph.nodes}
-    nodes = _coarse_nodes(coarse_graph, members, by_name)
+    nodes = _coarse_nodes(coarse_graph, members, {n.name: n for n in fine})
     problem = problem_from_parts(nodes, pc, options, training=training, ties=coarse_graph.ties)
     problem = dataclasses.replace(problem, widths=(1,), splits=())  # the pipeline-only solve
-    cross = any(w > 1 for w in options.widths) and bool(options.splits) and not require_all_devices
+    cross = (
+        any(w > 1 for w in options.widths)
+        and bool(options.splits)
+        and not settings.require_all_devices
+    )
     try:
-        piped: SolveResult | None = solve(
-            problem,
-            deadline=work.share(PIPELINE_SHARE) if cross else work,
-            seed=options.seed,
-            solver=solver,
-            require_all_devices=require_all_devices,
-            progress=progress,
-        )
+        within = work.share(PIPELINE_SHARE) if cross else work
+        piped: SolveResult | None = solve(problem, dataclasses.replace(settings, deadline=within))
     except PartitionError as exc:
         if not cross:
             raise
@@ -292,37 +321,53 @@ def _partition_once(
     for cname, stage in zip(problem.names, [] if piped is None else piped.stage_of):
         for member in members.get(cname, [cname]):
             assignment[member] = stage
-    split_of = ["none"] * len(stage_device)
-    groups = [[d] for d in stage_device]
-    lb_problem = problem
     if not cross:
         assert piped is not None
-        result = piped
+        groups = [[d] for d in stage_device]
+        return _Solved(piped, assignment, groups, ["none"] * len(groups), problem, problem.n)
+    # cross-shaped: on the fine graph (its nodes know how they split), the
+    # pipeline plan above competes with data parallelism and the group DP
+    fine_pb = problem_from_parts(
+        fine, pc, options, training=training, ties=graph.ties, batch=graph.batch_size
+    )
+    pipe = None if piped is None else ([assignment[n] for n in fine_pb.names], stage_device)
+    found = solve_cross(
+        fine_pb,
+        pipe,
+        pipeline_name=f"pipeline_{settings.solver}",
+        colocate=settings.colocate,
+        deadline=work,
+    )
+    if piped is None:
+        found.notes.insert(0, f"no pipeline-only plan: {pipe_error}")
+        result = found
     else:
-        # cross-shaped: on the fine graph (its nodes know how they split), the
-        # pipeline plan above competes with data parallelism and the group DP
-        fine_pb = problem_from_parts(
-            fine, pc, options, training=training, ties=graph.ties, batch=graph.batch_size
-        )
-        pipe = None if piped is None else ([assignment[n] for n in fine_pb.names], stage_device)
-        found = solve_cross(
-            fine_pb,
-            pipe,
-            pipeline_name=f"pipeline_{solver}",
-            colocate=colocate,
-            deadline=work,
-        )
-        if piped is None:
-            found.notes.insert(0, f"no pipeline-only plan: {pipe_error}")
-            result = found
-        else:
-            result = _merge(piped, found)
-        assert found.groups is not None
-        assignment = dict(zip(fine_pb.names, found.stage_of))
-        split_of = [g.split for g in found.groups]
-        groups = [list(g.devices) for g in found.groups]
-        lb_problem = fine_pb
-    plan = Plan(
+        result = _merge(piped, found)
+    assert found.groups is not None
+    return _Solved(
+        result,
+        dict(zip(fine_pb.names, found.stage_of)),
+        [list(g.devices) for g in found.groups],
+        [g.split for g in found.groups],
+        fine_pb,
+        problem.n,
+    )
+
+
+def _make_plan(
+    graph: OpGraph,
+    costs: CostLookup,
+    pc: PlanCluster,
+    options: PlanOptions,
+    fine: list[PlanNode],
+    solved: _Solved,
+    input_shapes: list[list[int]] | None,
+) -> Plan:
+    """The plan on the original graph, with the solver's record (before ``annotate``)."""
+    training = graph.mode == "train"
+    result = solved.result
+    out_bytes = {n.name: n.out_bytes for n in fine}
+    return Plan(
         model=ModelInfo(
             name=graph.model_name,
             fingerprint=graph.fingerprint(),
@@ -334,16 +379,16 @@ def _partition_once(
         cluster=pc,
         options=options,
         nodes=fine,
-        edges=[(src, dst, by_name[src].out_bytes) for src, dst in graph.edges()],
-        assignment=assignment,
+        edges=[(src, dst, out_bytes[src]) for src, dst in graph.edges()],
+        assignment=solved.assignment,
         stages=[
             PlanStage(
                 index=k,
                 devices=[pc.devices[d].name for d in group],
-                split=split_of[k],
+                split=solved.split_of[k],
                 recompute=options.recompute and training,  # every stage, as the solve priced
             )
-            for k, group in enumerate(groups)
+            for k, group in enumerate(solved.groups)
         ],
         ties=[list(t) for t in graph.ties],
         rates=priced_rates(costs, [d.kind for d in pc.devices], graph.precision),
@@ -353,11 +398,11 @@ def _partition_once(
             objective=result.objective,
             best_bound=result.best_bound,
             gap=result.gap,
-            lower_bound=lower_bound(lb_problem),
+            lower_bound=lower_bound(solved.lb_problem),
             wall_time_s=result.wall_time_s,
             seed=result.seed,
             workers=result.workers,
-            coarse_nodes=problem.n,
+            coarse_nodes=solved.coarse_nodes,
             baselines={k: v for k, v in result.baselines.items() if math.isfinite(v)},
             notes=list(result.notes)
             + [
@@ -367,10 +412,6 @@ def _partition_once(
             ],
         ),
     )
-    from crosscut.version import __version__
-
-    plan.crosscut_version = __version__
-    return annotate(plan)
 
 
 def _merge(pipeline: SolveResult, cross: SolveResult) -> SolveResult:

@@ -75,6 +75,7 @@ __all__ = [
     "closure_bitsets",
     "comm_lower_bound",
     "reach_compute",
+    "stage_windows",
     "tree_relaxation",
 ]
 
@@ -117,6 +118,30 @@ def reach_compute(problem: PartitionProblem, times: list[float]) -> tuple[np.nda
     anc, desc = closure_bitsets(problem)
     vals = np.asarray(times, dtype=float)
     return _set_sums(anc, vals), _set_sums(desc, vals)
+
+
+def stage_windows(
+    problem: PartitionProblem, slots: int, upper: float
+) -> tuple[list[int], list[int]]:
+    """Earliest and latest stage of every node in any plan whose stages compute <= upper.
+
+    The prefix-sum argument of ``cpsat_model``'s docstring, with each node on its fastest
+    device: if ``s(v) <= k``, ``v`` and its ancestors fit in ``k+1`` stages of at most
+    ``upper`` each.
+    """
+    n = problem.n
+    lo, hi = [0] * n, [slots - 1] * n
+    if not math.isfinite(upper) or upper <= 0.0:
+        return lo, hi
+    # vectorised set sums: a bit-by-bit loop took seconds on 2,500 nodes
+    anc_t, desc_t = reach_compute(problem, [min(row) for row in problem.compute])
+    tol = 1e-9
+    for v in range(n):
+        a = float(anc_t[v]) / upper
+        d = float(desc_t[v]) / upper
+        lo[v] = max(0, math.ceil(a - 1.0 - tol))
+        hi[v] = min(slots - 1, math.floor(slots - d + tol))
+    return lo, hi
 
 
 def _set_sums(sets: list[int], vals: np.ndarray) -> np.ndarray:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from crosscut.errors import InfeasiblePlanError
 from crosscut.ir.problem import PartitionProblem, StageGroup
@@ -43,12 +44,54 @@ def stage_assignments(problem: PartitionProblem, max_stages: int) -> Iterator[li
     yield from rec(0, 0)
 
 
+@dataclass
+class _Best:
+    """The fastest plan that fits among those offered; then the answer, proven optimal.
+
+    Shared by both enumerations so they price, check and report a plan the same way.
+    """
+
+    problem: PartitionProblem
+    t0: float  # perf_counter at the start: the answer's wall time
+    plan: tuple[float, list[int], list[int], list[StageGroup] | None] | None = None
+
+    def offer(
+        self, stage_of: list[int], stage_device: list[int], groups: list[StageGroup] | None = None
+    ) -> None:
+        obj = evaluate(self.problem, stage_of, stage_device, groups).objective
+        if self.plan is not None and obj >= self.plan[0]:
+            return
+        if check(self.problem, stage_of, stage_device, groups):
+            return
+        self.plan = (obj, list(stage_of), stage_device, groups)
+
+    def answer(self, rule: str) -> SolveResult:
+        """The best plan offered; InfeasiblePlanError (``rule``) when none fits memory."""
+        if self.plan is None:
+            raise InfeasiblePlanError(
+                rule, value=f"caps {self.problem.mem_cap}", remedy="add devices or memory"
+            )
+        obj, stage_of, stage_device, groups = self.plan
+        return SolveResult(
+            stage_of=stage_of,
+            stage_device=stage_device,
+            objective=obj,
+            status="OPTIMAL",
+            best_bound=obj,
+            gap=0.0,
+            wall_time_s=time.perf_counter() - self.t0,
+            seed=0,
+            workers=1,
+            solver="brute",
+            groups=groups,
+        )
+
+
 def brute_force(problem: PartitionProblem, *, require_all_devices: bool = False) -> SolveResult:
     """The optimal plan by enumeration; raises InfeasiblePlanError when none fits memory."""
     if problem.n > MAX_NODES:
         raise ValueError(f"brute force is for tiny problems (n <= {MAX_NODES}), got {problem.n}")
-    t0 = time.perf_counter()
-    best: tuple[float, list[int], list[int]] | None = None
+    best = _Best(problem, time.perf_counter())
     devs = range(problem.num_devices)
     for stage_of in stage_assignments(problem, min(problem.n, problem.num_devices)):
         if any(len({stage_of[v] for v in g}) > 1 for g in problem.ties):
@@ -57,31 +100,9 @@ def brute_force(problem: PartitionProblem, *, require_all_devices: bool = False)
         if require_all_devices and num < problem.num_devices:
             continue
         for perm in itertools.permutations(devs, num):
-            stage_device = list(perm)
-            obj = evaluate(problem, stage_of, stage_device).objective
-            if best is not None and obj >= best[0]:
-                continue
-            if check(problem, stage_of, stage_device):
-                continue
-            best = (obj, stage_of, stage_device)
-    if best is None:
-        raise InfeasiblePlanError(
-            "no assignment of the graph to the devices fits the memory caps (brute force)",
-            value=f"caps {problem.mem_cap}",
-            remedy="add devices or memory",
-        )
-    obj, stage_of, stage_device = best
-    return SolveResult(
-        stage_of=stage_of,
-        stage_device=stage_device,
-        objective=obj,
-        status="OPTIMAL",
-        best_bound=obj,
-        gap=0.0,
-        wall_time_s=time.perf_counter() - t0,
-        seed=0,
-        workers=1,
-        solver="brute",
+            best.offer(stage_of, list(perm))
+    return best.answer(
+        "no assignment of the graph to the devices fits the memory caps (brute force)"
     )
 
 
@@ -99,43 +120,17 @@ def brute_force_groups(problem: PartitionProblem) -> SolveResult:
 
     if problem.n > MAX_NODES:
         raise ValueError(f"brute force is for tiny problems (n <= {MAX_NODES}), got {problem.n}")
-    t0 = time.perf_counter()
+    best = _Best(problem, time.perf_counter())
     order = device_order(problem)
     types = group_types(problem)
-    best: tuple[float, list[int], list[StageGroup]] | None = None
     # one stage more than devices: a co-located last stage takes no device of its own
     for stage_of in stage_assignments(problem, min(problem.n, problem.num_devices + 1)):
         if any(len({stage_of[v] for v in g}) > 1 for g in problem.ties):
             continue
         num = max(stage_of) + 1
         for groups in _group_sequences(problem, order, types, num):
-            leaders = [g.leader for g in groups]
-            obj = evaluate(problem, stage_of, leaders, groups).objective
-            if best is not None and obj >= best[0]:
-                continue
-            if check(problem, stage_of, leaders, groups):
-                continue
-            best = (obj, list(stage_of), groups)
-    if best is None:
-        raise InfeasiblePlanError(
-            "no cross-shaped plan fits the memory caps (brute force)",
-            value=f"caps {problem.mem_cap}",
-            remedy="add devices or memory",
-        )
-    obj, stage_of, groups = best
-    return SolveResult(
-        stage_of=stage_of,
-        stage_device=[g.leader for g in groups],
-        objective=obj,
-        status="OPTIMAL",
-        best_bound=obj,
-        gap=0.0,
-        wall_time_s=time.perf_counter() - t0,
-        seed=0,
-        workers=1,
-        solver="brute",
-        groups=groups,
-    )
+            best.offer(stage_of, [g.leader for g in groups], groups)
+    return best.answer("no cross-shaped plan fits the memory caps (brute force)")
 
 
 def _group_sequences(

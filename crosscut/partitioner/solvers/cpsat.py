@@ -47,7 +47,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
 
 from crosscut.errors import InfeasiblePlanError, PartitionError
 from crosscut.ir.problem import PartitionProblem
@@ -60,8 +59,6 @@ from crosscut.partitioner.solvers.cpsat_model import OrderModel
 from crosscut.partitioner.solvers.cpsat_search import (
     ROUNDING_GAP,
     Incumbent,
-    Progress,
-    Settings,
     search_one,
 )
 from crosscut.partitioner.solvers.orders import (
@@ -73,6 +70,7 @@ from crosscut.partitioner.solvers.orders import (
     uniform_links,
 )
 from crosscut.partitioner.solvers.result import SolveResult, relative_gap
+from crosscut.partitioner.solvers.settings import SolveSettings
 
 __all__ = ["caps_summary", "infeasibility_report", "solve_cpsat"]
 
@@ -158,19 +156,14 @@ def _relaxed_bound(
     try:
         # the best plan is feasible here too (faster devices, more memory): a hint, and
         # an incumbent that keeps the relaxed model small
-        return solve_cpsat(
-            relaxed, deadline=deadline, seed=seed, workers=workers, relax=False, hint=hint
-        ).best_bound
+        sub = SolveSettings(deadline=deadline, seed=seed, workers=workers, relax=False, hint=hint)
+        return solve_cpsat(relaxed, sub).best_bound
     except PartitionError:
         return 0.0
 
 
 def _side_tree_phase(
-    pb: PartitionProblem,
-    deadline: Deadline,
-    seed: int,
-    workers: int,
-    deterministic: bool,
+    pb: PartitionProblem, deadline: Deadline, s: SolveSettings
 ) -> tuple[float, Plan | None, str]:
     """(bound, plan or None, note) from the side-tree relaxation (module docstring)."""
     relaxation = tree_relaxation(pb)
@@ -179,16 +172,17 @@ def _side_tree_phase(
     # the transfers every plan makes, counted on the relaxation: without the side trees
     # the first and last node of every stage are on the main path (module docstring)
     averaged = comm_lower_bound(relaxation.problem, floating=relaxation.floating)
+    # only the search settings: the relaxation has no hint, no progress, no order strategy
+    sub_settings = SolveSettings(
+        deadline=deadline,
+        seed=s.seed,
+        workers=s.workers,
+        deterministic=s.deterministic,
+        relax=False,
+        floating=relaxation.floating,
+    )
     try:
-        sub = solve_cpsat(
-            relaxation.problem,
-            deadline=deadline,
-            seed=seed,
-            workers=workers,
-            deterministic=deterministic,
-            relax=False,
-            floating=relaxation.floating,
-        )
+        sub = solve_cpsat(relaxation.problem, sub_settings)
     except PartitionError:  # no plan of the relaxation within its share
         return averaged, None, ""
     loads = evaluate(relaxation.problem, sub.stage_of, sub.stage_device).stage_time
@@ -201,54 +195,109 @@ def _side_tree_phase(
     return max(sub.best_bound, averaged), plan, note
 
 
-def solve_cpsat(
-    problem: PartitionProblem,
-    *,
-    time_limit: float = 10.0,
-    seed: int = 0,
-    workers: int = 1,
-    hint: Plan | None = None,
-    log_callback: Callable[[str], None] | None = None,
-    progress: Progress | None = None,
-    require_all_devices: bool = False,
-    deterministic: bool = False,
-    relax: bool = True,
-    floating: float = 0.0,
-    deadline: Deadline | None = None,
-    orders: str = "auto",
-) -> SolveResult:
+@dataclasses.dataclass
+class _Coverage:
+    """What the searches of one solve proved so far: the status and the bound rest on it."""
+
+    orders: list[list[int]]  # the device orders still to search one by one
+    exhaustive: bool  # ``orders`` are every distinct order
+    static_lb: float  # valid for every plan (module docstring: bounds)
+    global_bound: float  # valid for every plan, raised by what the searches prove
+    use_classes: bool = False  # the class model runs (module docstring)
+    exact_classes: bool = False  # ... and its prices are exact: it is the whole search
+    proved: bool = True  # every search finished
+    met: bool = False  # the incumbent meets the static bound (optimal)
+    no_plan: bool = False  # a model covering every order has no plan: infeasible
+    rounding: float = 0.0  # the most any model's integer rounding may hide (seconds)
+    bounds: list[float] = dataclasses.field(default_factory=list)  # one per order searched
+
+
+def solve_cpsat(problem: PartitionProblem, settings: SolveSettings | None = None) -> SolveResult:
     """Solve the partition problem with CP-SAT; see the module docstring.
 
-    ``relax=False`` skips the side-tree relaxation (it is itself solved that
-    way); ``floating`` (seconds) is compute the problem leaves out that some
-    stage must still run (a relaxation's, see ``bounds.tree_relaxation``).
-    ``deadline`` (shared with the caller) replaces ``time_limit`` when given.
-    ``orders``: how device orders are covered (``orders.STRATEGIES``; the
-    others than "auto" are there to measure it, ``benchmarks/heterogeneous.py``).
+    Of ``settings``: ``relax=False`` skips the side-tree relaxation (it is
+    itself solved that way); ``floating`` (seconds) is compute the problem
+    leaves out that some stage must still run (a relaxation's, see
+    ``bounds.tree_relaxation``). ``deadline`` (shared with the caller)
+    replaces ``time_limit`` when given. ``orders``: how device orders are
+    covered (``orders.STRATEGIES``; the others than "auto" are there to
+    measure it, ``benchmarks/heterogeneous.py``). ``hint``: a plan to start
+    from (used when it fits).
     """
-    if orders not in STRATEGIES:
-        raise ValueError(f"orders must be one of {STRATEGIES}, got {orders!r}")
+    s = settings or SolveSettings()
+    if s.orders not in STRATEGIES:
+        raise ValueError(f"orders must be one of {STRATEGIES}, got {s.orders!r}")
     t0 = time.perf_counter()
-    dl = Deadline.of(deadline, time_limit)
+    dl = s.deadline_or_limit()
     time_limit = dl.left()  # this solve's budget, for the shares below
     # everything but re-pricing the answer stops here (also CP-SAT's own overshoot)
     work = dl.before(RESERVE_SHARE * time_limit)
     pb = problem
-    if require_all_devices and pb.n < pb.num_devices:
+    if s.require_all_devices and pb.n < pb.num_devices:
         raise PartitionError(
             "require_all_devices needs at least one node per device",
             value=f"{pb.n} nodes, {pb.num_devices} devices",
             remedy="drop require_all_devices or coarsen the graph less",
         )
     _precheck(pb)
-    strategy = orders
     classes = device_classes(pb)
-    limit = 1 if strategy == "heuristic" else ORDER_LIMIT
+    limit = 1 if s.orders == "heuristic" else ORDER_LIMIT
     order_list, exhaustive = candidate_orders(pb, limit, classes)
-    min_stages = pb.num_devices if require_all_devices else 1
-    plans = all_baselines(
-        pb, order_list[0], min_stages=min_stages, deadline=work.share(BASELINE_SHARE)
+    min_stages = pb.num_devices if s.require_all_devices else 1
+    baselines, inc = _baselines(pb, s, order_list[0], min_stages, work)
+    notes: list[str] = []
+    static_lb = max(lower_bound(pb, pb.num_devices), comm_lower_bound(pb))
+    if s.relax:
+        sub_lb, sub_plan, note = _side_tree_phase(pb, work.share(RELAX_SHARE), s)
+        static_lb = max(static_lb, sub_lb)
+        notes += [note] if note else []
+        if sub_plan is not None and len(sub_plan[1]) >= min_stages and not check(pb, *sub_plan):
+            obj = evaluate(pb, *sub_plan).objective
+            if obj < inc.objective:
+                inc.plan, inc.objective = sub_plan, obj
+    cov = _Coverage(order_list, exhaustive, static_lb, static_lb)
+    auto = s.orders == "auto"
+    cov.exact_classes = auto and count_orders(classes) >= CLASS_MODEL_ORDERS and uniform_links(pb)
+    cov.use_classes = cov.exact_classes or (auto and not exhaustive)
+    if cov.use_classes:
+        notes.append(_search_classes(pb, s, classes, inc, cov, work, t0))
+    _search_orders(pb, s, inc, cov, work, t0)
+    if not cov.proved and work.expired():
+        notes.append("the deadline came before every device order was searched to the end")
+    _close_bound(pb, s, inc, cov, work)
+    wall = time.perf_counter() - t0
+    (stage_of, stage_device), status, bound = _verdict(pb, inc, cov, notes, time_limit)
+    if not cov.exhaustive:
+        notes.append(
+            f"searched {len(cov.orders)} of {count_orders(classes)} distinct device orders "
+            "one by one (heuristic)"
+        )
+    if len(stage_device) < pb.num_devices:
+        notes.append(
+            f"uses {len(stage_device)} of {pb.num_devices} devices: another stage does not pay"
+        )
+    return SolveResult(
+        stage_of=stage_of,
+        stage_device=stage_device,
+        objective=inc.objective,
+        status=status,
+        best_bound=bound,
+        gap=relative_gap(inc.objective, bound),
+        wall_time_s=wall,
+        seed=s.seed,
+        workers=s.workers,
+        solver="cpsat",
+        baselines=baselines,
+        notes=notes,
     )
+
+
+def _baselines(
+    pb: PartitionProblem, s: SolveSettings, order: list[int], min_stages: int, work: Deadline
+) -> tuple[dict[str, float], Incumbent]:
+    """The baselines' objectives by name, and the best of them (or the hint) as incumbent."""
+    plans = all_baselines(pb, order, min_stages=min_stages, deadline=work.share(BASELINE_SHARE))
+    hint = s.hint
     if hint is not None and not check(pb, *hint) and len(hint[1]) >= min_stages:
         plans["hint"] = hint
     baselines = {name: evaluate(pb, *plan).objective for name, plan in plans.items()}
@@ -257,81 +306,91 @@ def solve_cpsat(
     for name, plan in plans.items():
         if baselines[name] < best_obj:
             best, best_obj = plan, baselines[name]
-    notes: list[str] = []
-    static_lb = max(lower_bound(pb, pb.num_devices), comm_lower_bound(pb))
-    if relax:
-        sub_lb, sub_plan, note = _side_tree_phase(
-            pb, work.share(RELAX_SHARE), seed, workers, deterministic
-        )
-        static_lb = max(static_lb, sub_lb)
-        notes += [note] if note else []
-        if sub_plan is not None and len(sub_plan[1]) >= min_stages and not check(pb, *sub_plan):
-            obj = evaluate(pb, *sub_plan).objective
-            if obj < best_obj:
-                best, best_obj = sub_plan, obj
-    cfg = Settings(workers, seed, deterministic, log_callback, progress, t0, floating)
-    inc = Incumbent(best, best_obj)
-    auto = strategy == "auto"
-    exact_classes = auto and count_orders(classes) >= CLASS_MODEL_ORDERS and uniform_links(pb)
-    use_classes = exact_classes or (auto and not exhaustive)
-    proved, met = True, False  # met: the incumbent meets the static bound (optimal)
-    no_plan = False
-    rounding = 0.0  # the most any model's integer rounding may hide (seconds)
-    global_bound = static_lb  # valid for every plan
-    bounds: list[float] = []  # one per order searched; their min is valid when exhaustive
-    if use_classes:
-        # every order at once (module orders.py): the whole search when its prices are
-        # exact, else a bound for every order and one more order worth searching
-        om = OrderModel(pb, order_list[0], inc.objective, require_all=require_all_devices)
-        om.classes = classes
-        share = work if exact_classes else work.within(work.left() / (len(order_list) + 1))
-        res = search_one(pb, om, inc, static_lb, share, work, cfg)
-        global_bound, met = max(global_bound, res.bound), res.met
-        rounding = max(rounding, res.rounding)
-        # no plan at all in a model that covers every order (exact, or a relaxation:
-        # cheaper links, the same memory): infeasibility proven
-        no_plan = res.finished and inc.plan is None
-        if exact_classes or no_plan:
-            proved, order_list = res.finished, []
-        elif inc.plan is not None and inc.plan[1] not in [
-            o[: len(inc.plan[1])] for o in order_list
-        ]:
-            rest = [d for d in order_list[0] if d not in inc.plan[1]]
-            order_list.append(list(inc.plan[1]) + rest)
-        notes.append(
-            f"class model over {count_orders(classes)} device orders"
-            + ("" if exact_classes else " (transfers on the fastest link: a bound)")
-        )
+    return baselines, Incumbent(best, best_obj)
+
+
+def _search_classes(
+    pb: PartitionProblem,
+    s: SolveSettings,
+    classes: list[list[int]],
+    inc: Incumbent,
+    cov: _Coverage,
+    work: Deadline,
+    t0: float,
+) -> str:
+    """Search every order at once (module orders.py); the note that says so.
+
+    The whole search when its prices are exact, else a bound for every order
+    and one more order worth searching (appended to ``cov.orders``).
+    """
+    order_list = cov.orders
+    om = OrderModel(pb, order_list[0], inc.objective, require_all=s.require_all_devices)
+    om.classes = classes
+    share = work if cov.exact_classes else work.within(work.left() / (len(order_list) + 1))
+    res = search_one(pb, om, inc, cov.static_lb, share, work, s, t0)
+    cov.global_bound, cov.met = max(cov.global_bound, res.bound), res.met
+    cov.rounding = max(cov.rounding, res.rounding)
+    # no plan at all in a model that covers every order (exact, or a relaxation:
+    # cheaper links, the same memory): infeasibility proven
+    cov.no_plan = res.finished and inc.plan is None
+    if cov.exact_classes or cov.no_plan:
+        cov.proved, cov.orders = res.finished, []
+    elif inc.plan is not None and inc.plan[1] not in [o[: len(inc.plan[1])] for o in order_list]:
+        rest = [d for d in order_list[0] if d not in inc.plan[1]]
+        order_list.append(list(inc.plan[1]) + rest)
+    return f"class model over {count_orders(classes)} device orders" + (
+        "" if cov.exact_classes else " (transfers on the fastest link: a bound)"
+    )
+
+
+def _search_orders(
+    pb: PartitionProblem,
+    s: SolveSettings,
+    inc: Incumbent,
+    cov: _Coverage,
+    work: Deadline,
+    t0: float,
+) -> None:
+    """One model per order left in ``cov.orders``, sharing the time left equally."""
     build_s = 0.0  # the last model build's seconds: a build that would overrun is skipped
-    for i, order in enumerate(order_list):
-        if met:
-            bounds.append(static_lb)
+    for i, order in enumerate(cov.orders):
+        if cov.met:
+            cov.bounds.append(cov.static_lb)
             continue
         if work.left() <= build_s:  # (the first build always runs, unless time is up)
-            proved = False
-            bounds.append(static_lb)
+            cov.proved = False
+            cov.bounds.append(cov.static_lb)
             continue
-        om = OrderModel(pb, order, inc.objective, require_all=require_all_devices)
-        res = search_one(
-            pb, om, inc, static_lb, work.within(work.left() / (len(order_list) - i)), work, cfg
-        )
-        build_s, met = res.build_s, res.met
-        rounding = max(rounding, res.rounding)
-        proved = proved and res.finished
-        bounds.append(res.bound)
-    best, best_obj, found = inc.plan, inc.objective, inc.found
-    if not proved and work.expired():
-        notes.append("the deadline came before every device order was searched to the end")
-    if exhaustive and order_list:
-        global_bound = max(global_bound, min(bounds, default=static_lb))
-    elif not exhaustive and not use_classes and not met:  # ("heuristic" only)
+        om = OrderModel(pb, order, inc.objective, require_all=s.require_all_devices)
+        share = work.within(work.left() / (len(cov.orders) - i))
+        res = search_one(pb, om, inc, cov.static_lb, share, work, s, t0)
+        build_s, cov.met = res.build_s, res.met
+        cov.rounding = max(cov.rounding, res.rounding)
+        cov.proved = cov.proved and res.finished
+        cov.bounds.append(res.bound)
+
+
+def _close_bound(
+    pb: PartitionProblem, s: SolveSettings, inc: Incumbent, cov: _Coverage, work: Deadline
+) -> None:
+    """Raise ``cov.global_bound`` by what the searches proved, and settle ``exhaustive``."""
+    if cov.exhaustive and cov.orders:
+        cov.global_bound = max(cov.global_bound, min(cov.bounds, default=cov.static_lb))
+    elif not cov.exhaustive and not cov.use_classes and not cov.met:  # ("heuristic" only)
         # a relaxation valid for every device order: each node on its fastest device,
         # the largest cap everywhere, the fastest link between every pair
-        global_bound = max(global_bound, _relaxed_bound(pb, work, seed, workers, best))
-    exhaustive = exhaustive or exact_classes or (use_classes and no_plan)
-    wall = time.perf_counter() - t0
+        relaxed = _relaxed_bound(pb, work, s.seed, s.workers, inc.plan)
+        cov.global_bound = max(cov.global_bound, relaxed)
+    cov.exhaustive = cov.exhaustive or cov.exact_classes or (cov.use_classes and cov.no_plan)
+
+
+def _verdict(
+    pb: PartitionProblem, inc: Incumbent, cov: _Coverage, notes: list[str], time_limit: float
+) -> tuple[Plan, str, float]:
+    """The incumbent, its status and its bound; raises when there is no incumbent."""
+    best, best_obj = inc.plan, inc.objective
     if best is None:
-        if proved and exhaustive:
+        if cov.proved and cov.exhaustive:
             raise InfeasiblePlanError(
                 "no assignment of the graph to the devices fits the memory caps",
                 value=infeasibility_report(pb),
@@ -342,37 +401,12 @@ def solve_cpsat(
             value=infeasibility_report(pb),
             remedy="raise the time limit; " + _REMEDY,
         )
-    bound = min(global_bound, best_obj)
-    if (proved and (exhaustive or met)) or best_obj - global_bound <= max(
-        rounding, ROUNDING_GAP * best_obj
+    bound = min(cov.global_bound, best_obj)
+    if (cov.proved and (cov.exhaustive or cov.met)) or best_obj - cov.global_bound <= max(
+        cov.rounding, ROUNDING_GAP * best_obj
     ):
-        status_s = "OPTIMAL"
-    elif found:
-        status_s = "FEASIBLE"
-    else:
-        status_s = "FALLBACK"
-        notes.append("CP-SAT found no plan within the time limit: returning the best baseline")
-    if not exhaustive:
-        notes.append(
-            f"searched {len(order_list)} of {count_orders(classes)} distinct device orders "
-            "one by one (heuristic)"
-        )
-    stage_of, stage_device = best
-    if len(stage_device) < pb.num_devices:
-        notes.append(
-            f"uses {len(stage_device)} of {pb.num_devices} devices: another stage does not pay"
-        )
-    return SolveResult(
-        stage_of=stage_of,
-        stage_device=stage_device,
-        objective=best_obj,
-        status=status_s,
-        best_bound=bound,
-        gap=relative_gap(best_obj, bound),
-        wall_time_s=wall,
-        seed=seed,
-        workers=workers,
-        solver="cpsat",
-        baselines=baselines,
-        notes=notes,
-    )
+        return best, "OPTIMAL", bound
+    if inc.found:
+        return best, "FEASIBLE", bound
+    notes.append("CP-SAT found no plan within the time limit: returning the best baseline")
+    return best, "FALLBACK", bound

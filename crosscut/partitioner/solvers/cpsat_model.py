@@ -46,37 +46,15 @@ from crosscut.partitioner.evaluate import (
     consumers,
     transfer_time,
 )
-from crosscut.partitioner.solvers.bounds import reach_compute
+from crosscut.partitioner.solvers.bounds import stage_windows
 
-__all__ = ["OrderModel", "stage_windows"]
+__all__ = ["OrderModel"]
 
 SCALE = 10_000_000  # integer units in the upper bound: ~1e-7 relative resolution
 # seconds to build the model per boolean variable (with its constraints): 64 stage slots
 # on 182 nodes (141k variables) took 3.2 s on a loaded 2-core machine; a model whose
 # estimate does not fit the deadline is not built (``OrderModel.skipped``)
 BUILD_S_PER_VAR = 1e-5
-
-
-def stage_windows(
-    problem: PartitionProblem, slots: int, upper: float
-) -> tuple[list[int], list[int]]:
-    """Earliest and latest stage of every node in any plan whose stages compute <= upper.
-
-    Prefix-sum argument (module docstring) with each node on its fastest device.
-    """
-    n = problem.n
-    lo, hi = [0] * n, [slots - 1] * n
-    if not math.isfinite(upper) or upper <= 0.0:
-        return lo, hi
-    # vectorised set sums: a bit-by-bit loop took seconds on 2,500 nodes
-    anc_t, desc_t = reach_compute(problem, [min(row) for row in problem.compute])
-    tol = 1e-9
-    for v in range(n):
-        a = float(anc_t[v]) / upper
-        d = float(desc_t[v]) / upper
-        lo[v] = max(0, math.ceil(a - 1.0 - tol))
-        hi[v] = min(slots - 1, math.floor(slots - d + tol))
-    return lo, hi
 
 
 @dataclass
@@ -110,6 +88,13 @@ class OrderModel:
     # the class model (module docstring): classes of interchangeable devices
     classes: list[list[int]] = field(default_factory=list)
     z: dict[tuple[int, int], Any] = field(default_factory=dict)
+    # set by build(): the constant true literal, each stage's device choices (one device
+    # per class, or the order's), the link transfers are priced on (class model), and
+    # the transfers' multiplier (comm_multiplier)
+    true: Any = None
+    choices: list[list[int]] = field(default_factory=list)
+    link: tuple[float, float] = (0.0, 1.0)
+    mult: float = 1.0
 
     def _late(self, estimate_s: float = 0.0) -> bool:
         """Whether to stop building: past the deadline, or ``estimate_s`` would not fit."""
@@ -126,50 +111,63 @@ class OrderModel:
         return total
 
     def build(self) -> None:
-        """data -> variables -> constraints -> objective."""
-        pb, m = self.problem, self.model
+        """data -> variables -> constraints -> objective, one step per method below.
+
+        Each step may stop the build (``skipped``) at the deadline; the model is
+        then not solved. The steps add to the model in a fixed order: CP-SAT's
+        search (and so a time-limited answer) depends on it.
+        """
+        pb = self.problem
         # ---- data -------------------------------------------------------------
-        n, slots = pb.n, min(len(self.order), pb.n)
-        if self.classes:
-            slots = min(pb.num_devices, n)
+        slots = min(pb.num_devices if self.classes else len(self.order), pb.n)
         # the device of each class a stage may run on (one per stage in an order model)
-        choices = [[c[0] for c in self.classes] or [self.order[k]] for k in range(slots)]
-        link_s = self._fastest_links() if self.classes else (0.0, 1.0)
-        mult = comm_multiplier(pb)
-        cons = consumers(pb)
+        self.choices = [[c[0] for c in self.classes] or [self.order[k]] for k in range(slots)]
+        self.link = self._fastest_links() if self.classes else (0.0, 1.0)
+        self.mult = comm_multiplier(pb)
         horizon = self.upper if math.isfinite(self.upper) else self._trivial_upper()
         self.unit = max(horizon, 1e-12) / SCALE
         self.lo, self.hi = stage_windows(pb, slots, self.upper * (1 + 1e-6))
         if any(lo > hi for lo, hi in zip(self.lo, self.hi)):
             self.empty = True
             return
-        if self._late(BUILD_S_PER_VAR * self.size()):
+        if self._late(BUILD_S_PER_VAR * self.size()) or not self._add_variables(slots):
             return
-        true = m.new_bool_var("true")
+        if not self._add_structure(slots):
+            return
+        self.stage_count = self._stage_count_literals(slots)
+        comp, comm, recv_bytes = self._stage_sums(slots)
+        if not self._add_memory(slots, recv_bytes):
+            return
+        self._add_objective(slots, comp, comm)
+
+    def _t_units(self, u: int, j: int, k: int) -> int:
+        """Units to send ``u``'s output from stage ``j`` to stage ``k``."""
+        pb = self.problem
+        if self.classes:
+            sec = self.mult * (self.link[0] + pb.out_bytes[u] / self.link[1])
+        else:
+            sec = self.mult * transfer_time(pb, u, self.order[j], self.order[k])
+        return round(sec / self.unit)
+
+    def _c_units(self, v: int, dev: int) -> int:
+        return round(self.problem.compute[v][dev] / self.unit)
+
+    def _ylit(self, v: int, k: int) -> Any:
+        """y[v,k], or the constant it is outside node ``v``'s stage window."""
+        if k < self.lo[v]:
+            return self.true.negated()
+        if k >= self.hi[v]:
+            return self.true
+        return self.y[(v, k)]
+
+    def _add_variables(self, slots: int) -> bool:
+        """y, x, used, z and p (module docstring); False when the deadline stopped it."""
+        pb, m = self.problem, self.model
+        self.true = true = m.new_bool_var("true")
         m.add(true == 1)
-        false = true.negated()
-
-        def t_units(u: int, j: int, k: int) -> int:
-            if self.classes:
-                sec = mult * (link_s[0] + pb.out_bytes[u] / link_s[1])
-            else:
-                sec = mult * transfer_time(pb, u, self.order[j], self.order[k])
-            return round(sec / self.unit)
-
-        def c_units(v: int, dev: int) -> int:
-            return round(pb.compute[v][dev] / self.unit)
-
-        # ---- variables ----------------------------------------------------------
-        def ylit(v: int, k: int) -> Any:
-            if k < self.lo[v]:
-                return false
-            if k >= self.hi[v]:
-                return true
-            return self.y[(v, k)]
-
-        for v in range(n):
+        for v in range(pb.n):
             if self._late():
-                return
+                return False
             for k in range(self.lo[v], self.hi[v]):
                 self.y[(v, k)] = m.new_bool_var(f"y{v}_{k}")
             for k in range(self.lo[v], self.hi[v] + 1):
@@ -177,22 +175,33 @@ class OrderModel:
                     self.x[(v, k)] = true
                     continue
                 xv = m.new_bool_var(f"x{v}_{k}")
-                prev = ylit(v, k - 1) if k > 0 else false
+                prev = self._ylit(v, k - 1) if k > 0 else true.negated()
                 # (X) x[v,k] = y[v,k] - y[v,k-1]
-                m.add(xv == ylit(v, k) - prev)
+                m.add(xv == self._ylit(v, k) - prev)
                 self.x[(v, k)] = xv
         self.used = [true] + [m.new_bool_var(f"used{k}") for k in range(1, slots)]
         for k in range(slots):
-            for i in range(len(choices[k])):
+            for i in range(len(self.choices[k])):
                 self.z[(k, i)] = m.new_bool_var(f"z{k}_{i}") if self.classes else true
         for u, v in pb.edges:
             if self._late():
-                return
-            for j in range(self.lo[u], self.hi[u] + 1):
-                for k in range(max(j + 1, self.lo[v]), self.hi[v] + 1):
-                    if (u, j, k) not in self.p:
-                        self.p[(u, j, k)] = m.new_bool_var(f"p{u}_{j}_{k}")
-        # ---- constraints ------------------------------------------------------
+                return False
+            for j, k in self._sends(u, v):
+                if (u, j, k) not in self.p:
+                    self.p[(u, j, k)] = m.new_bool_var(f"p{u}_{j}_{k}")
+        return True
+
+    def _sends(self, u: int, v: int) -> list[tuple[int, int]]:
+        """(j, k): the stages ``u`` in j may send to ``v`` in k > j, inside their windows."""
+        return [
+            (j, k)
+            for j in range(self.lo[u], self.hi[u] + 1)
+            for k in range(max(j + 1, self.lo[v]), self.hi[v] + 1)
+        ]
+
+    def _add_structure(self, slots: int) -> bool:
+        """(C1)-(C6), (C11), (C12): what makes y, x, used, p and z a plan."""
+        pb, m, n = self.problem, self.model, self.problem.n
         for v in range(n):
             for k in range(self.lo[v], self.hi[v] - 1):
                 # (C1) s(v) <= k implies s(v) <= k+1: y monotone in k
@@ -200,17 +209,18 @@ class OrderModel:
         for u, v in pb.edges:
             for k in range(self.lo[v], self.hi[u]):
                 # (C2) topological subsets: s(u) <= s(v), i.e. y[v,k] => y[u,k]
-                m.add_implication(ylit(v, k), ylit(u, k))
+                m.add_implication(self._ylit(v, k), self._ylit(u, k))
         for group in pb.ties:
             for a, b in itertools.pairwise(group):
                 for k in range(slots - 1):
                     # (C3) tied nodes share a stage: y[a,k] == y[b,k]
-                    m.add(ylit(a, k) == ylit(b, k))
+                    m.add(self._ylit(a, k) == self._ylit(b, k))
+        cons = consumers(pb)
         sinks = [v for v in range(n) if not cons[v]]
         # (C5) stage 0 is used and non-empty
         m.add(sum(self.x[(v, 0)] for v in range(n) if (v, 0) in self.x) >= 1)
         for k in range(1, slots):
-            later = [ylit(v, k - 1).negated() for v in sinks]
+            later = [self._ylit(v, k - 1).negated() for v in sinks]
             # (C4) used[k] <=> some node has s(v) >= k (through the sinks)
             m.add_bool_or(later).only_enforce_if(self.used[k])
             for lit in later:
@@ -223,26 +233,31 @@ class OrderModel:
                 m.add(self.used[k] == 1)
         for u, v in pb.edges:
             if self._late():
-                return
-            for j in range(self.lo[u], self.hi[u] + 1):
-                for k in range(max(j + 1, self.lo[v]), self.hi[v] + 1):
-                    # (C6) transfer: s(u)=j and a consumer in k>j => p[u,j,k]
-                    m.add_bool_or(
-                        [self.x[(u, j)].negated(), self.x[(v, k)].negated(), self.p[(u, j, k)]]
-                    )
+                return False
+            for j, k in self._sends(u, v):
+                # (C6) transfer: s(u)=j and a consumer in k>j => p[u,j,k]
+                m.add_bool_or(
+                    [self.x[(u, j)].negated(), self.x[(v, k)].negated(), self.p[(u, j, k)]]
+                )
         if self.classes:
             for k in range(slots):
                 # (C11) a used stage runs on exactly one class of devices
-                m.add(sum(self.z[(k, i)] for i in range(len(choices[k]))) == self.used[k])
+                m.add(sum(self.z[(k, i)] for i in range(len(self.choices[k]))) == self.used[k])
             for i, cls in enumerate(self.classes):
                 # (C12) no more stages on a class than it has devices
                 m.add(sum(self.z[(k, i)] for k in range(slots)) <= len(cls))
-        exactly = self.stage_count = self._stage_count_literals(slots)
-        # comp[k][i]: stage k's compute on its i-th choice of device
+        return True
+
+    def _stage_sums(self, slots: int) -> tuple[list[list[Any]], list[Any], list[Any]]:
+        """Per stage: compute on each device choice, transfer time, bytes received.
+
+        Also sets ``terms`` (the most rounded terms in one stage's time sum).
+        """
+        pb, n = self.problem, self.problem.n
         comp = [
             [
-                sum(c_units(v, dev) * self.x[(v, k)] for v in range(n) if (v, k) in self.x)
-                for dev in choices[k]
+                sum(self._c_units(v, dev) * self.x[(v, k)] for v in range(n) if (v, k) in self.x)
+                for dev in self.choices[k]
             ]
             for k in range(slots)
         ]
@@ -250,7 +265,7 @@ class OrderModel:
         recv_bytes: list[Any] = [0] * slots
         count = [0] * slots
         for (u, j, k), lit in self.p.items():
-            t = t_units(u, j, k)
+            t = self._t_units(u, j, k)
             comm[j] += t * lit
             comm[k] += t * lit
             recv_bytes[k] += pb.out_bytes[u] * lit
@@ -259,29 +274,40 @@ class OrderModel:
         self.terms = max(
             [sum(1 for v in range(n) if (v, k) in self.x) + count[k] for k in range(slots)] + [1]
         )
+        return comp, comm, recv_bytes
+
+    def _add_memory(self, slots: int, recv_bytes: list[Any]) -> bool:
+        """(C8) for every stage, stage count and device choice; False at the deadline."""
+        pb, m, n = self.problem, self.model, self.problem.n
+        exactly = self.stage_count
         for k in range(slots):
             if self._late():
-                return
+                return False
             res = sum(pb.resident[v] * self.x[(v, k)] for v in range(n) if (v, k) in self.x)
             act = sum(pb.activation[v] * self.x[(v, k)] for v in range(n) if (v, k) in self.x)
             for s in range(k + 1, slots + 1):
                 af, bf = activation_factor(pb, k, s), buffer_factor(pb, k, s)
-                for i, d in enumerate(choices[k]):
+                for i, d in enumerate(self.choices[k]):
                     # (C8) memory of stage k's device when there are s stages:
                     #      resident + inflight(k,s) * (activation + received bytes) <= cap
                     m.add(res + af * act + bf * recv_bytes[k] <= pb.mem_cap[d]).only_enforce_if(
                         [exactly[s], self.z[(k, i)]]
                     )
+        return True
+
+    def _add_objective(self, slots: int, comp: list[list[Any]], comm: list[Any]) -> None:
+        """(C7), (C10) and (O): the bottleneck stage time, or the makespan (latency)."""
+        pb, m = self.problem, self.model
         # rounding: at most 1/2 unit per summed term (a stage sum, or a path for latency)
-        paths = 2 * n if pb.objective == "latency" else self.terms
+        paths = 2 * pb.n if pb.objective == "latency" else self.terms
         self.slack = paths // 2 + 1
         cap = SCALE + self.slack if math.isfinite(self.upper) else 2 * SCALE
         if pb.objective == "latency":
-            self.objective_var = self._latency(slots, c_units, t_units, cap, choices)
+            self.objective_var = self._latency(slots, cap)
         else:
             bvar = m.new_int_var(0, cap, "bottleneck")
             for k in range(slots):
-                for i in range(len(choices[k])):
+                for i in range(len(self.choices[k])):
                     on = self.z[(k, i)]  # the stage's class (always true in an order model)
                     if pb.overlap_comm:
                         # (C7') stage time = max(compute, comm) <= B
@@ -291,25 +317,29 @@ class OrderModel:
                         # (C7) stage time = compute + comm (sent and received) <= B
                         m.add(comp[k][i] + comm[k] <= bvar).only_enforce_if(on)
             if self.floating > 0 and not pb.overlap_comm:
-                # (C10) the devices' summed time holds every stage and the floating work:
-                #       Σ_k (compute + comm) + floating <= slots * B  (at most `slots` stages)
-                #       (a class model counts every node on its fastest device: a relaxation)
-                lost = math.floor(self.floating / self.unit) - self.slack * slots
-                least = [c[0] for c in comp]
-                if self.classes:  # every node on its fastest device: the stage's class unknown
-                    least = [
-                        sum(
-                            round(min(pb.compute[v]) / self.unit) * self.x[(v, k)]
-                            for v in range(n)
-                            if (v, k) in self.x
-                        )
-                        for k in range(slots)
-                    ]
-                m.add(sum(least[k] + comm[k] for k in range(slots)) + max(0, lost) <= slots * bvar)
+                self._add_floating(slots, comp, comm, bvar)
             self.objective_var = bvar
         # ---- objective --------------------------------------------------------
         # (O) minimise the bottleneck stage time (throughput) or the makespan (latency)
         m.minimize(self.objective_var)
+
+    def _add_floating(self, slots: int, comp: list[list[Any]], comm: list[Any], bvar: Any) -> None:
+        """(C10) the devices' summed time holds every stage and the floating work:
+        Σ_k (compute + comm) + floating <= slots * B  (at most `slots` stages);
+        a class model counts every node on its fastest device (a relaxation)."""
+        pb, n = self.problem, self.problem.n
+        lost = math.floor(self.floating / self.unit) - self.slack * slots
+        least = [c[0] for c in comp]
+        if self.classes:  # every node on its fastest device: the stage's class unknown
+            least = [
+                sum(
+                    round(min(pb.compute[v]) / self.unit) * self.x[(v, k)]
+                    for v in range(n)
+                    if (v, k) in self.x
+                )
+                for k in range(slots)
+            ]
+        self.model.add(sum(least[k] + comm[k] for k in range(slots)) + max(0, lost) <= slots * bvar)
 
     def _stage_count_literals(self, slots: int) -> dict[int, Any]:
         """e[s] = [exactly s stages used] = used[s-1] and not used[s]."""
@@ -328,9 +358,7 @@ class OrderModel:
             out[s] = e
         return out
 
-    def _latency(
-        self, slots: int, c_units: Any, t_units: Any, cap: int, choices: list[list[int]]
-    ) -> Any:
+    def _latency(self, slots: int, cap: int) -> Any:
         """Makespan of one micro-batch, list-scheduled in index order per device."""
         pb, m = self.problem, self.model
         n = pb.n
@@ -339,15 +367,15 @@ class OrderModel:
         for v in range(n):
             if self.classes:
                 for k in range(self.lo[v], self.hi[v] + 1):
-                    for i, dev in enumerate(choices[k]):
+                    for i, dev in enumerate(self.choices[k]):
                         # (L1') end >= start + compute on the class the stage picked (only
                         #       lower bounds on `end` follow, so >= is exact when minimising)
-                        m.add(end[v] >= start[v] + c_units(v, dev)).only_enforce_if(
+                        m.add(end[v] >= start[v] + self._c_units(v, dev)).only_enforce_if(
                             [self.x[(v, k)], self.z[(k, i)]]
                         )
                 continue
             dur = sum(
-                c_units(v, self.order[k]) * self.x[(v, k)]
+                self._c_units(v, self.order[k]) * self.x[(v, k)]
                 for k in range(self.lo[v], self.hi[v] + 1)
             )
             # (L1) end = start + compute on the stage's device
@@ -355,12 +383,11 @@ class OrderModel:
         for u, v in pb.edges:
             # (L2) a node starts after its producers finish ...
             m.add(start[v] >= end[u])
-            for j in range(self.lo[u], self.hi[u] + 1):
-                for k in range(max(j + 1, self.lo[v]), self.hi[v] + 1):
-                    # (L3) ... plus the transfer when the producer is on an earlier stage
-                    m.add(start[v] >= end[u] + t_units(u, j, k)).only_enforce_if(
-                        [self.x[(u, j)], self.x[(v, k)]]
-                    )
+            for j, k in self._sends(u, v):
+                # (L3) ... plus the transfer when the producer is on an earlier stage
+                m.add(start[v] >= end[u] + self._t_units(u, j, k)).only_enforce_if(
+                    [self.x[(u, j)], self.x[(v, k)]]
+                )
         for k in range(slots):
             last: Any = 0
             for v in range(n):

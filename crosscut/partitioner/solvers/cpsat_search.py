@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
 
 from ortools.sat.python import cp_model
 
@@ -23,12 +22,11 @@ from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import check, evaluate, renumber
 from crosscut.partitioner.solvers.baselines import Plan
 from crosscut.partitioner.solvers.cpsat_model import OrderModel
+from crosscut.partitioner.solvers.settings import Progress, SolveSettings
 
-__all__ = ["ROUNDING_GAP", "Incumbent", "Progress", "Searched", "Settings", "search_one"]
+__all__ = ["ROUNDING_GAP", "Incumbent", "Progress", "Searched", "search_one"]
 
 ROUNDING_GAP = 1e-5  # a relative gap this small is the integer model's rounding: optimal
-
-Progress = Callable[[float, float, float], None]
 
 
 class _Callback(cp_model.CpSolverSolutionCallback):  # type: ignore[misc]
@@ -76,19 +74,6 @@ def _solver(
     return solver
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """What every CP-SAT search of one solve shares."""
-
-    workers: int
-    seed: int
-    deterministic: bool
-    log_callback: Callable[[str], None] | None
-    progress: Progress | None
-    t0: float
-    floating: float
-
-
 @dataclasses.dataclass
 class Incumbent:
     """The best plan so far (baselines first), and whether CP-SAT found any plan."""
@@ -114,9 +99,13 @@ def search_one(
     static_lb: float,
     share: Deadline,
     work: Deadline,
-    cfg: Settings,
+    cfg: SolveSettings,
+    t0: float,
 ) -> Searched:
-    """Build ``om`` (one order, or the class model), solve it by ``share``, update ``inc``."""
+    """Build ``om`` (one order, or the class model), solve it by ``share``, update ``inc``.
+
+    ``t0``: when the solve began (``perf_counter``), for ``cfg.progress``'s wall seconds.
+    """
     t_build = time.perf_counter()
     om.floating, om.deadline = cfg.floating, work
     om.build()
@@ -142,7 +131,7 @@ def search_one(
         solver.parameters.log_search_progress = True
         solver.log_callback = cfg.log_callback
     target = math.floor(static_lb * (1 + ROUNDING_GAP) / om.unit)
-    status = solver.solve(m, _Callback(cfg.progress, om.unit, cfg.t0, target))
+    status = solver.solve(m, _Callback(cfg.progress, om.unit, t0, target))
     if status == cp_model.INFEASIBLE:
         return Searched(max(static_lb, inc.objective), True, False, build_s, 2 * om.slack * om.unit)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

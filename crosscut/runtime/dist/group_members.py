@@ -47,10 +47,10 @@ from torch.utils import _pytree as pytree
 
 from crosscut.codegen.dotted_attrs import get_attr
 from crosscut.codegen.width import all_gather, broadcast
-from crosscut.errors import CodegenError, DistributedError
+from crosscut.errors import CodegenError
 from crosscut.runtime.batch_shares import batch_of, check_output, input_kind, share_bounds
 from crosscut.runtime.dist.group_comm import GroupLink, RecvOp, SendOp, recv, send
-from crosscut.runtime.dist.p2p import grad_free
+from crosscut.runtime.dist.p2p import grad_free, traced_value
 
 if TYPE_CHECKING:
     from crosscut.ir.program import Stage
@@ -76,14 +76,7 @@ def build_member(gm: fx.GraphModule, stage: Stage, link: GroupLink) -> nn.Module
     nodes = {n.name: n for n in gm.graph.nodes}
 
     def traced(name: str) -> Any:
-        val = nodes[name].meta.get("val") if name in nodes else None
-        if val is None:
-            raise DistributedError(
-                f"the shape of {name!r} (read by cross-shaped stage {stage.index}) is unknown",
-                remedy="compile with crosscut.distributed.compile_distributed, which traces "
-                "the model with shapes",
-            )
-        return val
+        return traced_value(nodes, name, f"{name!r} (read by cross-shaped stage {stage.index})")
 
     member, width = link.member, len(link.ranks)
     free = grad_free(gm)

@@ -32,6 +32,7 @@ from crosscut.ir.plan import Plan, PlanStage
 from crosscut.viz.dot import (
     TRANSFER_COLOR,
     NodeGroup,
+    box_edges,
     device_colors,
     human_bytes,
     human_time,
@@ -129,31 +130,20 @@ def _boxes(plan: Plan, groups: list[NodeGroup] | None) -> list[Box]:
 
 def _arrows(plan: Plan, box_of: dict[str, Box]) -> list[Arrow]:
     """Inner edges once per box pair; cross-stage edges once per (source box, receiving stage)."""
-    first_reader: dict[tuple[str, int], str] = {}  # (src box, dst stage) -> first reader box
-    sender: dict[str, int] = {}  # src box -> its stage
-    nbytes: dict[tuple[str, int], dict[str, int]] = {}
-    inner: dict[tuple[str, str], None] = {}
-    for src, dst, size in plan.edges:
-        a, b = box_of.get(src), box_of.get(dst)
-        if a is None or b is None or a.id == b.id:
-            continue
-        if a.stage == b.stage:
-            inner[(a.id, b.id)] = None
-            continue
-        key = (a.id, b.stage)
-        sender[a.id] = a.stage
-        first_reader.setdefault(key, b.id)  # plan.edges follow topological order
-        nbytes.setdefault(key, {})[src] = size  # a tensor counts once per receiving stage
+    stage_of = {b.id: b.stage for b in box_of.values()}
+    pairs = box_edges(plan, box_of)
+    arrows = [Arrow(a, b, cross=False) for a, b in pairs if stage_of[a] == stage_of[b]]
     seconds = {(t.tensor, t.dst_stage): t.time_s for t in plan.transfers}
-    arrows = [Arrow(a, b, cross=False) for a, b in inner]
-    for (src, stage), reader in first_reader.items():
-        tensors = nbytes[(src, stage)]
+    for (src, reader), tensors in pairs.items():
+        sender, stage = stage_of[src], stage_of[reader]
+        if sender == stage:
+            continue
         arrows.append(
             Arrow(
                 src,
                 reader,
                 cross=True,
-                transfer=plan.stages[sender[src]].devices != plan.stages[stage].devices,
+                transfer=plan.stages[sender].devices != plan.stages[stage].devices,
                 nbytes=sum(tensors.values()),
                 seconds=sum(seconds.get((t, stage), 0.0) for t in tensors),
             )

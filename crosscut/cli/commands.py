@@ -48,7 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks on error")
     parser.add_argument("--version", action="version", version=f"crosscut {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _partition_parser(sub)
+    _plan_parsers(sub)
+    return parser
 
+
+def _partition_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``crosscut partition``: the model, the cluster and the planner's options."""
     p = sub.add_parser("partition", help="find a plan for a model on a cluster")
     _model_args(p)
     p.add_argument(
@@ -101,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-o", "--output", required=True, help="where to write plan.json")
 
+
+def _plan_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The commands that read, run or measure a plan: show, verify, profile, bench, run, diff."""
     p = sub.add_parser("show", help="draw a plan (html, svg, png, dot) or print its summary")
     p.add_argument("plan")
     p.add_argument("-o", "--output", help="out.html | out.svg | out.png | out.dot")
@@ -136,7 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("diff", help="say what moved between two plans")
     p.add_argument("a")
     p.add_argument("b")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -247,23 +247,9 @@ def build_stages(
     _check_assignment(gm, stage_of, len(devices))
     _check_mutation_ties(gm, stage_of)
     work = copy.deepcopy(gm)
-    st = {n.name: int(stage_of[n.name]) for n in work.graph.nodes if n.op not in _SKIP_OPS}
-    clones = _protect_inplace(work, st)
-    modules = dict(work.named_modules())
-    mutators = [n for n in work.graph.nodes if n.op not in _SKIP_OPS and inplace_target(n, modules)]
-    grouped = {k for k, (devs, _) in enumerate(groups or []) if len(devs) > 1}
-    placed = {**{k: int(v) for k, v in stage_of.items()}, **st}  # get_attr nodes too
-    aliases = share_state_reads(work, placed, mutators)  # one home per parameter
-    st.update((a, placed[a]) for a in aliases)
-    aliases |= separate_fanout(work, st, mutators, grouped)  # gradients summed in eager's order
+    st, clones, aliases = _rewire(work, stage_of, groups)
     node_bytes = _node_bytes(work, example_inputs)
-
-    origin: dict[int, list[str]] = {}
-    for key, t in [
-        *work.named_parameters(remove_duplicate=False),
-        *work.named_buffers(remove_duplicate=False),
-    ]:
-        origin.setdefault(id(t), []).append(key)
+    origin = _state_origins(work)
     ga_targets = {n.name: str(n.target) for n in work.graph.nodes if n.op == "get_attr"}
     placeholders = [n.name for n in work.graph.nodes if n.op == "placeholder"]
 
@@ -271,47 +257,7 @@ def build_stages(
     split = split_module(
         work, work, lambda n: st[n.name], keep_original_order=True, keep_original_node_name=True
     )
-    owners: dict[int, set[int]] = {}
-    stages: list[Stage] = []
-    key_sources: dict[str, tuple[int, str]] = {}
-    for s, dev in enumerate(devices):
-        sub = getattr(split, f"submod_{s}")
-        assert isinstance(sub, fx.GraphModule)
-        _inline_get_attrs(sub, work, ga_targets)
-        param_keys: dict[str, list[str]] = {}
-        for local, t in [
-            *sub.named_parameters(remove_duplicate=False),
-            *sub.named_buffers(remove_duplicate=False),
-        ]:
-            owners.setdefault(id(t), set()).add(s)
-            keys = origin.get(id(t), [])
-            param_keys[local] = keys
-            for k in keys:
-                key_sources.setdefault(k, (s, local))
-        inputs = [(n.name, st.get(n.name, INPUT)) for n in sub.graph.nodes if n.op == "placeholder"]
-        returned = sub.graph.output_node().args[0]
-        assert isinstance(returned, tuple)
-        outputs = [str(a.name) for a in returned if isinstance(a, fx.Node)]
-        sub_mods = dict(sub.named_modules())
-        mutated = {
-            m.name
-            for n in sub.graph.nodes
-            if n.op not in _SKIP_OPS
-            and (m := inplace_target(n, sub_mods)) is not None
-            and m.op == "placeholder"
-        }
-        names = {v for v, _ in inputs}  # ... and inputs written through a view (alias.py)
-        mutated |= {b for n in sub.graph.nodes for b in n.meta.get(MUTATES, []) if b in names}
-        stages.append(Stage(s, dev, sub, inputs, outputs, param_keys, mutated, [dev]))
-
-    for tid, where in owners.items():
-        if len(where) > 1:
-            raise _fail(
-                f"parameter {origin.get(tid, ['<constant>'])} is tied (shared) across stages "
-                f"{sorted(where)}; one tensor cannot live on two stages and stay tied",
-                {"keys": origin.get(tid), "stages": sorted(where)},
-                "assign every node that uses the shared parameter to the same stage",
-            )
+    stages, key_sources = _cut_stages(split, work, devices, st, origin, ga_targets)
     for stage in stages:
         stage.module.to(stage.device)
     shard_sources = apply_groups(stages, groups or [], origin, key_sources, batch_stage)
@@ -339,3 +285,97 @@ def build_stages(
         shard_sources,
         aliases,
     )
+
+
+def _rewire(
+    work: fx.GraphModule,
+    stage_of: Mapping[str, int],
+    groups: Sequence[tuple[Sequence[torch.device | str], str]] | None,
+) -> tuple[dict[str, int], list[str], dict[str, str]]:
+    """Make ``work`` (a copy) safe to cut: in-place ops, state reads and fan-out rewired.
+
+    Returns each compute node's stage (with the nodes the rewiring added), the
+    inserted clones, and the aliases (new node -> the value it stands for).
+    """
+    st = {n.name: int(stage_of[n.name]) for n in work.graph.nodes if n.op not in _SKIP_OPS}
+    clones = _protect_inplace(work, st)
+    modules = dict(work.named_modules())
+    mutators = [n for n in work.graph.nodes if n.op not in _SKIP_OPS and inplace_target(n, modules)]
+    grouped = {k for k, (devs, _) in enumerate(groups or []) if len(devs) > 1}
+    placed = {**{k: int(v) for k, v in stage_of.items()}, **st}  # get_attr nodes too
+    aliases = share_state_reads(work, placed, mutators)  # one home per parameter
+    st.update((a, placed[a]) for a in aliases)
+    aliases |= separate_fanout(work, st, mutators, grouped)  # gradients summed in eager's order
+    return st, clones, aliases
+
+
+def _state_origins(work: fx.GraphModule) -> dict[int, list[str]]:
+    """Every parameter and buffer tensor (by id) -> its original state_dict keys."""
+    origin: dict[int, list[str]] = {}
+    for key, t in [
+        *work.named_parameters(remove_duplicate=False),
+        *work.named_buffers(remove_duplicate=False),
+    ]:
+        origin.setdefault(id(t), []).append(key)
+    return origin
+
+
+def _cut_stages(
+    split: fx.GraphModule,
+    work: fx.GraphModule,
+    devices: Sequence[torch.device],
+    st: Mapping[str, int],
+    origin: Mapping[int, list[str]],
+    ga_targets: Mapping[str, str],
+) -> tuple[list[Stage], dict[str, tuple[int, str]]]:
+    """One :class:`Stage` per ``split_module`` submodule, and every original key's home.
+
+    Refuses a parameter that two stages read (a tie the plan cut).
+    """
+    owners: dict[int, set[int]] = {}
+    stages: list[Stage] = []
+    key_sources: dict[str, tuple[int, str]] = {}
+    for s, dev in enumerate(devices):
+        sub = getattr(split, f"submod_{s}")
+        assert isinstance(sub, fx.GraphModule)
+        _inline_get_attrs(sub, work, ga_targets)
+        param_keys: dict[str, list[str]] = {}
+        for local, t in [
+            *sub.named_parameters(remove_duplicate=False),
+            *sub.named_buffers(remove_duplicate=False),
+        ]:
+            owners.setdefault(id(t), set()).add(s)
+            keys = origin.get(id(t), [])
+            param_keys[local] = keys
+            for k in keys:
+                key_sources.setdefault(k, (s, local))
+        inputs = [(n.name, st.get(n.name, INPUT)) for n in sub.graph.nodes if n.op == "placeholder"]
+        returned = sub.graph.output_node().args[0]
+        assert isinstance(returned, tuple)
+        outputs = [str(a.name) for a in returned if isinstance(a, fx.Node)]
+        mutated = _mutated_inputs(sub, {v for v, _ in inputs})
+        stages.append(Stage(s, dev, sub, inputs, outputs, param_keys, mutated, [dev]))
+    for tid, where in owners.items():
+        if len(where) > 1:
+            raise _fail(
+                f"parameter {origin.get(tid, ['<constant>'])} is tied (shared) across stages "
+                f"{sorted(where)}; one tensor cannot live on two stages and stay tied",
+                {"keys": origin.get(tid), "stages": sorted(where)},
+                "assign every node that uses the shared parameter to the same stage",
+            )
+    return stages, key_sources
+
+
+def _mutated_inputs(sub: fx.GraphModule, names: set[str]) -> set[str]:
+    """The inputs of stage ``sub`` that it writes in place, directly or through a view."""
+    sub_mods = dict(sub.named_modules())
+    mutated = {
+        m.name
+        for n in sub.graph.nodes
+        if n.op not in _SKIP_OPS
+        and (m := inplace_target(n, sub_mods)) is not None
+        and m.op == "placeholder"
+    }
+    # ... and inputs written through a view (alias.py)
+    mutated |= {b for n in sub.graph.nodes for b in n.meta.get(MUTATES, []) if b in names}
+    return mutated

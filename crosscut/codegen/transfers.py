@@ -54,6 +54,17 @@ def plan_transfers(
     def device_of(stage: int, fallback: str) -> str:
         return stage_devices[stage] if stage >= 0 else fallback
 
+    def transfer(value: str, src: int, dst: int, dst_device: str) -> Transfer:
+        return Transfer(
+            name=transfer_name(value, dst),
+            value=value,
+            src_stage=src,
+            dst_stage=dst,
+            src_device=device_of(src, "caller"),
+            dst_device=dst_device,
+            nbytes=int(node_bytes.get(value, 0)),
+        )
+
     transfers: list[Transfer] = []
     for dst, inputs in enumerate(stage_inputs):
         seen: set[str] = set()
@@ -61,29 +72,9 @@ def plan_transfers(
             if value in seen or src == dst:
                 continue
             seen.add(value)
-            transfers.append(
-                Transfer(
-                    name=transfer_name(value, dst),
-                    value=value,
-                    src_stage=src,
-                    dst_stage=dst,
-                    src_device=device_of(src, "caller"),
-                    dst_device=stage_devices[dst],
-                    nbytes=int(node_bytes.get(value, 0)),
-                )
-            )
+            transfers.append(transfer(value, src, dst, stage_devices[dst]))
     for value, src in output_sources.items():
         if src < 0:
             continue
-        transfers.append(
-            Transfer(
-                name=transfer_name(value, OUTPUT),
-                value=value,
-                src_stage=src,
-                dst_stage=OUTPUT,
-                src_device=stage_devices[src],
-                dst_device=out_dev,
-                nbytes=int(node_bytes.get(value, 0)),
-            )
-        )
+        transfers.append(transfer(value, src, OUTPUT, out_dev))
     return transfers

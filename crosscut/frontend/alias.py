@@ -58,7 +58,7 @@ import inspect
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +74,7 @@ __all__ = [
     "STATE",
     "AliasClass",
     "alias_classes",
+    "find_root",
     "functional_norm_writes",
     "inplace_target",
     "mutated_value",
@@ -200,15 +201,23 @@ def _storages(node: fx.Node) -> list[Any]:
     return refs
 
 
+_K = TypeVar("_K")
+
+
+def find_root(parent: dict[_K, _K], x: _K) -> _K:
+    """Union-find: the root of ``x``'s set in the forest ``parent`` (paths halved on the way)."""
+    while parent[x] != x:
+        parent[x] = parent[parent[x]]
+        x = parent[x]
+    return x
+
+
 def alias_classes(gm: fx.GraphModule) -> list[AliasClass]:
     """The alias classes of ``gm`` (from the trace's fake values) that something writes."""
     parent: dict[Any, Any] = {}
 
     def find(x: Any) -> Any:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+        return find_root(parent, x)
 
     node_ref: dict[fx.Node, Any] = {}
     for n in gm.graph.nodes:

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from crosscut.errors import InputError, TraceError
-from crosscut.frontend.alias import order_mutations, written_state_ties
+from crosscut.frontend.alias import find_root, order_mutations, written_state_ties
 from crosscut.frontend.grad_mode import NO_GRAD, detach_no_grad
 from crosscut.frontend.propagate import (
     Propagator,
@@ -425,10 +425,7 @@ def _ties(gm: torch.fx.GraphModule) -> list[list[str]]:
     parent: dict[str, str] = {}
 
     def find(x: str) -> str:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+        return find_root(parent, x)
 
     first_user: dict[int, str] = {}
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}

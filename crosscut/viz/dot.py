@@ -17,7 +17,9 @@ import itertools
 import math
 import shutil
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from crosscut.errors import CrosscutError
 from crosscut.ir.plan import Plan, PlanStage
@@ -27,8 +29,10 @@ __all__ = [
     "INSTALL_HINT",
     "PALETTE",
     "TRANSFER_COLOR",
+    "BoxLike",
     "NodeGroup",
     "VizError",
+    "box_edges",
     "coarsen",
     "device_colors",
     "human_bytes",
@@ -289,13 +293,23 @@ def plan_to_dot(plan: Plan, *, coarse: bool | None = None, max_nodes: int = 400)
     return "\n".join(out) + "\n"
 
 
-def _edges(plan: Plan, box_of: dict[str, NodeGroup]) -> list[str]:
-    """Edges between boxes; cross-stage ones carry bytes, cross-device ones are transfers.
+class BoxLike(Protocol):
+    """A drawn box (a node group here, a laid-out box in ``viz/layout.py``)."""
 
-    A tensor that a stage reads in several places is sent once, so it is drawn
-    once: one arrow per (source box, receiving stage), to the first reader.
+    @property
+    def id(self) -> str: ...
+    @property
+    def stage(self) -> int: ...
+
+
+def box_edges(plan: Plan, box_of: Mapping[str, BoxLike]) -> dict[tuple[str, str], dict[str, int]]:
+    """The plan's edges between boxes (``box_of``: node -> its box), in first-seen order.
+
+    One entry per pair of boxes in a stage, and one per (source box,
+    receiving stage) across stages, to the first reader there (a tensor a
+    stage reads in several places is sent once); each maps the tensors it
+    carries to their bytes, a tensor counted once per entry.
     """
-    tx_time = {(t.tensor, t.dst_stage): t.time_s for t in plan.transfers}
     agg: dict[tuple[str, str], dict[str, int]] = {}
     first_reader: dict[tuple[str, int], str] = {}
     for src, dst, nbytes in plan.edges:
@@ -303,12 +317,22 @@ def _edges(plan: Plan, box_of: dict[str, NodeGroup]) -> list[str]:
         if ga is None or gb is None or ga.id == gb.id:
             continue
         target = gb.id
-        if ga.stage != gb.stage:
+        if ga.stage != gb.stage:  # plan.edges follow topological order
             target = first_reader.setdefault((ga.id, gb.stage), gb.id)
-        agg.setdefault((ga.id, target), {})[src] = nbytes  # a tensor counts once per pair
+        agg.setdefault((ga.id, target), {})[src] = nbytes
+    return agg
+
+
+def _edges(plan: Plan, box_of: dict[str, NodeGroup]) -> list[str]:
+    """Edges between boxes; cross-stage ones carry bytes, cross-device ones are transfers.
+
+    A tensor that a stage reads in several places is sent once, so it is drawn
+    once: one arrow per (source box, receiving stage), to the first reader.
+    """
+    tx_time = {(t.tensor, t.dst_stage): t.time_s for t in plan.transfers}
     stage_of = {g.id: g.stage for g in box_of.values()}
     lines = []
-    for (a, b), tensors in agg.items():
+    for (a, b), tensors in box_edges(plan, box_of).items():
         sa, sb = stage_of[a], stage_of[b]
         if sa == sb:
             lines.append(f"  {a} -> {b};")

@@ -28,10 +28,11 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from crosscut.ir.plan import Plan
+from crosscut.ir.plan import Plan, PlanStage
 from crosscut.viz.dot import (
     TRANSFER_COLOR,
     NodeGroup,
+    box_edges,
     device_colors,
     human_bytes,
     human_time,
@@ -129,31 +130,20 @@ def _boxes(plan: Plan, groups: list[NodeGroup] | None) -> list[Box]:
 
 def _arrows(plan: Plan, box_of: dict[str, Box]) -> list[Arrow]:
     """Inner edges once per box pair; cross-stage edges once per (source box, receiving stage)."""
-    first_reader: dict[tuple[str, int], str] = {}  # (src box, dst stage) -> first reader box
-    sender: dict[str, int] = {}  # src box -> its stage
-    nbytes: dict[tuple[str, int], dict[str, int]] = {}
-    inner: dict[tuple[str, str], None] = {}
-    for src, dst, size in plan.edges:
-        a, b = box_of.get(src), box_of.get(dst)
-        if a is None or b is None or a.id == b.id:
-            continue
-        if a.stage == b.stage:
-            inner[(a.id, b.id)] = None
-            continue
-        key = (a.id, b.stage)
-        sender[a.id] = a.stage
-        first_reader.setdefault(key, b.id)  # plan.edges follow topological order
-        nbytes.setdefault(key, {})[src] = size  # a tensor counts once per receiving stage
+    stage_of = {b.id: b.stage for b in box_of.values()}
+    pairs = box_edges(plan, box_of)
+    arrows = [Arrow(a, b, cross=False) for a, b in pairs if stage_of[a] == stage_of[b]]
     seconds = {(t.tensor, t.dst_stage): t.time_s for t in plan.transfers}
-    arrows = [Arrow(a, b, cross=False) for a, b in inner]
-    for (src, stage), reader in first_reader.items():
-        tensors = nbytes[(src, stage)]
+    for (src, reader), tensors in pairs.items():
+        sender, stage = stage_of[src], stage_of[reader]
+        if sender == stage:
+            continue
         arrows.append(
             Arrow(
                 src,
                 reader,
                 cross=True,
-                transfer=plan.stages[sender[src]].devices != plan.stages[stage].devices,
+                transfer=plan.stages[sender].devices != plan.stages[stage].devices,
                 nbytes=sum(tensors.values()),
                 seconds=sum(seconds.get((t, stage), 0.0) for t in tensors),
             )
@@ -279,19 +269,7 @@ def layout_svg(plan: Plan, groups: list[NodeGroup] | None = None) -> str:
         ),
         "</defs>",
     ]
-    for stage in plan.stages:
-        x, y, bw, bh = lay.bands[stage.index]
-        edge = colors.get(stage.devices[0], "#888888")
-        first, last = stage_layers(plan, stage.index)
-        title = f"{stage_label(plan, stage)} · layers {first} → {last}"
-        parts.append(
-            f'<g class="cluster stage" id="stage_{stage.index}"><title>cluster_stage_'
-            f"{stage.index}</title>"
-            f'<rect x="{x + 1:.1f}" y="{y + 1:.1f}" width="{bw - 2:.1f}" height="{bh - 2:.1f}" '
-            f'rx="8" fill="#fafafa" stroke="{edge}" stroke-width="2.5"/>'
-            f'<text x="{x + BAND_PAD:.1f}" y="{y + 16:.1f}" font-size="12" font-weight="600" '
-            f'fill="#1d232a">{_e(title)}</text></g>'
-        )
+    parts += (_band_svg(plan, stage, lay, colors) for stage in plan.stages)
     boxes = lay.boxes
     for arrow in (a for a in lay.arrows if not a.cross):
         a, b = boxes[arrow.src], boxes[arrow.dst]
@@ -300,54 +278,81 @@ def layout_svg(plan: Plan, groups: list[NodeGroup] | None = None) -> str:
             'stroke-width="1" marker-end="url(#arrow-inner)"/>'
         )
     for stage in plan.stages:
-        fills = [lighten(colors.get(d, "#bab0ac")) for d in stage.devices]
-        fill = fills[0]
-        if len(fills) > 1:  # a device group: the box shows every member's colour
-            parts.append(
-                f'<defs><linearGradient id="group-{stage.index}">'
-                + "".join(
-                    f'<stop offset="{i / (len(fills) - 1):.3f}" stop-color="{c}"/>'
-                    for i, c in enumerate(fills)
-                )
-                + "</linearGradient></defs>"
-            )
-            fill = f"url(#group-{stage.index})"
-        for b in (b for b in boxes.values() if b.stage == stage.index):
-            one, two = _two_lines(b.label)
-            text = (
-                f'<text x="{b.x + 6:.1f}" y="{b.y + (13 if two else 19):.1f}" fill="#111">'
-                f"{_e(one)}</text>"
-            )
-            if two:
-                text += f'<text x="{b.x + 6:.1f}" y="{b.y + 25:.1f}" fill="#111">{_e(two)}</text>'
-            node = (
-                f'<g class="node" id="{_e(b.id)}"><title>{_e(b.tip)}</title>'
-                f'<rect x="{b.x:.1f}" y="{b.y:.1f}" width="{BOX_W}" height="{BOX_H}" rx="4" '
-                f'fill="{fill}" stroke="#55606b" stroke-width="0.6"/>{text}</g>'
-            )
-            if groups is not None:
-                node = f'<a href="#grp-{_e(b.id)}">{node}</a>'
-            parts.append(node)
-    for arrow in (a for a in lay.arrows if a.cross):
-        a, b = boxes[arrow.src], boxes[arrow.dst]
-        kind = "transfer" if arrow.transfer else "shared"
-        color = TRANSFER_COLOR if arrow.transfer else SHARED_STAGE_EDGE
-        dash = ' stroke-dasharray="6 3"' if arrow.transfer else ""
-        label = human_bytes(arrow.nbytes) + (
-            f" · {human_time(arrow.seconds)}" if arrow.seconds else ""
-        )
-        tip = f"{a.label} (stage {a.stage}) → {b.label} (stage {b.stage}): {label} per micro-batch"
-        x0, y0 = a.x + BOX_W / 2, a.y + BOX_H
-        x1, y1 = b.x + BOX_W / 2, b.y
-        if y1 <= y0:  # a later stage drawn above is impossible, but stay safe
-            y0, y1 = a.y, b.y + BOX_H
-        mid = (y0 + y1) / 2
-        parts.append(
-            f'<g class="{kind}"><title>{_e(tip)}</title><path d="M{x0:.1f},{y0:.1f} '
-            f'C{x0:.1f},{mid:.1f} {x1:.1f},{mid:.1f} {x1:.1f},{y1:.1f}" fill="none" '
-            f'stroke="{color}" stroke-width="2"{dash} marker-end="url(#arrow-{kind})"/>'
-            f'<text x="{(x0 + x1) / 2 + 4:.1f}" y="{mid - 3:.1f}" fill="{color}" '
-            f'font-size="10">{_e(label)}</text></g>'
-        )
+        parts += _stage_boxes_svg(stage, lay, colors, linked=groups is not None)
+    parts += (_cross_arrow_svg(arrow, lay) for arrow in lay.arrows if arrow.cross)
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _band_svg(plan: Plan, stage: PlanStage, lay: GraphLayout, colors: dict[str, str]) -> str:
+    """A stage's band: its rectangle in its device's colour, titled with its layers."""
+    x, y, bw, bh = lay.bands[stage.index]
+    edge = colors.get(stage.devices[0], "#888888")
+    first, last = stage_layers(plan, stage.index)
+    title = f"{stage_label(plan, stage)} · layers {first} → {last}"
+    return (
+        f'<g class="cluster stage" id="stage_{stage.index}"><title>cluster_stage_'
+        f"{stage.index}</title>"
+        f'<rect x="{x + 1:.1f}" y="{y + 1:.1f}" width="{bw - 2:.1f}" height="{bh - 2:.1f}" '
+        f'rx="8" fill="#fafafa" stroke="{edge}" stroke-width="2.5"/>'
+        f'<text x="{x + BAND_PAD:.1f}" y="{y + 16:.1f}" font-size="12" font-weight="600" '
+        f'fill="#1d232a">{_e(title)}</text></g>'
+    )
+
+
+def _stage_boxes_svg(
+    stage: PlanStage, lay: GraphLayout, colors: dict[str, str], *, linked: bool
+) -> list[str]:
+    """A stage's boxes, filled with its devices' colours (``linked``: to the group list)."""
+    parts = []
+    fills = [lighten(colors.get(d, "#bab0ac")) for d in stage.devices]
+    fill = fills[0]
+    if len(fills) > 1:  # a device group: the box shows every member's colour
+        parts.append(
+            f'<defs><linearGradient id="group-{stage.index}">'
+            + "".join(
+                f'<stop offset="{i / (len(fills) - 1):.3f}" stop-color="{c}"/>'
+                for i, c in enumerate(fills)
+            )
+            + "</linearGradient></defs>"
+        )
+        fill = f"url(#group-{stage.index})"
+    for b in (b for b in lay.boxes.values() if b.stage == stage.index):
+        one, two = _two_lines(b.label)
+        text = (
+            f'<text x="{b.x + 6:.1f}" y="{b.y + (13 if two else 19):.1f}" fill="#111">'
+            f"{_e(one)}</text>"
+        )
+        if two:
+            text += f'<text x="{b.x + 6:.1f}" y="{b.y + 25:.1f}" fill="#111">{_e(two)}</text>'
+        node = (
+            f'<g class="node" id="{_e(b.id)}"><title>{_e(b.tip)}</title>'
+            f'<rect x="{b.x:.1f}" y="{b.y:.1f}" width="{BOX_W}" height="{BOX_H}" rx="4" '
+            f'fill="{fill}" stroke="#55606b" stroke-width="0.6"/>{text}</g>'
+        )
+        if linked:
+            node = f'<a href="#grp-{_e(b.id)}">{node}</a>'
+        parts.append(node)
+    return parts
+
+
+def _cross_arrow_svg(arrow: Arrow, lay: GraphLayout) -> str:
+    """A value sent to another stage: red and dashed across devices, labelled with its bytes."""
+    a, b = lay.boxes[arrow.src], lay.boxes[arrow.dst]
+    kind = "transfer" if arrow.transfer else "shared"
+    color = TRANSFER_COLOR if arrow.transfer else SHARED_STAGE_EDGE
+    dash = ' stroke-dasharray="6 3"' if arrow.transfer else ""
+    label = human_bytes(arrow.nbytes) + (f" · {human_time(arrow.seconds)}" if arrow.seconds else "")
+    tip = f"{a.label} (stage {a.stage}) → {b.label} (stage {b.stage}): {label} per micro-batch"
+    x0, y0 = a.x + BOX_W / 2, a.y + BOX_H
+    x1, y1 = b.x + BOX_W / 2, b.y
+    if y1 <= y0:  # a later stage drawn above is impossible, but stay safe
+        y0, y1 = a.y, b.y + BOX_H
+    mid = (y0 + y1) / 2
+    return (
+        f'<g class="{kind}"><title>{_e(tip)}</title><path d="M{x0:.1f},{y0:.1f} '
+        f'C{x0:.1f},{mid:.1f} {x1:.1f},{mid:.1f} {x1:.1f},{y1:.1f}" fill="none" '
+        f'stroke="{color}" stroke-width="2"{dash} marker-end="url(#arrow-{kind})"/>'
+        f'<text x="{(x0 + x1) / 2 + 4:.1f}" y="{mid - 3:.1f}" fill="{color}" '
+        f'font-size="10">{_e(label)}</text></g>'
+    )

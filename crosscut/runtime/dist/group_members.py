@@ -47,10 +47,10 @@ from torch.utils import _pytree as pytree
 
 from crosscut.codegen.dotted_attrs import get_attr
 from crosscut.codegen.width import all_gather, broadcast
-from crosscut.errors import CodegenError, DistributedError
+from crosscut.errors import CodegenError
 from crosscut.runtime.batch_shares import batch_of, check_output, input_kind, share_bounds
 from crosscut.runtime.dist.group_comm import GroupLink, RecvOp, SendOp, recv, send
-from crosscut.runtime.dist.p2p import grad_free
+from crosscut.runtime.dist.p2p import grad_free, traced_value
 
 if TYPE_CHECKING:
     from crosscut.ir.program import Stage
@@ -76,14 +76,7 @@ def build_member(gm: fx.GraphModule, stage: Stage, link: GroupLink) -> nn.Module
     nodes = {n.name: n for n in gm.graph.nodes}
 
     def traced(name: str) -> Any:
-        val = nodes[name].meta.get("val") if name in nodes else None
-        if val is None:
-            raise DistributedError(
-                f"the shape of {name!r} (read by cross-shaped stage {stage.index}) is unknown",
-                remedy="compile with crosscut.distributed.compile_distributed, which traces "
-                "the model with shapes",
-            )
-        return val
+        return traced_value(nodes, name, f"{name!r} (read by cross-shaped stage {stage.index})")
 
     member, width = link.member, len(link.ranks)
     free = grad_free(gm)
@@ -194,77 +187,102 @@ def channel_member(
     back.
     """
     where = member_of_nodes(gm, width)
-    graph = fx.Graph()
-    root: dict[str, Any] = {}
-    env: dict[fx.Node, fx.Node] = {}
+    out = _MemberGraph(link, member)
     nodes = list(gm.graph.nodes)
     for n in nodes:
         if n.op == "placeholder" and member == 0:
-            env[n] = graph.placeholder(n.name)
-    token = graph.placeholder(TOKEN)
-    op = 0
-    comms: list[nn.Module] = []
-
-    def comm(mod: nn.Module, *args: Any) -> fx.Node:
-        name = f"crosscut_group_op{len(comms)}"
-        comms.append(mod)
-        root[name] = mod
-        return graph.call_module(name, args)
-
+            out.env[n] = out.graph.placeholder(n.name)
+    out.token = out.graph.placeholder(TOKEN)
     for n in nodes:
         if n.op == "placeholder":
             continue
         if n.op == "output":
+            out.output(n)
+        elif n.op == "call_function" and n.target is all_gather:
+            out.gather(n, width)
+        elif n.op == "call_function" and n.target is broadcast:
+            out.broadcast(n, where[n], grad_free)
+        elif where[n] == member:
+            out.copy(gm, n)
+    link.ops = out.op
+    out.graph.lint()
+    return fx.GraphModule(out.root, out.graph, class_name=f"Stage{link.stage}Member{member}")
+
+
+class _MemberGraph:
+    """The graph :func:`channel_member` writes: member ``member``'s nodes, its messages
+    (numbered ``op`` in graph order, the same on every member) and its token chain."""
+
+    def __init__(self, link: GroupLink, member: int) -> None:
+        self.link, self.member = link, member
+        self.graph = fx.Graph()
+        self.root: dict[str, Any] = {}
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.token: fx.Node | None = None
+        self.op = 0
+        self.comms: list[nn.Module] = []
+
+    def comm(self, mod: nn.Module, *args: Any) -> fx.Node:
+        name = f"crosscut_group_op{len(self.comms)}"
+        self.comms.append(mod)
+        self.root[name] = mod
+        return self.graph.call_module(name, args)
+
+    def output(self, n: fx.Node) -> None:
+        """The stage outputs on the leader, and the final token last."""
+        if self.member == 0:
+            outs = fx.map_arg(n.args[0], lambda u: self.env[u])
+            self.graph.output((*outs, self.token))  # type: ignore[misc]
+        else:
+            self.graph.output((self.token,))
+
+    def gather(self, n: fx.Node, width: int) -> None:
+        """An ``all_gather``: the leader receives each member's shard and concatenates."""
+        graph, env, member, link = self.graph, self.env, self.member, self.link
+        dim = int(n.args[0])  # type: ignore[arg-type]
+        shards = list(n.args[2:])
+        received = []
+        for i in range(1, width):
+            val = _val(shards[i])
             if member == 0:
-                outs = fx.map_arg(n.args[0], lambda u: env[u])
-                graph.output((*outs, token))  # type: ignore[misc]
-            else:
-                graph.output((token,))
-            continue
-        if n.op == "call_function" and n.target is all_gather:
-            dim = int(n.args[0])  # type: ignore[arg-type]
-            shards = list(n.args[2:])
-            received = []
-            for i in range(1, width):
-                val = _val(shards[i])
-                if member == 0:
-                    r = comm(
-                        RecvOp(link, op, i, n.name, val.is_floating_point(), val.shape, val.dtype),
-                        token,
-                    )
-                    token = graph.call_function(operator.getitem, (r, 0))
-                    received.append(graph.call_function(operator.getitem, (r, 1)))
-                elif member == i:
-                    spec = SendOp(link, op, 0, n.name, val.is_floating_point())
-                    token = comm(spec, token, env[shards[i]])  # type: ignore[index]
-                op += 1
-            if member == 0:
-                env[n] = graph.call_function(torch.cat, ([env[shards[0]], *received], dim))  # type: ignore[index]
-            continue
-        if n.op == "call_function" and n.target is broadcast:
-            src = n.args[0]
-            assert isinstance(src, fx.Node)
-            val = _val(src)
-            grad = val.is_floating_point() and src.name not in grad_free
-            i = where[n]
-            if member == 0:
-                token = comm(SendOp(link, op, i, src.name, grad), token, env[src])
+                r = self.comm(
+                    RecvOp(link, self.op, i, n.name, val.is_floating_point(), val.shape, val.dtype),
+                    self.token,
+                )
+                self.token = graph.call_function(operator.getitem, (r, 0))
+                received.append(graph.call_function(operator.getitem, (r, 1)))
             elif member == i:
-                r = comm(RecvOp(link, op, 0, src.name, grad, val.shape, val.dtype), token)
-                token = graph.call_function(operator.getitem, (r, 0))
-                env[n] = graph.call_function(operator.getitem, (r, 1))
-            op += 1
-            continue
-        if where[n] != member:
-            continue
+                spec = SendOp(link, self.op, 0, n.name, val.is_floating_point())
+                self.token = self.comm(spec, self.token, env[shards[i]])  # type: ignore[index]
+            self.op += 1
+        if member == 0:
+            env[n] = graph.call_function(torch.cat, ([env[shards[0]], *received], dim))  # type: ignore[index]
+
+    def broadcast(self, n: fx.Node, to: int, grad_free: set[str]) -> None:
+        """A ``broadcast`` to member ``to``: a send on the leader, a receive on ``to``."""
+        src = n.args[0]
+        assert isinstance(src, fx.Node)
+        val = _val(src)
+        grad = val.is_floating_point() and src.name not in grad_free
+        if self.member == 0:
+            self.token = self.comm(
+                SendOp(self.link, self.op, to, src.name, grad), self.token, self.env[src]
+            )
+        elif self.member == to:
+            r = self.comm(
+                RecvOp(self.link, self.op, 0, src.name, grad, val.shape, val.dtype), self.token
+            )
+            self.token = self.graph.call_function(operator.getitem, (r, 0))
+            self.env[n] = self.graph.call_function(operator.getitem, (r, 1))
+        self.op += 1
+
+    def copy(self, gm: fx.GraphModule, n: fx.Node) -> None:
+        """A node this member runs, with the module or attribute it reads."""
         if n.op == "call_module":
-            root[str(n.target)] = gm.get_submodule(str(n.target))
+            self.root[str(n.target)] = gm.get_submodule(str(n.target))
         elif n.op == "get_attr":
-            root[str(n.target)] = get_attr(gm, str(n.target))
-        env[n] = graph.node_copy(n, lambda u: env[u])
-    link.ops = op
-    graph.lint()
-    return fx.GraphModule(root, graph, class_name=f"Stage{link.stage}Member{member}")
+            self.root[str(n.target)] = get_attr(gm, str(n.target))
+        self.env[n] = self.graph.node_copy(n, lambda u: self.env[u])
 
 
 @dataclass(frozen=True)

@@ -42,10 +42,24 @@ __all__ = [
     "build_routes",
     "describe_failure",
     "grad_free",
+    "traced_value",
 ]
 
 FAILURE_KEY = "crosscut/first_failure"
 """c10d store key of the first loss any rank noticed (see the module docstring)."""
+
+
+def traced_value(nodes: Mapping[str, fx.Node], name: str, what: str) -> Any:
+    """The traced value (``meta["val"]``) of node ``name``: the shape both ends of a
+    message agree on; ``what`` names the value when the trace has no shapes."""
+    val = nodes[name].meta.get("val") if name in nodes else None
+    if val is None:
+        raise DistributedError(
+            f"the shape of {what} is unknown",
+            remedy="compile with crosscut.distributed.compile_distributed, which traces "
+            "the model with shapes",
+        )
+    return val
 
 
 def describe_failure(exc: BaseException, timeout_s: float) -> str:
@@ -297,13 +311,7 @@ def build_routes(
     aliases = aliases or {}
     for e in edges:
         name = aliases.get(e.value, e.value)
-        val = nodes[name].meta.get("val") if name in nodes else None
-        if val is None:
-            raise DistributedError(
-                f"the shape of {e.value!r} (sent stage {e.src} -> {e.dst}) is unknown",
-                remedy="compile with crosscut.distributed.compile_distributed, which traces "
-                "the model with shapes",
-            )
+        val = traced_value(nodes, name, f"{e.value!r} (sent stage {e.src} -> {e.dst})")
         leaves, spec = pytree.tree_flatten(val)
         meta[e.value] = (spec, leaves)
         flags[e.value] = [

@@ -14,7 +14,13 @@ from typing import Any
 
 from crosscut.errors import DistributedError, InputError
 
-__all__ = ["check_bn_mode", "check_mode", "check_one_stage_per_device", "group_widths"]
+__all__ = [
+    "check_bn_mode",
+    "check_mode",
+    "check_one_stage_per_device",
+    "check_recompute",
+    "group_widths",
+]
 
 
 def group_widths(plan: Any) -> list[int]:
@@ -55,6 +61,17 @@ def check_bn_mode(bn_mode: str) -> None:
             value=bn_mode,
             remedy="use bn_mode='step' for whole-batch running statistics, or compile "
             "locally for 'exact'",
+        )
+
+
+def check_recompute(again: bool, stage: int, width: int, split: str) -> None:
+    """A stage split over several ranks does not recompute (``again``) under torchrun."""
+    if again and width > 1:
+        raise InputError(
+            f"stage {stage} is split over {width} ranks and cannot recompute "
+            "under torchrun: its recomputation would send its group's messages again",
+            value={"stage": stage, "width": width, "split": split},
+            remedy="recompute only the one-rank stages (a list of flags), or run locally",
         )
 
 

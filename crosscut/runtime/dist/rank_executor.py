@@ -60,45 +60,46 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from crosscut.codegen.split import build_stages
-from crosscut.ir.program import StagedProgram
 from crosscut.codegen.state_writes import check_state_writes
-from crosscut.ir.program import INPUT
-from crosscut.errors import DistributedError, InputError
+from crosscut.errors import InputError
+from crosscut.ir.program import INPUT, StagedProgram
 from crosscut.ir.schedule import make_schedule, splits_backward, validate_schedule
 from crosscut.precision import autocast
 from crosscut.runtime.batch_split import BatchSplitStage
 from crosscut.runtime.batchnorm import install_step_batchnorm
-from crosscut.runtime.dist.bn_commit import StepCommit
-from crosscut.runtime.dist.state_files import RankState
 from crosscut.runtime.contract import bind_inputs, inference_only, signature_of
-from crosscut.runtime.engine import StageEngine
+from crosscut.runtime.dist.bn_commit import StepCommit
 from crosscut.runtime.dist.group_comm import GroupLink
-from crosscut.runtime.dist.group_role import GroupRole
 from crosscut.runtime.dist.group_members import build_member
-from crosscut.runtime.output_merge import OutputMerge, check_outputs
+from crosscut.runtime.dist.group_role import GroupRole
 from crosscut.runtime.dist.overlap import ReplicaReducer
 from crosscut.runtime.dist.p2p import Messenger, build_routes
 from crosscut.runtime.dist.plan_rules import (
     check_bn_mode,
     check_mode,
     check_one_stage_per_device,
+    check_recompute,
     group_widths,
 )
-from crosscut.runtime.recomputing import recompute_flags, recomputing, written_inputs
-from crosscut.runtime.rng import RandomScope
 from crosscut.runtime.dist.stage_io import StageIO
-from crosscut.runtime.thread_state import ThreadState
+from crosscut.runtime.dist.state_files import RankState
 from crosscut.runtime.dist.wire_dtypes import WireDtypes
 from crosscut.runtime.dist.world import (
     RankLayout,
     allreduce_mean,
     broadcast_from_first,
+    check_initialised,
     check_same_plan,
     check_world,
     make_device_groups,
     make_position_groups,
     plan_hash,
 )
+from crosscut.runtime.engine import StageEngine
+from crosscut.runtime.output_merge import OutputMerge, check_outputs
+from crosscut.runtime.recomputing import recompute_flags, recomputing, written_inputs
+from crosscut.runtime.rng import RandomScope
+from crosscut.runtime.thread_state import ThreadState
 
 __all__ = [
     "DistributedPipeline",
@@ -114,10 +115,10 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
 
     ``parameters()`` are this rank's parameters only (build the optimizer
     from them on every rank); state under the original keys comes from
-    :class:`~crosscut.runtime.dist.state_files.RankState`. Call :meth:`train_step` with the same global
-    batch on every rank (ranks whose stage reads no model input may pass
-    ``None`` as inputs, and all but the last stage may pass ``None`` as
-    targets).
+    :class:`~crosscut.runtime.dist.state_files.RankState`. Call
+    :meth:`train_step` with the same global batch on every rank (ranks whose
+    stage reads no model input may pass ``None`` as inputs, and all but the
+    last stage may pass ``None`` as targets).
     """
 
     def __init__(
@@ -139,59 +140,76 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         super().__init__()
         check_bn_mode(bn_mode)
         check_one_stage_per_device(plan)
+        check_initialised()
         self.mode_lock: tuple[bool, list[str]] | None = None  # plan_rules.check_mode
         self.bn_mode = bn_mode
-        if not dist.is_available() or not dist.is_initialized():
-            raise DistributedError(
-                "a DistributedPipeline needs an initialised torch.distributed process group",
-                remedy="call crosscut.distributed.init() first (launch with `crosscut run` "
-                "or torchrun)",
-            )
         self.plan = plan
         self.num_stages = int(plan.num_stages)
         self.replicas = int(replicas)
         self.microbatches = int(microbatches or plan.options.microbatches)
         self.schedule_name = schedule or plan.options.schedule
         self.timeout_s = float(timeout_s)
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.plan_hash = plan_hash(plan)
-        widths = group_widths(plan)
-        check_world(self.world_size, widths, self.replicas)
-        self.rank_layout = RankLayout(tuple(widths), self.replicas)
-        self.replica, self.stage_index, self.member = self.rank_layout.role(self.rank)
-        self.position = self.rank % self.rank_layout.per_replica
-        self.width = widths[self.stage_index]
-        self.split = plan.stages[self.stage_index].split if self.width > 1 else "none"
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        check_same_plan(
-            self.rank,
-            self.world_size,
-            {
-                "plan": self.plan_hash,
-                "stages": self.num_stages,
-                "group_widths": widths,
-                "replicas": self.replicas,
-                "microbatches": self.microbatches,
-                "schedule": self.schedule_name,
-            },
-        )
-        me = f"rank {self.rank} (stage {self.stage_index}, replica {self.replica}"
-        if self.width > 1:
-            me += f", member {self.member} of its {self.width}-device {self.split}-split group"
-        self._msg = Messenger(self.rank, self.timeout_s, me + ")")
+        self._take_role()
+        self._msg = Messenger(self.rank, self.timeout_s, self._whoami())
         program = self._build(model, gm)
         # the last stage's merge of micro-batch outputs in forward (runtime/output_merge.py)
         rules = check_outputs(gm, output_merge, self.microbatches)
         check_state_writes(model, gm, self.microbatches, bn_mode)  # codegen/state_writes.py
         self._merge = OutputMerge(self._template, rules)
         # the dtypes values cross ranks in under the caller's autocast (runtime/dist/wire_dtypes.py)
-        self._wire = WireDtypes(gm, self.device, any(w > 1 for w in widths))
-        # every rank creates every process group, in the same order (new_group is collective)
+        self._wire = WireDtypes(gm, self.device, any(w > 1 for w in self.rank_layout.widths))
+        self._make_groups()
+        self._group: GroupRole | None = None
+        # forward/backward of one micro-batch, shared with the local runtime (runtime/engine.py);
+        # a recomputing stage keeps only its inputs (runtime/recomputing.py)
+        again = recompute_flags(recompute, self.num_stages, bn_mode)[self.stage_index]
+        check_recompute(again, self.stage_index, self.width, self.split)
+        writes = written_inputs(program.stages[self.stage_index])
+        run = recomputing(self.stage, lambda: self._rng, writes) if again else None
+        self._engine = StageEngine.for_stage(
+            program, self.stage_index, self.microbatches, run=run or self._call_stage
+        )
+        if self.width > 1:
+            self._join_group(gm, program)
+        self.stage = self.stage.to(self.device)
+        self._rng = RandomScope([self.stage])  # plan-independent draws (runtime/rng.py)
+        if bn_mode == "step":
+            install_step_batchnorm(self.stage)
+        if self._group is not None:
+            self._group.start_identical(self.stage)
+        self._start_replicas(overlap_allreduce)
+
+    # ---- start-up ---------------------------------------------------------------------
+    def _take_role(self) -> None:
+        """This rank's place in the layout; every rank checks that all run the same plan."""
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.plan_hash = plan_hash(self.plan)
+        widths = group_widths(self.plan)
+        check_world(self.world_size, widths, self.replicas)
+        self.rank_layout = RankLayout(tuple(widths), self.replicas)
+        self.replica, self.stage_index, self.member = self.rank_layout.role(self.rank)
+        self.position = self.rank % self.rank_layout.per_replica
+        self.width = widths[self.stage_index]
+        self.split = self.plan.stages[self.stage_index].split if self.width > 1 else "none"
+        mine = {"plan": self.plan_hash, "stages": self.num_stages, "group_widths": widths}
+        mine |= {"replicas": self.replicas, "microbatches": self.microbatches}
+        check_same_plan(self.rank, self.world_size, {**mine, "schedule": self.schedule_name})
+
+    def _whoami(self) -> str:
+        """This rank as its errors name it: stage, replica and place in its group."""
+        me = f"rank {self.rank} (stage {self.stage_index}, replica {self.replica}"
+        if self.width > 1:
+            me += f", member {self.member} of its {self.width}-device {self.split}-split group"
+        return me + ")"
+
+    def _make_groups(self) -> None:
+        """Every rank creates every process group, in the same order (new_group is collective)."""
         self._position_groups = make_position_groups(self.rank_layout, self.timeout_s)
         self._device_groups = make_device_groups(self.rank_layout, self.timeout_s)
         self._bn = StepCommit.for_rank(
-            bn_mode,
+            self.bn_mode,
             self._msg,
             layout=self.rank_layout,
             rank=self.rank,
@@ -199,41 +217,24 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             device_groups=self._device_groups,
             position_groups=self._position_groups,
         )
-        self._group: GroupRole | None = None
-        # forward/backward of one micro-batch, shared with the local runtime (runtime/engine.py);
-        # a recomputing stage keeps only its inputs (runtime/recomputing.py)
-        again = recompute_flags(recompute, self.num_stages, bn_mode)[self.stage_index]
-        if again and self.width > 1:
-            raise InputError(
-                f"stage {self.stage_index} is split over {self.width} ranks and cannot recompute "
-                "under torchrun: its recomputation would send its group's messages again",
-                value={"stage": self.stage_index, "width": self.width, "split": self.split},
-                remedy="recompute only the one-rank stages (a list of flags), or run locally",
-            )
-        writes = written_inputs(program.stages[self.stage_index])
-        run = recomputing(self.stage, lambda: self._rng, writes) if again else None
-        self._engine = StageEngine.for_stage(
-            program, self.stage_index, self.microbatches, run=run or self._call_stage
+
+    def _join_group(self, gm: fx.GraphModule, program: StagedProgram) -> None:
+        """A width-split stage: this member's share, and its role in its group."""
+        link = GroupLink(
+            self._msg,
+            self._device_groups[(self.replica, self.stage_index)],
+            self.rank_layout.group_ranks(self.replica, self.stage_index),
+            self.stage_index,
+            self.member,
+            self.device,
         )
-        if self.width > 1:
-            link = GroupLink(
-                self._msg,
-                self._device_groups[(self.replica, self.stage_index)],
-                self.rank_layout.group_ranks(self.replica, self.stage_index),
-                self.stage_index,
-                self.member,
-                self.device,
-            )
-            self._group = GroupRole(link, self.split)
-            self._keep_member(build_member(gm, program.stages[self.stage_index], link))
-        self.stage = self.stage.to(self.device)
-        self._rng = RandomScope([self.stage])  # plan-independent draws (runtime/rng.py)
-        if bn_mode == "step":
-            install_step_batchnorm(self.stage)
-        if self._group is not None:
-            self._group.start_identical(self.stage)
+        self._group = GroupRole(link, self.split)
+        self._keep_member(build_member(gm, program.stages[self.stage_index], link))
+
+    def _start_replicas(self, overlap_allreduce: bool) -> None:
+        """Replicas start from replica 0's weights, as with DDP; DDP's reducer when wanted."""
         self._reducer: ReplicaReducer | None = None
-        if self.replicas > 1:  # replicas start from replica 0's weights, as with DDP
+        if self.replicas > 1:
             tensors = [t.data for t in [*self.stage.parameters(), *self.stage.buffers()]]
             ranks = self.rank_layout.position_ranks(self.position)
             group = self._position_groups[self.position]
@@ -243,7 +244,6 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             if overlap_allreduce and self._group is None and ReplicaReducer.wanted(self.stage):
                 self._reducer = ReplicaReducer(self.stage, group, ranks, self._msg)
 
-    # ---- start-up ---------------------------------------------------------------------
     def _build(self, model: nn.Module, gm: fx.GraphModule) -> StagedProgram:
         s_count = self.num_stages
         # only this rank's stage is width-split (it is the only one kept); members share a

@@ -29,6 +29,7 @@ __all__ = [
     "allreduce_grads",
     "allreduce_mean",
     "broadcast_from_first",
+    "check_initialised",
     "check_same_plan",
     "check_world",
     "make_device_groups",
@@ -90,6 +91,16 @@ class RankLayout:
     def position_ranks(self, position: int) -> list[int]:
         """The ranks holding the same piece of the model in every replica, replica 0 first."""
         return [r * self.per_replica + position for r in range(self.replicas)]
+
+
+def check_initialised() -> None:
+    """A rank needs an initialised torch.distributed process group before anything else."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise DistributedError(
+            "a DistributedPipeline needs an initialised torch.distributed process group",
+            remedy="call crosscut.distributed.init() first (launch with `crosscut run` "
+            "or torchrun)",
+        )
 
 
 def check_world(world_size: int, widths: Sequence[int], replicas: int) -> None:

@@ -151,23 +151,42 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         # the other train/eval mode's program, when the traced graph differs (codegen/modes.py);
         # its stage modules are not children: they share every state tensor with ``stages``
         self._gm_training = gm_training
-        self._other: StagedProgram | None = None
-        self._other_map: list[int] = []
-        self._other_executor: LocalExecutor | None = None
-        self._other_error = other_gm if isinstance(other_gm, CrosscutError) else None
-        if isinstance(other_gm, fx.GraphModule):
-            check_outputs(other_gm, output_merge, microbatches, strict_paths=False)
-            check_state_writes(model, other_gm, microbatches, bn_mode)
-            self._other, self._other_map = other_program(
-                program, gm, other_gm, stage_of, stage_devices, groups, BatchSplitStage
-            )
-            self._other_executor = self._new_executor(self._other)
+        self._build_other(model, gm, other_gm, stage_of, stage_devices, groups, output_merge)
         # random ops draw per (call, micro-batch, op) seeds: the same on every plan
         # (runtime/rng.py); one micro-batch inline in program order keeps eager's draws
         modules = [st.module for p in (program, self._other) if p is not None for st in p.stages]
         self._rng = RandomScope(modules)
         inline = microbatches == 1 and all(torch.device(d).type == "cpu" for d in stage_devices)
         self._eager_draws = inline and in_program_order(gm, dict(stage_of))
+        self._keep_model_keys(model)
+        self._install_batchnorm()
+        self.train(model.training)
+
+    def _build_other(
+        self,
+        model: nn.Module,
+        gm: fx.GraphModule,
+        other_gm: fx.GraphModule | CrosscutError | None,
+        stage_of: Mapping[str, int],
+        stage_devices: Sequence[torch.device | str],
+        groups: Sequence[tuple[Sequence[torch.device | str], str]] | None,
+        output_merge: Any,
+    ) -> None:
+        """The other train/eval mode's program and executor, or why there is none."""
+        self._other: StagedProgram | None = None
+        self._other_map: list[int] = []
+        self._other_executor: LocalExecutor | None = None
+        self._other_error = other_gm if isinstance(other_gm, CrosscutError) else None
+        if isinstance(other_gm, fx.GraphModule):
+            check_outputs(other_gm, output_merge, self._microbatches, strict_paths=False)
+            check_state_writes(model, other_gm, self._microbatches, self.bn_mode)
+            self._other, self._other_map = other_program(
+                self._program, gm, other_gm, stage_of, stage_devices, groups, BatchSplitStage
+            )
+            self._other_executor = self._new_executor(self._other)
+
+    def _keep_model_keys(self, model: nn.Module) -> None:
+        """The model's state keys in order, and CPU copies of the tensors no stage holds."""
         original = model.state_dict(keep_vars=True)
         self._keys = list(original)
         self._param_names = [k for k, _ in model.named_parameters(remove_duplicate=False)]
@@ -186,6 +205,9 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         for k, b in model.named_buffers():  # non-persistent ones: out of state_dict, still
             if k not in held and k not in self._orphans:  # named_buffers()'s, as on the model
                 self._orphans[k] = b.detach().to("cpu", copy=True)
+
+    def _install_batchnorm(self) -> None:
+        """Which stages hold batch norm, and the once-per-step batch norm of ``bn_mode="step"``."""
         training_stages = self._training_modules()
         self._has_bn = any(
             isinstance(m, nn.modules.batchnorm._BatchNorm)
@@ -199,10 +221,9 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         )
         # "step" with one micro-batch and no batch-split stage is already exact: keep
         # torch's own batch norm there (bit-exact against eager mode)
-        self._step_bn = bn_mode == "step" and (microbatches > 1 or self._batch_split_bn)
+        self._step_bn = self.bn_mode == "step" and (self._microbatches > 1 or self._batch_split_bn)
         if self._step_bn:
             install_step_batchnorm(nn.ModuleList(training_stages))
-        self.train(model.training)
 
     def _held_keys(self) -> set[str]:
         programs = [self._program] + ([self._other] if self._other is not None else [])

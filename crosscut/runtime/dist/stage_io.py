@@ -27,9 +27,9 @@ from torch.utils import _pytree as pytree
 
 from crosscut.errors import DistributedError, InputError
 from crosscut.ir.schedule import Action
+from crosscut.runtime.dist.p2p import Edge, Messenger, PendingRecv, Routes
 from crosscut.runtime.engine import incoming_grad, keep_incoming, with_strides
 from crosscut.runtime.microbatch import scatter
-from crosscut.runtime.dist.p2p import Edge, Messenger, PendingRecv, Routes
 
 __all__ = ["Posted", "StageIO"]
 

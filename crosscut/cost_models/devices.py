@@ -9,12 +9,22 @@ divides by, not promises (profiling, ``profiled.py``, gives real times).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from crosscut.errors import DeviceError
 
-__all__ = ["GB", "PRESETS", "TFLOPS", "DeviceSpec", "cpu_spec", "preset", "preset_names"]
+__all__ = [
+    "GB",
+    "PRESETS",
+    "TFLOPS",
+    "DeviceSpec",
+    "compute_threads",
+    "cpu_spec",
+    "preset",
+    "preset_names",
+]
 
 GB = 10**9
 TFLOPS = 10**12
@@ -163,14 +173,30 @@ def physical_memory_bytes() -> int:
         return 16 * GB
 
 
+def compute_threads() -> int:
+    """The threads torch computes on here, at most the cores.
+
+    torch runs convolutions and GEMMs on its intra-op pool, not on every core:
+    under ``OMP_NUM_THREADS=1`` (one thread per torchrun rank) pricing every
+    core of a 2-core machine priced it twice as fast as it runs. torch's own
+    setting when torch is loaded, else ``OMP_NUM_THREADS``, else the cores.
+    """
+    cores = os.cpu_count() or 1
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "get_num_threads"):
+        return max(1, min(cores, int(torch.get_num_threads())))
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return max(1, min(cores, int(env))) if env.isdigit() and int(env) > 0 else cores
+
+
 def cpu_spec(name: str = "cpu0", *, share: int = 1, peak: float | None = None) -> DeviceSpec:
-    """The CPU of this machine; ``share`` virtual devices split its RAM evenly.
+    """The CPU of this machine at torch's threads; ``share`` virtual devices split its RAM evenly.
 
     Virtual CPU devices (``["cpu", "cpu"]``) exist so the partitioner and the
     runtime can be tested without GPUs. They share one pool of RAM, so each gets
     ``1/share`` of it: a plan that fits every cap then also fits the machine.
     """
-    cores = os.cpu_count() or 1
+    cores = compute_threads()
     fp32 = peak if peak is not None else CPU_FLOPS_PER_CORE * cores
     return DeviceSpec(
         name=name,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +36,7 @@ from crosscut.runtime.dist.state_files import assemble_checkpoint
 
 __all__ = [
     "DistContext",
+    "DistributedKeywords",
     "DistributedPipeline",
     "PipelineGradScaler",
     "assemble_checkpoint",
@@ -193,6 +196,12 @@ def _plan_cluster(devices: Any, ranks: int, device: torch.device) -> Any:
     return cluster
 
 
+class DistributedKeywords(CompileKeywords, total=False):
+    """:func:`compile_distributed`'s keywords: ``compile``'s, and the old options dict."""
+
+    partition_options: Mapping[str, Any]  # deprecated: the planning options as keywords
+
+
 def compile_distributed(
     model: nn.Module,
     example_inputs: Any,
@@ -202,7 +211,7 @@ def compile_distributed(
     device: torch.device | str | None = None,
     options: PlanRequest | None = None,
     run: RunOptions | None = None,
-    **keywords: Unpack[CompileKeywords],
+    **keywords: Unpack[DistributedKeywords],
 ) -> DistributedPipeline:
     """This rank's :class:`DistributedPipeline` of ``model`` under ``plan``.
 
@@ -223,7 +232,17 @@ def compile_distributed(
     ``schedule`` or ``microbatches`` given overrides a given plan's. ``device``
     is this rank's (default: its CUDA device under NCCL, else the CPU).
     """
-    request, the_run = split_options(options, run, keywords)
+    kw: dict[str, Any] = dict(keywords)
+    old = kw.pop("partition_options", None)
+    if old:  # before issue 26 the planning options came as one dict: still honoured
+        warnings.warn(
+            "compile_distributed(partition_options={...}) is deprecated: pass the options "
+            "as keywords or options=PlanRequest(...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        kw = {**dict(old), **kw}
+    request, the_run = split_options(options, run, kw)
     check_bn_mode(the_run.bn_mode)
     t_out = float(
         the_run.timeout_s
@@ -272,6 +291,14 @@ def _plan_for_the_job(
     return _plan_on_rank0(model, inputs, _plan_cluster(devices, world, dev), request)
 
 
+def _flags(recompute: str | bool | tuple[bool, ...], plan: Plan) -> bool | tuple[bool, ...]:
+    """The run's recomputation resolved against the plan: one bool, or one per stage."""
+    from crosscut.planning import recompute_flags_for
+
+    flags = recompute_flags_for(recompute, plan)
+    return flags if isinstance(flags, bool) else tuple(flags)
+
+
 def _rank_pipeline(
     model: nn.Module,
     inputs: tuple[torch.Tensor, ...],
@@ -286,7 +313,6 @@ def _rank_pipeline(
     from crosscut.planning import (
         check_plan_precision,
         other_mode_graph,
-        recompute_flags_for,
         trace,
     )
 
@@ -312,12 +338,8 @@ def _rank_pipeline(
         # "auto": the plan's choice
         schedule=None if request.schedule == AUTO_SCHEDULE else request.schedule,
         microbatches=m,
-        timeout_s=timeout_s,
         device=dev,
-        bn_mode=run.bn_mode,
-        output_merge=run.output_merge,
-        recompute=recompute_flags_for(run.recompute, the_plan),
-        overlap_allreduce=run.overlap_allreduce,
+        run=replace(run, timeout_s=timeout_s, recompute=_flags(run.recompute, the_plan)),
     )
     if other is not None:  # one program per rank: the other mode is refused, never run wrong
         why = [str(other)] if isinstance(other, Exception) else mode_differences(graph.gm, other)

@@ -273,6 +273,10 @@ def test_the_keywords_types_list_exactly_the_options_fields() -> None:
         PLAN_FIELDS
     )
     assert set(CompileKeywords.__optional_keys__) == set(PLAN_FIELDS) | set(RUN_FIELDS)
+    from crosscut.runtime.local.compiled import LocalKeywords, LocalOptions
+
+    local = {f.name for f in dataclasses.fields(LocalOptions)}
+    assert set(LocalKeywords.__optional_keys__) == local
 
 
 def test_an_unknown_option_is_refused_with_the_nearest_name(resnet18: nn.Module) -> None:

@@ -287,3 +287,67 @@ def test_the_architecture_map_lists_every_module_with_its_imports() -> None:
             wrong.append(f"{rel}: map says {sorted(rows.get(rel, []))}, imports {sorted(want)}")
     stale = sorted(set(rows) - {str(p.relative_to(PACKAGE)) for p in _modules().values()})
     assert not wrong and not stale, "fix docs/ARCHITECTURE.md:\n" + "\n".join(wrong + stale)
+
+
+# ---- functions a reader can hold in their head (issue 26) ------------------------------
+
+MAX_FUNCTION_LINES = 80
+MAX_PUBLIC_PARAMETERS = 8
+LONG_BECAUSE = "over 80 lines because"  # what a long function's docstring must say
+
+
+def _functions() -> list[tuple[str, ast.ClassDef | None, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """Every function and method in the package, with its class (None at module level)."""
+    found: list[tuple[str, ast.ClassDef | None, ast.FunctionDef | ast.AsyncFunctionDef]] = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        owner: dict[int, ast.ClassDef] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                owner.update({id(sub): node for sub in node.body})
+        rel = str(path.relative_to(PACKAGE))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((f"{rel}:{node.lineno} {node.name}", owner.get(id(node)), node))
+    return found
+
+
+def test_every_function_fits_on_a_screen_or_says_why() -> None:
+    """A function over 80 lines (docstring included) is split, or its docstring says
+    why it is not (the words "over 80 lines because")."""
+    long = [
+        f"{where} ({fn.end_lineno - fn.lineno + 1} lines)"  # type: ignore[operator]
+        for where, _, fn in _functions()
+        if fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES  # type: ignore[operator]
+        and LONG_BECAUSE not in (ast.get_docstring(fn) or "")
+    ]
+    assert not long, f"split these (or say why not, {LONG_BECAUSE!r}): {long}"
+
+
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    a = fn.args
+    named = a.posonlyargs + a.args + a.kwonlyargs
+    return [x.arg for x in named if x.arg not in ("self", "cls")]
+
+
+def test_public_functions_take_an_options_object_not_a_dozen_keywords() -> None:
+    """A public function (or a public class's constructor) takes at most 8 named
+    parameters; more options go in one options object (crosscut/options.py), given
+    whole or as ``**keywords`` its TypedDict types."""
+    wide = []
+    for where, cls, fn in _functions():
+        public = not fn.name.startswith("_") or fn.name == "__init__"
+        if cls is not None and cls.name.startswith("_"):
+            public = False
+        if public and len(_parameters(fn)) > MAX_PUBLIC_PARAMETERS:
+            wide.append(f"{where} ({len(_parameters(fn))} parameters)")
+    assert not wide, f"group these parameters into an options object: {wide}"
+
+
+def test_the_shape_checks_see_a_long_or_wide_function() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(90))
+    tree = ast.parse(f"def f(a, b, c, d, e, f, g, h, i):\n    '''doc'''\n{body}\n")
+    fn = tree.body[0]
+    assert isinstance(fn, ast.FunctionDef)
+    assert fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES  # type: ignore[operator]
+    assert len(_parameters(fn)) > MAX_PUBLIC_PARAMETERS

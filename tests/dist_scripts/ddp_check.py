@@ -153,7 +153,8 @@ def main() -> int:
                     timeout_s=a.timeout,
                     overlap_allreduce=on,
                     recompute=False,
-                    require_all_devices=True,
+                    # the pre-issue-26 form, kept working (a DeprecationWarning)
+                    partition_options={"require_all_devices": True},
                 )
                 assert (pipe._reducer is not None) == on
                 log: list[Any] = []

@@ -51,7 +51,7 @@ naming the lost rank and what this rank waited for (:mod:`crosscut.runtime.dist.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -64,6 +64,7 @@ from crosscut.codegen.state_writes import check_state_writes
 from crosscut.errors import InputError
 from crosscut.ir.program import INPUT, StagedProgram
 from crosscut.ir.schedule import make_schedule, splits_backward, validate_schedule
+from crosscut.options import RunOptions
 from crosscut.precision import autocast
 from crosscut.runtime.batch_split import BatchSplitStage
 from crosscut.runtime.batchnorm import install_step_batchnorm
@@ -130,14 +131,14 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         replicas: int = 1,
         schedule: str | None = None,
         microbatches: int | None = None,
-        timeout_s: float = 300.0,
         device: torch.device | str | None = None,
-        bn_mode: str = "micro",
-        output_merge: Any = None,
-        recompute: bool | Sequence[bool] = False,
-        overlap_allreduce: bool = True,
+        run: RunOptions | None = None,
     ) -> None:
         super().__init__()
+        run = run if run is not None else RunOptions(recompute=False)
+        bn_mode, recompute = run.bn_mode, run.recompute
+        if isinstance(recompute, str):  # the caller resolves "auto" against the plan
+            recompute = recompute == "always"
         check_bn_mode(bn_mode)
         check_one_stage_per_device(plan)
         check_initialised()
@@ -148,13 +149,13 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         self.replicas = int(replicas)
         self.microbatches = int(microbatches or plan.options.microbatches)
         self.schedule_name = schedule or plan.options.schedule
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = float(run.timeout_s if run.timeout_s is not None else 300.0)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._take_role()
         self._msg = Messenger(self.rank, self.timeout_s, self._whoami())
         program = self._build(model, gm)
         # the last stage's merge of micro-batch outputs in forward (runtime/output_merge.py)
-        rules = check_outputs(gm, output_merge, self.microbatches)
+        rules = check_outputs(gm, run.output_merge, self.microbatches)
         check_state_writes(model, gm, self.microbatches, bn_mode)  # codegen/state_writes.py
         self._merge = OutputMerge(self._template, rules)
         # the dtypes values cross ranks in under the caller's autocast (runtime/dist/wire_dtypes.py)
@@ -166,9 +167,9 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         again = recompute_flags(recompute, self.num_stages, bn_mode)[self.stage_index]
         check_recompute(again, self.stage_index, self.width, self.split)
         writes = written_inputs(program.stages[self.stage_index])
-        run = recomputing(self.stage, lambda: self._rng, writes) if again else None
+        replay = recomputing(self.stage, lambda: self._rng, writes) if again else None
         self._engine = StageEngine.for_stage(
-            program, self.stage_index, self.microbatches, run=run or self._call_stage
+            program, self.stage_index, self.microbatches, run=replay or self._call_stage
         )
         if self.width > 1:
             self._join_group(gm, program)
@@ -178,7 +179,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             install_step_batchnorm(self.stage)
         if self._group is not None:
             self._group.start_identical(self.stage)
-        self._start_replicas(overlap_allreduce)
+        self._start_replicas(run.overlap_allreduce)
 
     # ---- start-up ---------------------------------------------------------------------
     def _take_role(self) -> None:

@@ -57,8 +57,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 from torch import fx, nn
@@ -91,9 +92,48 @@ from crosscut.runtime.output_merge import check_outputs
 from crosscut.runtime.recomputing import recompute_flags, recomputing, written_inputs
 from crosscut.runtime.rng import RandomScope, in_program_order
 
-__all__ = ["BN_MODES", "CompiledModule"]
+__all__ = ["BN_MODES", "CompiledModule", "LocalKeywords", "LocalOptions"]
 
 BN_MODES = ("micro", "step", "exact")
+
+
+class LocalKeywords(TypedDict, total=False):
+    """:class:`CompiledModule`'s keywords: the fields of :class:`LocalOptions`."""
+
+    bn_mode: str
+    example_inputs: Sequence[Any] | None
+    timeout: float
+    groups: Sequence[tuple[Sequence[torch.device | str], str]] | None
+    output_merge: Any
+    other_gm: fx.GraphModule | CrosscutError | None
+    gm_training: bool
+    recompute: bool | Sequence[bool]
+    precision: str
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    """How a :class:`CompiledModule` runs, beyond its program and devices.
+
+    ``bn_mode``: batch norm over micro-batches (module docstring);
+    ``example_inputs``: inputs to check the stages' signatures with;
+    ``timeout``: seconds a stage thread may wait; ``groups``: one
+    ``(devices, split)`` per stage that runs on a device group;
+    ``output_merge``: how micro-batch outputs merge; ``other_gm``: the other
+    train/eval mode's graph (or why it cannot be run), ``gm_training`` the
+    mode ``gm`` was traced in; ``recompute``: one bool, or one per stage;
+    ``precision``: the autocast dtype every call runs under.
+    """
+
+    bn_mode: str = "micro"
+    example_inputs: Sequence[Any] | None = None
+    timeout: float = 600.0
+    groups: Sequence[tuple[Sequence[torch.device | str], str]] | None = None
+    output_merge: Any = None
+    other_gm: fx.GraphModule | CrosscutError | None = None
+    gm_training: bool = True
+    recompute: bool | Sequence[bool] = False
+    precision: str = "fp32"
 
 
 class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
@@ -108,50 +148,42 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         schedule: str = DEFAULT_SCHEDULE,
         microbatches: int = 1,
         plan: Any = None,
-        *,
-        bn_mode: str = "micro",
-        example_inputs: Sequence[Any] | None = None,
-        timeout: float = 600.0,
-        groups: Sequence[tuple[Sequence[torch.device | str], str]] | None = None,
-        output_merge: Any = None,
-        other_gm: fx.GraphModule | CrosscutError | None = None,
-        gm_training: bool = True,
-        recompute: bool | Sequence[bool] = False,
-        precision: str = "fp32",
+        **keywords: Unpack[LocalKeywords],
     ) -> None:
         super().__init__()
+        o = LocalOptions(**keywords)
         # every call runs under autocast with this dtype; stage threads inherit it
-        self._precision = check_precision(precision)
-        if bn_mode not in BN_MODES:
+        self._precision = check_precision(o.precision)
+        if o.bn_mode not in BN_MODES:
             raise InputError(
-                "bn_mode must be known", value=bn_mode, remedy=f"use one of {BN_MODES}"
+                "bn_mode must be known", value=o.bn_mode, remedy=f"use one of {BN_MODES}"
             )
         self.plan = plan
-        self.bn_mode = bn_mode
+        self.bn_mode = o.bn_mode
         program = build_stages(
             gm,
             stage_of,
             stage_devices,
-            example_inputs=example_inputs,
-            groups=groups,
+            example_inputs=o.example_inputs,
+            groups=o.groups,
             batch_stage=BatchSplitStage,
         )
         self._program = program
         self.stages = nn.ModuleList([s.module for s in program.stages])
         # how micro-batch outputs merge; an output that cannot is refused here (output_merge.py)
-        self._output_merge = check_outputs(gm, output_merge, microbatches)
+        self._output_merge = check_outputs(gm, o.output_merge, microbatches)
         self._signature = signature_of(gm)
-        check_state_writes(model, gm, microbatches, bn_mode)  # written M times? (state_writes.py)
+        check_state_writes(model, gm, microbatches, o.bn_mode)  # written M times? (state_writes.py)
         self._schedule = schedule
-        self._timeout = timeout
+        self._timeout = o.timeout
         self._microbatches = microbatches
         # stages that keep only their inputs and recompute in backward (runtime/recomputing.py)
-        self._recompute = recompute_flags(recompute, len(program.stages), bn_mode)
+        self._recompute = recompute_flags(o.recompute, len(program.stages), o.bn_mode)
         self._executor = self._new_executor(program)
         # the other train/eval mode's program, when the traced graph differs (codegen/modes.py);
         # its stage modules are not children: they share every state tensor with ``stages``
-        self._gm_training = gm_training
-        self._build_other(model, gm, other_gm, stage_of, stage_devices, groups, output_merge)
+        self._gm_training = o.gm_training
+        self._build_other(model, gm, o.other_gm, stage_of, stage_devices, o.groups, o.output_merge)
         # random ops draw per (call, micro-batch, op) seeds: the same on every plan
         # (runtime/rng.py); one micro-batch inline in program order keeps eager's draws
         modules = [st.module for p in (program, self._other) if p is not None for st in p.stages]

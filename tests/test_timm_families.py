@@ -2,7 +2,8 @@
 
 One model per family at a tiny size (64 px, 96 for the inception stems; 5
 classes), pipelined over 2 and 3 CPU devices (``replicas=1``) with M in {1, 2,
-4}, plus one run with recomputation and one in bf16. Each
+4}, plus one run with recomputation and one in bf16, and four with the
+zero-bubble schedules (the backward split into B and W). Each
 configuration must equal eager — the train step's loss, every gradient, and
 every buffer after the step, against eager running the same micro-batches in
 order (``loss / M``, gradients accumulated) — or be refused at compile time
@@ -81,8 +82,12 @@ FAMILIES = {
 # families whose stem needs more than 64 px (inception_v3's Mixed_7a refused 64: 75 px minimum)
 SIZES = {"inception_v3": 96, "inception_v4": 96, "inception_resnet_v2": 96}
 SAMPLED = ["dla", "res2net", "mobilenetv3"]
-CONFIGS = [(d, m, "fp32", False) for d in (2, 3) for m in (1, 2, 4)]
-CONFIGS += [(3, 2, "fp32", True), (2, 2, "bf16", False)]
+# (devices, micro-batches, precision, recompute, schedule): "auto" is the planner's choice;
+# the zero-bubble schedules split each backward into B and W (runtime/split_backward.py)
+CONFIGS = [(d, m, "fp32", False, "auto") for d in (2, 3) for m in (1, 2, 4)]
+CONFIGS += [(3, 2, "fp32", True, "auto"), (2, 2, "bf16", False, "auto")]
+CONFIGS += [(3, 4, "fp32", False, "zb-h2"), (2, 2, "fp32", True, "zb-h1")]
+CONFIGS += [(3, 2, "fp32", False, "zb-h1"), (2, 4, "bf16", False, "zb-h2")]
 HEAVY = os.environ.get("CROSSCUT_HEAVY") == "1"
 
 
@@ -118,7 +123,9 @@ def close(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
     return torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
 
-def run_config(family: str, devices: int, m: int, precision: str, recompute: bool) -> str:
+def run_config(
+    family: str, devices: int, m: int, precision: str, recompute: bool, schedule: str = "auto"
+) -> str:
     """``"EQUAL"`` or ``"REFUSED: ..."``; raises AssertionError naming what differs."""
     model = build(family) if m == 1 else without_random_ops(build(family))
     size = SIZES.get(family, 64)
@@ -131,6 +138,7 @@ def run_config(family: str, devices: int, m: int, precision: str, recompute: boo
         "time_limit": 5,
         "recompute": recompute,
         "replicas": 1,
+        "schedule": schedule,
     }
     if precision != "fp32":
         options["precision"] = precision
@@ -159,7 +167,7 @@ def run_config(family: str, devices: int, m: int, precision: str, recompute: boo
 
 @pytest.mark.parametrize("family", sorted(FAMILIES) if HEAVY else SAMPLED)
 def test_timm_family_is_eager_or_refused(family: str) -> None:
-    configs = CONFIGS if HEAVY else [(3, 4, "fp32", False), (2, 2, "bf16", False)]
+    configs = CONFIGS if HEAVY else [(3, 4, "fp32", False, "zb-h2"), (2, 2, "bf16", False, "auto")]
     results = {cfg: run_config(family, *cfg) for cfg in configs}
     print(family, results)
     assert all(r == "EQUAL" or r.startswith("REFUSED") for r in results.values())

@@ -129,3 +129,14 @@ def test_cross_shaped_plans_where_no_pipeline_fits() -> None:
     assert all(s.split in ("batch", "channel") and len(s.devices) > 1 for s in plan.stages)
     assert any("no pipeline-only plan" in note for note in plan.solver.notes)
     assert all(len(note) < 2000 for note in plan.solver.notes)  # caps summarised, not listed
+
+
+def test_a_cross_shaped_plan_records_the_seed_it_was_asked_for() -> None:
+    """The group DP is deterministic, but the plan says which seed its solve ran with
+    (it recorded 0 whatever the caller gave)."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+    x = torch.randn(8, 3, 8, 8)
+    plan = partition(
+        model, "4xV100", x, time_limit=2, microbatches=1, replicas=1, cross_shaped=True, seed=7
+    )
+    assert plan.solver.seed == 7

@@ -335,6 +335,7 @@ def _solve(
         fine_pb,
         pipe,
         pipeline_name=f"pipeline_{settings.solver}",
+        seed=settings.seed,  # the plan records the seed it was asked for
         colocate=settings.colocate,
         deadline=work,
     )

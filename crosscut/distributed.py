@@ -291,14 +291,6 @@ def _plan_for_the_job(
     return _plan_on_rank0(model, inputs, _plan_cluster(devices, world, dev), request)
 
 
-def _flags(recompute: str | bool | tuple[bool, ...], plan: Plan) -> bool | tuple[bool, ...]:
-    """The run's recomputation resolved against the plan: one bool, or one per stage."""
-    from crosscut.planning import recompute_flags_for
-
-    flags = recompute_flags_for(recompute, plan)
-    return flags if isinstance(flags, bool) else tuple(flags)
-
-
 def _rank_pipeline(
     model: nn.Module,
     inputs: tuple[torch.Tensor, ...],
@@ -339,7 +331,7 @@ def _rank_pipeline(
         schedule=None if request.schedule == AUTO_SCHEDULE else request.schedule,
         microbatches=m,
         device=dev,
-        run=replace(run, timeout_s=timeout_s, recompute=_flags(run.recompute, the_plan)),
+        run=replace(run, timeout_s=timeout_s),
     )
     if other is not None:  # one program per rank: the other mode is refused, never run wrong
         why = [str(other)] if isinstance(other, Exception) else mode_differences(graph.gm, other)

@@ -65,6 +65,7 @@ from crosscut.errors import InputError
 from crosscut.ir.program import INPUT, StagedProgram
 from crosscut.ir.schedule import make_schedule, splits_backward, validate_schedule
 from crosscut.options import RunOptions
+from crosscut.partitioner.recompute_choice import recompute_flags_for
 from crosscut.precision import autocast
 from crosscut.runtime.batch_split import BatchSplitStage
 from crosscut.runtime.batchnorm import install_step_batchnorm
@@ -135,10 +136,9 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         run: RunOptions | None = None,
     ) -> None:
         super().__init__()
-        run = run if run is not None else RunOptions(recompute=False)
-        bn_mode, recompute = run.bn_mode, run.recompute
-        if isinstance(recompute, str):  # the caller resolves "auto" against the plan
-            recompute = recompute == "always"
+        run = run if run is not None else RunOptions()
+        # "auto": the plan's per-stage choice; a bool or one bool per stage: as given
+        bn_mode, recompute = run.bn_mode, recompute_flags_for(run.recompute, plan)
         check_bn_mode(bn_mode)
         check_one_stage_per_device(plan)
         check_initialised()

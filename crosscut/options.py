@@ -327,8 +327,6 @@ def split_options(
     _refuse_unknown(keywords, sorted({*PLAN_FIELDS, *RUN_FIELDS}), "crosscut.compile")
     base = options if options is not None else PlanRequest()
     run_kw = {k: v for k, v in keywords.items() if k in RUN_FIELDS}
-    if "precision" not in run_kw and options is not None:
-        run_kw["precision"] = options.precision
     the_run = dataclasses.replace(run if run is not None else RunOptions(), **run_kw)
     plan_kw = {k: v for k, v in keywords.items() if k in PLAN_FIELDS}
     asked = keywords.get("recompute", base.recompute)

@@ -313,5 +313,8 @@ def test_an_options_object_and_keywords_over_it_plan_alike() -> None:
     request, run = split_options(None, None, {"recompute": [True, False], "precision": "bf16"})
     assert (request.recompute, run.recompute) == ("never", (True, False))
     assert (request.precision, run.precision) == ("bf16", "bf16")
+    # an options object plans; it does not pin a replayed plan's precision
+    request, run = split_options(PlanRequest(time_limit=5), None, {})
+    assert (request.precision, run.precision) == ("fp32", None)
     with pytest.raises(InputError, match="recompute must be one of"):
         RunOptions(recompute="sometimes")

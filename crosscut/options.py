@@ -5,12 +5,15 @@ the CLI all build a :class:`PlanRequest` from what the caller gave; the
 planner (:mod:`crosscut.strategy`) reads only it. An option the caller leaves
 at ``None`` is the planner's to choose ("auto"); a value is a constraint:
 ``microbatches=8`` fixes M, ``replicas=2`` fixes the data-parallel replicas.
-Device groups inside a stage (``cross_shaped=True``) are asked for, not
-searched by default: a group's share of a micro-batch is priced at the whole
-micro-batch's per-sample rate (``partitioner/group_costs.py``), while a
-smaller batch runs less efficiently (on a K20c AlexNet's step costs 1.7x as
-much per sample at 4 samples as at 32), so the planner would favour groups
-by a margin the devices do not give.
+Device groups inside a stage are searched by default where they can be priced
+honestly: ``cross_shaped=None`` ("auto") lets the one-replica layout of a
+single node give a stage a batch-split group (data parallelism inside the
+stage), each share priced at its own batch (the model is traced at that many
+samples: on a K20c AlexNet costs 1.7x as much per sample at 4 samples as at
+32, and a share priced linearly would favour groups by a margin the devices
+do not give). ``cross_shaped=True`` also allows the splits ``splits`` names
+(channel splits, whose shards are priced linearly) on graphs given traced;
+``False`` forbids groups.
 
 Run options (batch-norm mode, output merge, all-reduce overlap, the run's
 recomputation and precision, the torchrun timeout) are :class:`RunOptions`:
@@ -130,6 +133,9 @@ class PlanRequest:
     ``splits`` (``"batch"``: data parallel inside the stage; ``"channel"``:
     conv/linear split by output channels) with group widths from ``widths``
     (default: 2, 4, 8, ... up to the device count, and the count itself).
+    ``None`` (the default, "auto"): batch-split groups only, in the layout of
+    one replica on one node, their shares priced at their own batch
+    (:meth:`stage_groups`); ``False``: no groups.
     ``colocate=False`` forbids the last stage from sharing the previous stage's
     device group (needed for plans run under torchrun: one stage per rank).
 
@@ -155,7 +161,7 @@ class PlanRequest:
     seed: int = 0
     solver: str = "cpsat"
     require_all_devices: bool = False
-    cross_shaped: bool = False
+    cross_shaped: bool | None = None
     widths: tuple[int, ...] | None = None
     splits: tuple[str, ...] = ("batch", "channel")
     colocate: bool = True
@@ -182,7 +188,7 @@ class PlanRequest:
         if self.widths is not None:
             object.__setattr__(self, "widths", tuple(self.widths))
         object.__setattr__(self, "splits", tuple(self.splits))
-        cross_options(self.cross_shaped, self.widths, self.splits, 2)
+        cross_options(bool(self.cross_shaped), self.widths, self.splits, 2)
         if self.recompute not in RECOMPUTE:
             raise InputError(
                 f"recompute must be one of {list(RECOMPUTE)}",
@@ -192,7 +198,10 @@ class PlanRequest:
 
     def stage_groups(self, replicas: int) -> tuple[bool, tuple[str, ...]]:
         """Whether a layout of ``replicas`` replicas may put stages on device groups, and
-        how they may split: as asked, and only where one replica holds the cluster."""
+        how they may split: only where one replica holds the cluster; as asked, or for
+        "auto" (``None``) batch splits, if ``splits`` allows them."""
+        if self.cross_shaped is None:
+            return replicas == 1 and "batch" in self.splits, ("batch",)
         return self.cross_shaped and replicas == 1, self.splits
 
     def partition_options(self) -> dict[str, Any]:
@@ -263,7 +272,7 @@ class _SharedKeywords(TypedDict, total=False):
     seed: int
     solver: str
     require_all_devices: bool
-    cross_shaped: bool
+    cross_shaped: bool | None
     widths: Sequence[int] | None
     splits: Sequence[str]
     colocate: bool

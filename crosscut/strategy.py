@@ -9,7 +9,7 @@ shortest predicted step (pipeline + gradient all-reduce, simulated under the
 schedule). What the caller fixed (``replicas``, ``microbatches``) is a
 constraint; everything left at ``None`` is searched.
 
-Layouts (:func:`candidate_layouts`), cheapest first so a good plan exists
+Layouts (:func:`~crosscut.layouts.candidate_layouts`), cheapest first so a good plan exists
 early and the time limit is honoured:
 
 * ``d = 1``: **data parallelism** on every device, the baseline every user
@@ -24,13 +24,16 @@ early and the time limit is honoured:
   devices of several kinds this is the only layout: identical replicas need
   identical devices.
 
-Stages replicated to their own degrees, asked for with ``cross_shaped=True``:
-in a layout of one replica a stage may run on a group of devices (batch-split:
-data parallelism inside the stage), so a model's many-FLOP, few-parameter
-layers take many devices and its parameter-heavy layers few (the
-cross-shaped solver, ``partitioner/solvers/cross.py``, chooses them with the
-stage boundaries). Not searched by default: groups are priced at the whole
-micro-batch's per-sample rate (see :mod:`crosscut.options`). A batch-split
+Stages replicated to their own degrees, searched by default (``cross_shaped``
+``None``: batch splits; ``True``: the splits asked for): in the layout of one
+replica on one node a stage may run on a group of devices (batch-split: data
+parallelism inside the stage), so a model's many-FLOP, few-parameter layers
+take many devices and its parameter-heavy layers few (the cross-shaped
+solver, ``partitioner/solvers/cross.py``, chooses them with the stage
+boundaries). A group's shares are priced at their own batch: the attempt
+also traces ``ceil(size / w)`` samples for each width ``w``
+(:meth:`TraceCache.share_costs`), and by default skips groups when those
+traces would not fit the time left (:func:`~crosscut.layouts.share_sizes`). A batch-split
 stage never hands on a value its shares cannot join
 (``PartitionProblem.batch_major``). Locally each stage position's replicas
 are one batch-split group too, so a replicated layout ties every value that
@@ -40,7 +43,7 @@ the solver cuts elsewhere. Only a model whose own output is not batch-major (a
 reason.
 
 Micro-batches: each layout tries 1, 2, 4, ... dividing the replica's batch
-(:func:`microbatch_candidates`) in increasing order and stops once the step
+(:func:`~crosscut.layouts.microbatch_candidates`) in increasing order and stops once the step
 grows again, once the plan has one stage (nothing to overlap), or when time
 runs short; a count whose plan does not fit the memory caps does not stop it.
 Before each attempt a lower bound prunes it: ``M`` micro-batches of work
@@ -74,23 +77,21 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from crosscut.cost_models.subclusters import replica_cluster
 from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
 from crosscut.ir.plan import Alternative, Plan, Strategy
 from crosscut.ir.schedule import AUTO_SCHEDULE
-from crosscut.options import PlanRequest
+from crosscut.layouts import Layout, candidate_layouts, microbatch_candidates, share_sizes
+from crosscut.options import PlanRequest, cross_options
 from crosscut.partitioner.annotate import as_replicas, in_rank_order
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.replicas import (
     batch_major_cuts,
     check_replica_exports,
-    layouts,
     replica_span,
     runs_in_rank_order,
-    spanning_layouts,
     stage_nodes,
 )
 from crosscut.partitioner.schedule_choice import choose_schedule
@@ -99,85 +100,7 @@ from crosscut.traced import Progress, TraceCache, solve_traced
 if TYPE_CHECKING:
     from crosscut.cost_models.cluster import Cluster
 
-__all__ = [
-    "MAX_MICROBATCHES",
-    "Layout",
-    "candidate_layouts",
-    "microbatch_candidates",
-    "plan_strategy",
-]
-
-# the largest micro-batch count tried per layout: with 1F1B a pipeline of S stages idles
-# (S-1)/(M+S-1) of its step, under 20 % at M = 4S for the 8 stages of a node
-MAX_MICROBATCHES = 32
-
-
-def microbatch_candidates(batch: int, cap: int = MAX_MICROBATCHES) -> list[int]:
-    """1, then each time the smallest divisor of ``batch`` at least twice the last, up to ``cap``.
-
-    Powers of two where the batch allows (64: 1, 2, 4, ..., 32), a geometric
-    ladder of divisors where it does not (24: 1, 2, 4, 8, 24).
-    """
-    out = [1]
-    top = min(batch, cap)
-    while True:
-        nxt = next((m for m in range(2 * out[-1], top + 1) if batch % m == 0), None)
-        if nxt is None:
-            return out
-        out.append(nxt)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """``replicas`` copies of a pipeline over ``devices`` devices each."""
-
-    devices: int
-    replicas: int
-    require_all: bool  # every device of the replica holds a stage
-    why_not: str = ""  # set: the layout cannot be planned, and this says why
-
-
-def _uniform(cluster: Cluster) -> bool:
-    """Whether a node's devices are interchangeable (same kind and memory): replicas need it."""
-    first = cluster.devices[0]
-    return all(d.kind == first.kind and d.mem_cap == first.mem_cap for d in cluster.devices)
-
-
-def candidate_layouts(cluster: Cluster, request: PlanRequest, batch: int) -> list[Layout]:
-    """Every layout of ``cluster``, cheapest first; those the rules exclude carry ``why_not``."""
-    per_node, nodes = len(cluster.devices), cluster.nodes
-    if nodes > 1:
-        every = layouts(per_node, nodes) + spanning_layouts(per_node, nodes)
-    elif _uniform(cluster):
-        every = layouts(per_node, 1)
-    else:
-        every = [(per_node, 1)]
-    out = []
-    fixed_m = request.microbatches or 1
-    for d, r in sorted(every):
-        why = ""
-        if request.replicas is not None and r != request.replicas:
-            why = f"replicas={request.replicas} was given"
-        elif nodes == 1 and request.require_all_devices and request.replicas is None and r > 1:
-            why = "require_all_devices: a pipeline stage on every device"
-        elif batch % (r * fixed_m):
-            why = f"the batch ({batch}) does not split into {r} replicas × {fixed_m} micro-batches"
-        whole_node = nodes == 1 and r == 1
-        fill = request.require_all_devices or request.fill_devices
-        out.append(Layout(d, r, fill or not whole_node, why))
-    if nodes == 1 and not _uniform(cluster) and per_node > 1:
-        kinds = sorted({d.kind for d in cluster.devices})
-        out.insert(
-            0,
-            Layout(
-                1,
-                per_node,
-                True,
-                f"the devices differ ({', '.join(kinds)}): identical "
-                "replicas would run at the slowest one's pace",
-            ),
-        )
-    return out
+__all__ = ["plan_strategy"]
 
 
 def _widths(plan: Plan) -> list[int]:
@@ -201,11 +124,12 @@ class _Search:
         self.refusal: PartitionError | None = None  # a rule refused a layout
         self.priced: list[tuple[int, Plan, int]] = []  # (row, plan, micro-batch size)
 
-    def affordable(self, left: float, size: int | None = None) -> bool:
+    def affordable(self, left: float, *sizes: int) -> bool:
         """Whether another attempt fits in ``left`` seconds (always, before any plan).
 
-        An attempt at a micro-batch ``size`` not traced yet also needs a trace."""
-        need = self.quickest + (self.trace_s if size is None or not self.cache.has(size) else 0)
+        An attempt also needs a trace for each of ``sizes`` (samples) not traced yet."""
+        untraced = sum(1 for s in set(sizes) if not self.cache.has(s))
+        need = self.quickest + self.trace_s * untraced
         return self.best is None or (left > 0.0 and left >= need)
 
     def row(
@@ -306,16 +230,22 @@ def _attempt(
     graph = cache.graph(size)
     costs = cache.costs(size, node)
     search.trace_s = max(search.trace_s, time.monotonic() - t0)
+    groups, splits = request.stage_groups(lay.replicas)
+    if share_sizes(lay, request, size):  # batch-split shares priced at their own batch
+        widths, _ = cross_options(groups, request.widths, splits, lay.devices)
+        costs = cache.share_costs(size, node, widths)
     t0 = time.monotonic()
     if lay.replicas > 1:
         graph = batch_major_cuts(graph)
-    groups, splits = request.stage_groups(lay.replicas)
     req = dataclasses.replace(
         request,
         microbatches=m,
         require_all_devices=lay.require_all,
         cross_shaped=groups,
         splits=splits,
+        # "auto" groups split by batch only: a co-located tail (two stages on one group)
+        # would gain nothing, and `crosscut run` could not run the plan it made
+        colocate=request.colocate and request.cross_shaped is not None,
     )
     shapes = [[cache.batch // lay.replicas, *t.shape[1:]] for t in cache.inputs]
     by = share() if search.best is not None else search.deadline
@@ -370,6 +300,10 @@ def _one(
     if not search.affordable(search.deadline.left(), size):
         search.row(lay, m, "not tried", "time limit")
         return "stop"
+    shares = share_sizes(lay, request, size)
+    auto = request.cross_shaped is None
+    if shares and auto and not search.affordable(search.deadline.left(), size, *shares):
+        request = dataclasses.replace(request, cross_shaped=False)  # "auto": no time for groups
     if search.best is not None:
         lb, best = search.bound(lay, m), search.best.predicted.step_time_s
         if lb >= best:

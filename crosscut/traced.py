@@ -97,6 +97,24 @@ class TraceCache:
                 self._work[(size, kind)] = sum(n.time_s[kind] for n in nodes)
         return self._costs[key]
 
+    def share_costs(self, size: int, cluster: Cluster, widths: list[int]) -> Any:
+        """:meth:`costs` at ``size``, knowing what a batch split's shares cost at their
+        own batch: the graph is also traced at ``ceil(size / w)`` samples for each
+        width ``w`` (``CostTable.with_share_scales``). A size the model refuses (batch
+        norm on one sample) is left out: that share is priced linearly."""
+        from crosscut.errors import InputError
+
+        smaller: dict[int, Any] = {}
+        for w in sorted(set(widths)):
+            s = -(-size // w)
+            if 1 <= s < size and s not in smaller:
+                try:
+                    smaller[s] = self.costs(s, cluster)
+                except InputError:
+                    continue
+        base = self.costs(size, cluster)
+        return base.with_share_scales(smaller, size) if smaller else base
+
     def spread(self, size: int) -> float:
         """How far the profiles at ``size`` could move (``meta["spread"]``, the largest
         over the clusters priced so far); 0 for analytic costs."""
@@ -133,7 +151,9 @@ def solve_traced(
     from crosscut.partitioner.solvers.settings import SolveSettings
 
     r = request
-    groups, allowed = r.stage_groups(1)
+    # "auto" groups need their shares priced at their own batch (the strategy's traces):
+    # a graph given traced has one batch only, so it gets groups only when asked for
+    groups, allowed = r.stage_groups(1) if r.cross_shaped is not None else (False, ())
     widths, splits = cross_options(groups, r.widths, allowed, len(cluster.devices))
     options = PlanOptions(
         objective=r.objective,

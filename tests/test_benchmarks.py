@@ -107,7 +107,8 @@ def test_default_vs_peers_prints_what_crosscut_chose_and_every_column() -> None:
         assert min(ours, ddp, pipe) > 0, row  # every one really ran
         assert ratio_fits(float(row["crosscut/faster-peer"]), ours, min(ddp, pipe))
         assert ratio_fits(float(row["ratio-per-round"]), ours, min(ddp, pipe))  # one round
-        assert row["at-least-as-fast"] == ("yes" if ours <= min(ddp, pipe) else "no")
+        if ours != min(ddp, pipe):  # printed equal (2 decimals): either verdict is right
+            assert row["at-least-as-fast"] == ("yes" if ours < min(ddp, pipe) else "no")
 
 
 def test_schedules_zero_bubble_beats_1f1b_on_resnet50(capsys: pytest.CaptureFixture[str]) -> None:

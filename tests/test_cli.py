@@ -190,12 +190,15 @@ def test_console_script_without_traceback(tmp_path: Path) -> None:
 
 
 def test_partition_cross_shaped_and_no_colocate(tmp_path: Path) -> None:
-    # alexnet-like classifier-heavy nets get a co-located tail; --no-colocate must
-    # give a plan whose stages use distinct devices (what `crosscut run` needs)
+    # alexnet-like classifier-heavy nets get a co-located tail (batch-split convolutions,
+    # then the classifier split by channel on the same devices: one replica on K20c's
+    # PCIe at batch 256); --no-colocate must give a plan whose stages use distinct devices
+    # (what `crosscut run` needs)
     plans = {}
     for flag in ([], ["--no-colocate"]):
         out = tmp_path / f"plan{len(flag)}.json"
-        args = ["partition", "torchvision:alexnet", "--devices", "4xV100", "--batch", "64"]
+        args = ["partition", "torchvision:alexnet", "--devices", "4xK20c", "--batch", "256",
+                "--replicas", "1"]  # fmt: skip
         assert main([*args, "--cross-shaped", *flag, "-o", str(out)]) == 0
         plans[bool(flag)] = Plan.load(out)
     colocated, distinct = plans[False], plans[True]
@@ -203,4 +206,5 @@ def test_partition_cross_shaped_and_no_colocate(tmp_path: Path) -> None:
     assert [s.devices for s in colocated.stages][-1] == [s.devices for s in colocated.stages][-2]
     used = [d for s in distinct.stages for d in s.devices]
     assert len(used) == len(set(used))
-    assert distinct.predicted.bottleneck_s >= colocated.predicted.bottleneck_s
+    # a restriction: never a quicker step than the search that may co-locate
+    assert distinct.predicted.step_time_s >= colocated.predicted.step_time_s

@@ -63,6 +63,27 @@ def test_cost_table_round_trip_and_lookups() -> None:
         CostTable.from_json('{"nodes": {"a": {"fwd": 1}}}')
 
 
+def test_share_scales_say_how_much_slower_per_sample_a_share_runs() -> None:
+    """time(s) / (time(b) · s / b) per node and kind, training time; kept through JSON
+    and merges; nodes a smaller table lacks, or sizes not below the batch, get none."""
+    full = CostTable(
+        {"a": NodeCost({"V100": 1e-3}, {"V100": 2e-3}), "b": NodeCost({"V100": 1e-3}, {})}
+    )
+    half = CostTable({"a": NodeCost({"V100": 0.9e-3}, {"V100": 1.5e-3})})
+    quarter = CostTable(
+        {"a": NodeCost({"V100": 0.5e-3}, {"V100": 1e-3}), "b": NodeCost({"V100": 1e-3}, {})}
+    )
+    scaled = full.with_share_scales({16: half, 8: quarter, 32: full}, batch=32)
+    assert scaled.batch_scale("a") == {
+        "16": {"V100": pytest.approx(2.4e-3 / 1.5e-3)},
+        "8": {"V100": pytest.approx(1.5e-3 / 0.75e-3)},
+    }
+    assert scaled.batch_scale("b") == {"8": {"V100": pytest.approx(4.0)}}
+    assert full.batch_scale("a") == {}  # the original is left alone
+    assert CostTable.from_json(scaled.to_json()) == scaled
+    assert scaled.merge(full).batch_scale("a") == scaled.batch_scale("a")
+
+
 def test_merge_keeps_both_kinds() -> None:
     g = _chain()
     a = analytic_costs(g, Cluster.from_spec("2xV100"))

@@ -33,12 +33,16 @@ def _model() -> nn.Module:
     return model
 
 
-def test_default_partition_has_no_groups() -> None:
+def test_no_groups_when_forbidden_and_batch_splits_only_by_default() -> None:
+    x = torch.randn(8, 3, 64, 64)
     plan = partition(
-        _model(), "4xV100", torch.randn(8, 3, 64, 64), time_limit=2, microbatches=1, replicas=1
+        _model(), "4xV100", x, time_limit=2, microbatches=1, replicas=1, cross_shaped=False
     )
     assert all(len(s.devices) == 1 and s.split == "none" for s in plan.stages)
     assert plan.options.widths == [1] and plan.options.splits == []
+    auto = partition(_model(), "4xV100", x, time_limit=2, microbatches=1, replicas=1)
+    assert auto.options.splits == ["batch"]  # channel splits stay opt-in
+    assert {s.split for s in auto.stages} <= {"none", "batch"}
 
 
 def test_cross_plan_round_trips_and_replays_exactly(tmp_path: object) -> None:
@@ -122,13 +126,14 @@ def test_cross_shaped_plans_where_no_pipeline_fits() -> None:
         )
     x = torch.empty(512, 3, 224, 224, device="meta")
     with pytest.raises(crosscut.InfeasiblePlanError):
-        partition(model, "4xK20c", x, time_limit=5, microbatches=1, replicas=1)
-    plan = partition(
-        model, "4xK20c", x, cross_shaped=True, time_limit=5, microbatches=1, replicas=1
-    )
-    assert all(s.split in ("batch", "channel") and len(s.devices) > 1 for s in plan.stages)
-    assert any("no pipeline-only plan" in note for note in plan.solver.notes)
-    assert all(len(note) < 2000 for note in plan.solver.notes)  # caps summarised, not listed
+        partition(model, "4xK20c", x, time_limit=5, microbatches=1, replicas=1, cross_shaped=False)
+    for asked in (True, None):  # asked for, and by default (batch-split groups)
+        plan = partition(
+            model, "4xK20c", x, cross_shaped=asked, time_limit=5, microbatches=1, replicas=1
+        )
+        assert all(s.split in ("batch", "channel") and len(s.devices) > 1 for s in plan.stages)
+        assert any("no pipeline-only plan" in note for note in plan.solver.notes)
+        assert all(len(note) < 2000 for note in plan.solver.notes)  # caps summarised
 
 
 def test_a_cross_shaped_plan_records_the_seed_it_was_asked_for() -> None:

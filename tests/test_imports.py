@@ -32,7 +32,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "crosscut"
 MAX_LINES = 500
 
 
-_PARTITIONER = ("crosscut.partitioner", "crosscut.options", "crosscut.traced", "crosscut.strategy")
+_PARTITIONER = (
+    "crosscut.partitioner",
+    "crosscut.options",
+    "crosscut.traced",
+    "crosscut.strategy",
+    "crosscut.layouts",
+)
 _API = ("crosscut.planning", "crosscut.distributed", "crosscut.api", "crosscut.verify")
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("crosscut.errors", "crosscut.version", "crosscut.fileio", "crosscut.precision")),

@@ -21,6 +21,7 @@ import crosscut
 from crosscut.cost_models.cluster import Cluster
 from crosscut.errors import InputError
 from crosscut.ir.plan import Plan
+from crosscut.layouts import microbatch_candidates
 from crosscut.partitioner.replicas import (
     NCCL_BASE_S,
     NCCL_NET_HOP_S,
@@ -32,7 +33,6 @@ from crosscut.partitioner.replicas import (
 )
 from crosscut.partitioner.simulate import simulate
 from crosscut.partitioner.validate import validate_plan
-from crosscut.strategy import microbatch_candidates
 from tests.plan_factory import make_plan
 
 

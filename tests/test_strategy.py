@@ -114,13 +114,16 @@ def test_predictions_within_the_profiles_spread_choose_the_simpler_strategy(
     quickest (71 ms), 2 replicas of 2 stages with M=1 at 111 ms, data parallelism at 141 ms.
     With profiles that spread by 60 % (100 %) the planner cannot tell the pipeline from the
     2-stage (1-stage) strategy, so it keeps the simpler one and says why; without spread the
-    quickest wins."""
+    quickest wins. (Without device groups inside stages: with them a 1+2+1 pipeline is
+    quicker still, which would change the layouts compared, not the rule.)"""
     from crosscut.traced import TraceCache
 
     monkeypatch.setattr(TraceCache, "spread", lambda self, size: spread)
     model = torchvision.models.alexnet(weights=None)
     # under 1F1B (the zero-bubble schedules would move the pipeline's step, not the rule)
-    plan = crosscut.partition(model, "4xK20c", _meta(64), time_limit=10, schedule="1f1b")
+    plan = crosscut.partition(
+        model, "4xK20c", _meta(64), time_limit=10, schedule="1f1b", cross_shaped=False
+    )
     rows = plan.strategy.alternatives
     assert (plan.num_stages, plan.options.microbatches) == (stages, microbatches), [
         a.text() for a in rows
@@ -175,25 +178,67 @@ def test_strategy_round_trips_and_is_drawn(tmp_path: Path) -> None:
     assert "id='strategy'" in html and "data parallel, 4 replicas" in html
 
 
-def test_stages_replicated_to_their_own_degrees_when_groups_are_asked_for() -> None:
+def test_stages_replicated_to_their_own_degrees_by_default() -> None:
     """AlexNet on 8 K20c (PCIe): its convolutions are many FLOPs and few parameters, its
-    classifier the reverse. With groups asked for, the search gives the convolutions
-    batch-split groups (a stage's own data parallelism) and the classifier few devices,
-    and lists the shape of each stage; by default (groups priced optimistically, see
-    crosscut/options.py) and with replicas=1 no stage gets a group."""
+    classifier the reverse. By default ("auto": batch-split groups, their shares priced at
+    their own batch) the search gives the convolutions batch-split groups (a stage's own
+    data parallelism) and the classifier few devices, and lists the shape of each stage;
+    asking for batch groups explicitly plans the same; ``cross_shaped=False`` forbids them."""
     model = torchvision.models.alexnet(weights=None)
-    plan = crosscut.partition(model, "8xK20c", _meta(256), cross_shaped=True, splits=("batch",))
+    plan = crosscut.partition(model, "8xK20c", _meta(256))
+    asked = crosscut.partition(model, "8xK20c", _meta(256), cross_shaped=True, splits=("batch",))
+    assert asked.predicted.step_time_s == plan.predicted.step_time_s
     widths = [len(st.devices) for st in plan.stages]
     assert max(widths) > 1 and len(set(widths)) > 1, strategy_line(plan)
     assert {st.split for st in plan.stages if len(st.devices) > 1} == {"batch"}
+    used = [d for st in plan.stages for d in st.devices]  # no co-located tail: runs on torchrun
+    assert len(used) == len(set(used))
     dp = plan.strategy.data_parallel()
     assert dp is not None and plan.predicted.step_time_s < dp.step_time_s
     chosen = next(a for a in plan.strategy.alternatives if a.outcome == "chosen")
     assert chosen.widths == widths and "stages on " + "+".join(map(str, widths)) in chosen.label()
     assert "groups " in strategy_line(plan)
-    default = crosscut.partition(model, "8xK20c", _meta(256))
-    assert all(len(st.devices) == 1 for st in default.stages)
-    assert all(not a.widths for a in default.strategy.alternatives)
+    none = crosscut.partition(model, "8xK20c", _meta(256), cross_shaped=False)
+    assert all(len(st.devices) == 1 for st in none.stages)
+    assert all(not a.widths for a in none.strategy.alternatives)
+    assert none.predicted.step_time_s > plan.predicted.step_time_s
+
+
+def test_group_shares_are_priced_at_their_own_batch() -> None:
+    """A batch-split group of ``w`` devices runs ``ceil(b / w)`` samples of each
+    micro-batch on each device, which uses a device less well than ``b`` samples. The plan
+    carries each node's per-sample slowdown at that share (``PlanNode.batch_scale``, from a
+    trace at that size), so re-pricing it from its JSON prices the shares the same way, and
+    every grouped stage costs more than its linear share would."""
+    import copy
+
+    from crosscut.partitioner.build import plan_groups, plan_to_problem
+    from crosscut.partitioner.evaluate import evaluate
+
+    model = torchvision.models.alexnet(weights=None)
+    plan = crosscut.partition(model, "8xK20c", _meta(256))
+    micro = plan.model.batch_size // plan.options.microbatches
+    grouped = [st for st in plan.stages if len(st.devices) > 1]
+    assert grouped, strategy_line(plan)
+    for st in grouped:
+        key = str(-(-micro // len(st.devices)))
+        held = [n for n in plan.nodes if plan.assignment.get(n.name) == st.index]
+        convs = [n for n in held if n.kind == "conv2d"]
+        assert convs and all(n.batch_scale[key]["K20c"] > 1.0 for n in convs), key
+    back = Plan.from_dict(plan.to_dict())
+    problem, stage_of, stage_device = plan_to_problem(back)
+    priced = evaluate(problem, stage_of, stage_device, plan_groups(back))
+    assert priced.stage_time == pytest.approx([st.time_s for st in plan.stages])
+    linear = copy.deepcopy(back)
+    for n in linear.nodes:
+        n.batch_scale = {}
+    problem, _, _ = plan_to_problem(linear)
+    flat = evaluate(problem, stage_of, stage_device, plan_groups(linear))
+    for st in plan.stages:
+        if len(st.devices) > 1:
+            assert flat.stage_time[st.index] < priced.stage_time[st.index]
+        else:
+            assert flat.stage_time[st.index] == priced.stage_time[st.index]
 
 
 class _SharesAStatistic(nn.Module):

@@ -86,7 +86,15 @@ def _partition_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--cross-shaped",
         action="store_true",
-        help="let stages run on device groups split by batch or channels",
+        default=None,
+        help="let stages run on device groups split by batch or channels (default: "
+        "batch-split groups on one node, priced at their shares' batch)",
+    )
+    p.add_argument(
+        "--no-cross-shaped",
+        dest="cross_shaped",
+        action="store_false",
+        help="no device groups: every stage on one device",
     )
     p.add_argument(
         "--no-colocate",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,10 @@ class NodeCost:
     bwd: dict[str, float] = field(default_factory=dict)
     resident: int = 0  # params, buffers (+ grads + optimizer state in train mode)
     activation: int = 0  # bytes saved for backward per micro-batch (0 in infer mode)
+    # samples (a string, as JSON keys are) -> kind -> how much slower per sample the node
+    # runs on that many samples of its micro-batch: what a batch-split group's share costs
+    # (``CostTable.with_share_scales``); absent: its share of the time, linearly
+    share_scale: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,6 +79,41 @@ class CostTable:
     def activation_bytes(self, name: str) -> int:
         return self._get(name).activation
 
+    def batch_scale(self, name: str) -> dict[str, dict[str, float]]:
+        """``NodeCost.share_scale`` of ``name``: samples -> kind -> per-sample slowdown."""
+        return self._get(name).share_scale
+
+    def with_share_scales(self, smaller: dict[int, CostTable], batch: int) -> CostTable:
+        """A copy that knows what each node costs on fewer samples than ``batch``.
+
+        ``smaller[s]`` prices the same graph traced at ``s`` samples. A
+        batch-split group of ``w`` devices runs ``ceil(batch / w)`` samples on
+        each, and small batches use a device less well (lower arithmetic
+        intensity, fixed launch costs), so a share costs more than its
+        fraction of the whole: the scale is ``time(s) / (time(batch) · s /
+        batch)`` per node and kind, training time (forward + backward) as the
+        table's mode has it. Nodes missing from a smaller table, or with no
+        time, keep no scale (priced linearly).
+        """
+        training = self.mode == "train"
+        out: dict[str, NodeCost] = {}
+        for name, c in self.nodes.items():
+            scales = dict(c.share_scale)
+            for s, table in sorted(smaller.items()):
+                other = table.nodes.get(name)
+                if other is None or not 0 < s < batch:
+                    continue
+                by_kind: dict[str, float] = {}
+                for kind in sorted(set(c.fwd) & set(other.fwd)):
+                    full = c.fwd[kind] + (c.bwd.get(kind, 0.0) if training else 0.0)
+                    part = other.fwd[kind] + (other.bwd.get(kind, 0.0) if training else 0.0)
+                    if full > 0 and part > 0:
+                        by_kind[kind] = part / (full * s / batch)
+                if by_kind:
+                    scales[str(s)] = by_kind
+            out[name] = replace(c, share_scale=scales)
+        return CostTable(out, self.source, self.mode, self.optimizer, dict(self.meta))
+
     def node_time(self, name: str, kind: str, training: bool) -> float:
         """Forward time, plus backward when ``training``."""
         t = self.fwd_s(name, kind)
@@ -102,7 +141,9 @@ class CostTable:
         out: dict[str, NodeCost] = {}
         for name, c in self.nodes.items():
             o = other.nodes[name]
-            out[name] = NodeCost({**c.fwd, **o.fwd}, {**c.bwd, **o.bwd}, c.resident, c.activation)
+            out[name] = NodeCost(
+                {**c.fwd, **o.fwd}, {**c.bwd, **o.bwd}, c.resident, c.activation, c.share_scale
+            )
         source = self.source if self.source == other.source else "mixed"
         meta = {**self.meta, **other.meta}
         if "priced" in self.meta or "priced" in other.meta:  # per kind: the other's kinds win
@@ -131,6 +172,10 @@ class CostTable:
                     bwd={str(a): float(b) for a, b in v["bwd"].items()},
                     resident=int(v["resident"]),
                     activation=int(v["activation"]),
+                    share_scale={
+                        str(n): {str(a): float(b) for a, b in by.items()}
+                        for n, by in v.get("share_scale", {}).items()
+                    },
                 )
                 for k, v in data["nodes"].items()
             }

@@ -99,6 +99,10 @@ class PlanNode:
     channels: int = 0  # output channels a channel split divides (0: unknown)
     # one tensor with the micro-batch as dim 0: a batch-split stage may hand it on
     batch_major: bool = True
+    # samples (as a string) -> device kind -> per-sample slowdown of running only that many
+    # samples of the micro-batch: what a batch-split group's share costs, beyond its
+    # fraction of time_s (empty: priced linearly; cost_models/table.py, with_share_scales)
+    batch_scale: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -116,6 +116,10 @@ class PartitionProblem:
     # (bytes per micro-batch, the nodes that read it) per input; nodes the model returns
     graph_inputs: list[tuple[int, list[int]]] = field(default_factory=list)
     graph_outputs: list[int] = field(default_factory=list)
+    # width w -> [node][device] seconds of one share of a batch split over w devices,
+    # priced at its own ceil(batch / w) samples (build.problem_from_parts, from the nodes'
+    # batch_scale). A width without a table prices the share linearly: compute × share
+    share_compute: dict[int, list[list[float]]] = field(default_factory=dict)
 
     @property
     def n(self) -> int:

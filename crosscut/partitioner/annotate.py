@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 from crosscut.cost_models.subclusters import slowest_link
 from crosscut.ir.plan import Plan, PlanTransfer, Prediction
 from crosscut.partitioner.build import plan_groups, plan_to_problem
-from crosscut.partitioner.evaluate import evaluate, recomputes
+from crosscut.partitioner.evaluate import evaluate
 from crosscut.partitioner.replicas import reduction
 from crosscut.partitioner.simulate import simulate
+from crosscut.partitioner.stage_memory import recomputes
 
 if TYPE_CHECKING:
     from crosscut.cost_models.cluster import Cluster

@@ -10,6 +10,7 @@ alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Protocol
@@ -38,6 +39,7 @@ class CostLookup(Protocol):
     def bwd_s(self, name: str, kind: str) -> float: ...
     def resident_bytes(self, name: str) -> int: ...
     def activation_bytes(self, name: str) -> int: ...
+    def batch_scale(self, name: str) -> dict[str, dict[str, float]]: ...
 
 
 def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[PlanNode]:
@@ -65,6 +67,7 @@ def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[
                 shard=shard,
                 channels=channels,
                 batch_major=batch_major_value(n, graph.batch_size),
+                batch_scale={} if n.is_io else costs.batch_scale(n.name),
             )
         )
     return out
@@ -165,7 +168,40 @@ def problem_from_parts(
         batch=batch,
         graph_inputs=[(by_name[p].out_bytes, cs) for p, cs in readers.items() if cs],
         graph_outputs=returned,
+        share_compute=_share_compute([by_name[n] for n in names], kinds, compute, options, batch),
     )
+
+
+def _share_compute(
+    nodes: Sequence[PlanNode],
+    kinds: Sequence[str],
+    compute: list[list[float]],
+    options: PlanOptions,
+    batch: int,
+) -> dict[int, list[list[float]]]:
+    """``PartitionProblem.share_compute``: per batch-split width, each node's share on
+    each device at its own ``ceil(batch / w)`` samples (``compute × share × scale``).
+
+    A scale under 1 is taken as 1: a share never costs less than its linear part (time
+    per sample does not grow with the batch), which keeps the solvers' work bounds
+    valid. Widths whose share size no node was priced at are left out (linear)."""
+    out: dict[int, list[list[float]]] = {}
+    if "batch" not in options.splits or batch <= 0:
+        return out
+    for w in sorted(set(options.widths)):
+        samples = math.ceil(batch / w)
+        key = str(samples)
+        if w <= 1 or samples >= batch or not any(key in n.batch_scale for n in nodes):
+            continue
+        f = samples / batch
+        out[w] = [
+            [
+                t * f * max(1.0, n.batch_scale.get(key, {}).get(kind, 1.0))
+                for t, kind in zip(row, kinds)
+            ]
+            for n, row in zip(nodes, compute)
+        ]
+    return out
 
 
 def plan_groups(plan: Plan) -> list[StageGroup] | None:

@@ -52,26 +52,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from crosscut.ir.problem import PartitionProblem, StageGroup
-from crosscut.ir.schedule import in_flight as schedule_in_flight
 from crosscut.partitioner.group_costs import (
     batch_split_exports,
     collective_time,
     group_problems,
+    node_compute,
     node_share,
     ring_allreduce_time,
+)
+from crosscut.partitioner.stage_memory import (
+    activation_factor,
+    buffer_factor,
 )
 
 __all__ = [
     "Evaluation",
-    "activation_factor",
-    "buffer_factor",
     "check",
     "comm_multiplier",
     "consumers",
     "evaluate",
-    "in_flight",
     "lower_bound",
-    "recomputes",
     "relative_speeds",
     "renumber",
     "single_groups",
@@ -115,39 +115,6 @@ def comm_multiplier(problem: PartitionProblem) -> int:
 def transfer_time(problem: PartitionProblem, node: int, src: int, dst: int) -> float:
     """Seconds to move ``node``'s output from device ``src`` to ``dst`` once, one way."""
     return problem.latency[src][dst] + problem.out_bytes[node] / problem.bandwidth[src][dst]
-
-
-def in_flight(problem: PartitionProblem, k: int, num_stages: int) -> int:
-    """Micro-batches stage ``k`` has started but not finished backward (training)."""
-    return schedule_in_flight(problem.schedule, num_stages, k, problem.microbatches)
-
-
-def activation_factor(problem: PartitionProblem, k: int, num_stages: int) -> int:
-    """Micro-batches whose activations stage ``k`` keeps at once (0 in inference).
-
-    A recomputing stage keeps one: the micro-batch whose forward it re-runs in
-    backward; its inputs for the others are the receive buffers
-    (:func:`buffer_factor`), which stay one per in-flight micro-batch.
-    """
-    if not problem.training:
-        return 0
-    if recomputes(problem, k):
-        return 1
-    return in_flight(problem, k, num_stages)
-
-
-def recomputes(problem: PartitionProblem, k: int) -> bool:
-    """Whether stage ``k`` recomputes: every stage, or a known solution's own choice."""
-    if problem.stage_recompute:
-        return problem.training and k < len(problem.stage_recompute) and problem.stage_recompute[k]
-    return problem.recompute and problem.training
-
-
-def buffer_factor(problem: PartitionProblem, k: int, num_stages: int) -> int:
-    """Receive buffers per received tensor: one per in-flight micro-batch (1 in inference)."""
-    if not problem.training:
-        return 1
-    return in_flight(problem, k, num_stages)
 
 
 def single_groups(stage_device: Sequence[int]) -> list[StageGroup]:
@@ -263,7 +230,7 @@ def _evaluate_groups(
         for d in g.devices:
             if whole_on_leader and d != g.leader:
                 continue
-            per_dev[k][d] += problem.compute[v][d] * f
+            per_dev[k][d] += node_compute(problem, v, d, g, f)
             res = problem.resident[v] * (f if g.split == "channel" else 1.0)
             memory[d] += math.ceil(res + af * problem.activation[v] * f)
     comp = [max(t.values()) for t in per_dev]
@@ -305,7 +272,11 @@ def _evaluate_groups(
                 if d == g.leader and u in local[k]:
                     part = 0.0  # read in place on the shared leader: no receive buffer
                 memory[d] += math.ceil(bf * problem.out_bytes[u] * part)
-    span = _makespan(problem, stage_of, lead, shares)
+    at_leader = [
+        node_compute(problem, v, lead[stage_of[v]], groups[stage_of[v]], shares[v])
+        for v in range(problem.n)
+    ]
+    span = _makespan(problem, stage_of, lead, at_leader)
     members = [g.devices for g in groups]
     return _assemble(problem, comp, comm, memory, transfers, span, members, coll)
 
@@ -349,9 +320,12 @@ def _makespan(
     problem: PartitionProblem,
     stage_of: list[int],
     stage_device: list[int],
-    shares: list[float] | None = None,
+    times: list[float] | None = None,
 ) -> float:
-    """List schedule of one micro-batch in index order (see the module docstring)."""
+    """List schedule of one micro-batch in index order (see the module docstring).
+
+    ``times[v]``: node ``v``'s time on its stage's leader (a group's share);
+    default ``compute[v][leader]``."""
     mult = comm_multiplier(problem)
     preds: list[set[int]] = [set() for _ in range(problem.n)]
     for u, v in problem.edges:
@@ -368,7 +342,7 @@ def _makespan(
             if j != k and stage_device[j] != d:
                 arrive += mult * transfer_time(problem, u, stage_device[j], d)
             start = max(start, arrive)
-        finish[v] = start + problem.compute[v][d] * (shares[v] if shares is not None else 1.0)
+        finish[v] = start + (times[v] if times is not None else problem.compute[v][d])
         free[d] = finish[v]
     return max(finish, default=0.0)
 
@@ -494,5 +468,6 @@ def _min_share(problem: PartitionProblem, v: int, num: int) -> float:
         if 1 < w <= num:
             for split in problem.splits:
                 g = StageGroup(tuple(range(w)), split)
+                # a share priced at its own batch costs at least its linear part
                 best = min(best, node_share(problem, v, g))
     return best

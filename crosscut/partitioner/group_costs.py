@@ -12,7 +12,10 @@ stages"), for stage ``k`` on group ``G`` of ``w`` devices, leader ``G[0]``:
   cost what the largest shard costs. Unknown ``n`` prices ``1 / w``.
 * **compute** = ``max`` over the group's devices of ``Σ compute[v][d] · share``.
   In a channel split only ``split``/``channel`` nodes are shared; ``full`` nodes
-  run whole on the leader.
+  run whole on the leader. In a batch split each share is priced at its own
+  batch where the problem knows it (``PartitionProblem.share_compute``, from the
+  nodes' ``batch_scale``; :func:`node_compute`): a device is used less well on
+  fewer samples, so ``w`` shares of a micro-batch cost more than the whole.
 * **collectives** (charged to the stage, ×2 when training: the backward moves
   the same bytes the other way), ``coll(B) = lat_G + (w - 1) / w · B / bw_G``
   with ``bw_G``/``lat_G`` the slowest link inside the group:
@@ -53,6 +56,7 @@ __all__ = [
     "colocated",
     "group_link",
     "group_problems",
+    "node_compute",
     "node_share",
     "ring_allreduce_time",
     "share",
@@ -80,6 +84,20 @@ def node_share(problem: PartitionProblem, v: int, group: StageGroup) -> float:
     if problem.shard_of(v) == "full":
         return 1.0
     return share(problem.channels_of(v), group.width)
+
+
+def node_compute(
+    problem: PartitionProblem, v: int, d: int, group: StageGroup, fraction: float
+) -> float:
+    """Seconds node ``v`` takes on device ``d`` of ``group``, holding ``fraction`` of its work.
+
+    A batch split's share at its own batch when the problem has a table for the
+    group's width (``share_compute``), else ``compute × fraction``."""
+    if group.split == "batch" and group.width > 1:
+        table = problem.share_compute.get(group.width)
+        if table is not None:
+            return table[v][d]
+    return problem.compute[v][d] * fraction
 
 
 def group_link(problem: PartitionProblem, devices: Sequence[int]) -> tuple[float, float]:

@@ -28,15 +28,8 @@ import numpy as np
 
 from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.deadline import Deadline
-from crosscut.partitioner.evaluate import (
-    activation_factor,
-    buffer_factor,
-    check,
-    comm_multiplier,
-    consumers,
-    evaluate,
-    renumber,
-)
+from crosscut.partitioner.evaluate import check, comm_multiplier, consumers, evaluate, renumber
+from crosscut.partitioner.stage_memory import activation_factor, buffer_factor
 
 __all__ = [
     "Plan",

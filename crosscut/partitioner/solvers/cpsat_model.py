@@ -39,14 +39,9 @@ from ortools.sat.python import cp_model
 
 from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.deadline import Deadline
-from crosscut.partitioner.evaluate import (
-    activation_factor,
-    buffer_factor,
-    comm_multiplier,
-    consumers,
-    transfer_time,
-)
+from crosscut.partitioner.evaluate import comm_multiplier, consumers, transfer_time
 from crosscut.partitioner.solvers.bounds import stage_windows
+from crosscut.partitioner.stage_memory import activation_factor, buffer_factor
 
 __all__ = ["OrderModel"]
 

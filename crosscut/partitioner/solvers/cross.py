@@ -42,8 +42,6 @@ from crosscut.errors import InfeasiblePlanError
 from crosscut.ir.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import (
-    activation_factor,
-    buffer_factor,
     check,
     comm_multiplier,
     evaluate,
@@ -55,6 +53,7 @@ from crosscut.partitioner.solvers.baselines import allowed_cuts, device_order
 from crosscut.partitioner.solvers.cpsat import caps_summary
 from crosscut.partitioner.solvers.cross_tables import ChunkTables, StageShape
 from crosscut.partitioner.solvers.result import SolveResult, relative_gap
+from crosscut.partitioner.stage_memory import activation_factor, buffer_factor
 
 __all__ = [
     "GroupPlan",

@@ -19,7 +19,7 @@ import numpy as np
 
 from crosscut.ir.problem import PartitionProblem, StageGroup
 from crosscut.partitioner.evaluate import comm_multiplier, consumers
-from crosscut.partitioner.group_costs import group_link, node_share
+from crosscut.partitioner.group_costs import group_link, node_compute, node_share
 from crosscut.partitioner.solvers.baselines import _comm_matrices
 
 __all__ = ["ChunkTables", "StageShape"]
@@ -137,7 +137,10 @@ class StageShape:
         for d in group.devices:
             lead = d == group.leader
             col = _prefix(
-                [pb.compute[v][d] * shares[v] if lead or not full[v] else 0.0 for v in range(pb.n)]
+                [
+                    node_compute(pb, v, d, group, shares[v]) if lead or not full[v] else 0.0
+                    for v in range(pb.n)
+                ]
             )
             cmp = _diff(col) if cmp is None else np.maximum(cmp, _diff(col))
         assert cmp is not None

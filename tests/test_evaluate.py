@@ -112,3 +112,32 @@ def test_renumber_and_lower_bound() -> None:
     assert lower_bound(tri(objective="latency")) == pytest.approx(6.0)  # chain a-b-c
     for stage_of, devs in (([0, 0, 1], [0, 1]), ([0, 1, 1], [1, 0]), ([0, 0, 0], [0])):
         assert evaluate(pb, stage_of, devs).bottleneck >= lower_bound(pb)
+
+
+def test_a_split_backward_holds_its_weight_gradients_from_b_to_w() -> None:
+    """Between a micro-batch's B and its W a stage keeps the gradient of every parametered
+    node's output (W restarts from them). zb-h2 on 2 stages, M=4 (rows in the comments)
+    holds 2 such micro-batches on stage 0 and 3 on stage 1; zb-h1 one on each; 1F1B and
+    GPipe none. a and c have parameters (out_bytes 1000 and 3000), b has none."""
+    # zb-h2  0: F0 F1 F2 B0 W0 B1 F3 B2 W1 W2 B3 W3   (B1, B2 pending at once: 2)
+    #        1: F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3   (B0, B1, B2 pending: 3)
+    pb = tri(param_bytes=[4, 0, 8])
+    base = evaluate(pb, [0, 0, 1], [0, 1]).device_memory
+    for schedule, held in (("zb-h1", (1, 1)), ("zb-h2", (2, 3)), ("gpipe", (0, 0))):
+        ev = evaluate(dataclasses.replace(pb, schedule=schedule), [0, 0, 1], [0, 1])
+        plain = evaluate(
+            dataclasses.replace(pb, schedule=schedule, param_bytes=[0, 0, 0]), [0, 0, 1], [0, 1]
+        )
+        assert ev.device_memory[0] - plain.device_memory[0] == held[0] * 1000, schedule
+        assert ev.device_memory[1] - plain.device_memory[1] == held[1] * 3000, schedule
+    # 1F1B and ZB-H1 keep the same activations: only the held gradients differ
+    zb1 = evaluate(dataclasses.replace(pb, schedule="zb-h1"), [0, 0, 1], [0, 1]).device_memory
+    assert [z - b for z, b in zip(zb1, base)] == [1000, 3000]
+    # inference holds none
+    infer = dataclasses.replace(pb, schedule="zb-h1", training=False)
+    assert (
+        evaluate(infer, [0, 0, 1], [0, 1]).device_memory
+        == evaluate(
+            dataclasses.replace(infer, param_bytes=[0, 0, 0]), [0, 0, 1], [0, 1]
+        ).device_memory
+    )

@@ -145,3 +145,26 @@ def test_a_split_backward_keeps_its_rules(
     validate_schedule(parse_schedule("0: 0F0 0B0 0W0"), 1, 1, training=True)
     with pytest.raises(ScheduleError, match=message):
         validate_schedule(parse_schedule(text), 1, micro, training=training)
+
+
+@given(sizes, st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2"]))
+def test_pending_weights_is_the_built_schedules_peak_between_b_and_w(
+    sm: tuple[int, int], name: str
+) -> None:
+    """What the evaluator prices a split backward's held gradients by: the most
+    micro-batches a stage has run ``B`` for and not yet ``W``; none without a ``W``."""
+    from crosscut.ir.schedule import pending_weights
+
+    s, m = sm
+    built = make_schedule(name, s, m)
+    for k in range(s):
+        splits = any(a.kind == "W" for a in built[k])
+        pending: set[int] = set()
+        peak = 0
+        for a in built[k]:
+            if a.kind == "B" and splits:
+                pending.add(a.microbatch)
+            elif a.kind == "W":
+                pending.discard(a.microbatch)
+            peak = max(peak, len(pending))
+        assert pending_weights(name, s, k, m) == peak

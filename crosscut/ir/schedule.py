@@ -53,6 +53,7 @@ __all__ = [
     "max_inflight",
     "one_f_one_b",
     "parse_schedule",
+    "pending_weights",
     "splits_backward",
     "validate_schedule",
     "zero_bubble_h1",
@@ -263,6 +264,31 @@ def _built_in_flight(name: str, num_stages: int, microbatches: int) -> tuple[int
     """Each stage's peak in flight, read off the built schedule (no closed form)."""
     built = make_schedule(name, num_stages, microbatches)
     return tuple(max_inflight(built, k) for k in range(num_stages))
+
+
+def pending_weights(name: str, num_stages: int, stage: int, microbatches: int) -> int:
+    """Micro-batches whose ``B`` stage ``stage`` has run and whose ``W`` it has not, at most.
+
+    Between the two a stage holds the gradients its ``W`` restarts from (one per
+    weight node: the gradient of that layer's output), so a split backward keeps
+    them for this many micro-batches at once; 0 for a schedule that does not split
+    its backward (read off the built schedule, cached)."""
+    if name not in ("zb-h1", "zb-h2"):
+        return 0
+    return _built_pending(name, num_stages, microbatches)[stage]
+
+
+@functools.lru_cache(maxsize=256)
+def _built_pending(name: str, num_stages: int, microbatches: int) -> tuple[int, ...]:
+    built = make_schedule(name, num_stages, microbatches)
+    out = []
+    for row in built:
+        live = peak = 0
+        for a in row:
+            live += {"B": 1, "W": -1}.get(a.kind, 0)
+            peak = max(peak, live)
+        out.append(peak)
+    return tuple(out)
 
 
 def least_in_flight(name: str, microbatches: int) -> int:

@@ -27,7 +27,11 @@ The model (``PartitionProblem``'s docstring, DESIGN.md "The partition problem"):
   ``problem.recompute``, or those ``stage_recompute`` names) keeps one
   micro-batch of activations, the one it re-runs in backward:
   ``resident + activation + inflight(k) * received bytes``; its extra forward
-  is already in ``compute``.
+  is already in ``compute``. A schedule that splits each backward into ``B`` and
+  ``W`` (``zb-h1``, ``zb-h2``) also keeps, for each micro-batch between its
+  ``B`` and its ``W`` (:func:`~crosscut.ir.schedule.pending_weights`), the
+  gradient of every parametered node's output, which ``W`` restarts from:
+  ``pending(k) * Σ out_bytes`` over the stage's nodes with parameters.
 * the latency objective is the makespan of one micro-batch: nodes are
   list-scheduled in index (topological) order, each device runs one node at a
   time in that order, a node starts when its device is free and its inputs
@@ -63,6 +67,8 @@ from crosscut.partitioner.group_costs import (
 from crosscut.partitioner.stage_memory import (
     activation_factor,
     buffer_factor,
+    held_gradients,
+    weight_grad_bytes,
 )
 
 __all__ = [
@@ -148,11 +154,13 @@ def evaluate(
     act = [0] * num_stages
     res = [0] * num_stages
     recv = [0] * num_stages
+    held = [0] * num_stages
     for v in range(problem.n):
         k = stage_of[v]
         comp[k] += problem.compute[v][stage_device[k]]
         act[k] += problem.activation[v]
         res[k] += problem.resident[v]
+        held[k] += weight_grad_bytes(problem, v)
     transfers: list[tuple[int, int, int, float]] = []
     for u, cons in enumerate(consumers(problem)):
         j = stage_of[u]
@@ -168,6 +176,7 @@ def evaluate(
             res[k]
             + activation_factor(problem, k, num_stages) * act[k]
             + buffer_factor(problem, k, num_stages) * recv[k]
+            + held_gradients(problem, k, num_stages) * held[k]
         )
     span = _makespan(problem, stage_of, stage_device)
     members = [(d,) for d in stage_device]
@@ -226,13 +235,14 @@ def _evaluate_groups(
         k = stage_of[v]
         g, f = groups[k], shares[v]
         af = activation_factor(problem, k, num_stages)
+        hf = held_gradients(problem, k, num_stages) * weight_grad_bytes(problem, v)
         whole_on_leader = g.split == "channel" and problem.shard_of(v) == "full"
         for d in g.devices:
             if whole_on_leader and d != g.leader:
                 continue
             per_dev[k][d] += node_compute(problem, v, d, g, f)
             res = problem.resident[v] * (f if g.split == "channel" else 1.0)
-            memory[d] += math.ceil(res + af * problem.activation[v] * f)
+            memory[d] += math.ceil(res + (af * problem.activation[v] + hf) * f)
     comp = [max(t.values()) for t in per_dev]
     comm = [0.0] * num_stages
     coll = [0.0] * num_stages

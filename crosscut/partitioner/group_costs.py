@@ -39,7 +39,8 @@ stages"), for stage ``k`` on group ``G`` of ``w`` devices, leader ``G[0]``:
   inflight · activation · f`` on every device, plus the receive buffers (whole
   on the leader, ``f`` of them elsewhere); channel split: ``f · (resident +
   inflight · activation)`` of shared nodes on every device, plus the ``full``
-  nodes and the receive buffers on the leader.
+  nodes and the receive buffers on the leader. A split backward's held
+  gradients (``evaluate.held_gradients``) count like activations, ``f`` of them.
 """
 
 from __future__ import annotations

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from crosscut.ir.problem import PartitionProblem
 from crosscut.ir.schedule import in_flight as schedule_in_flight
+from crosscut.ir.schedule import pending_weights
 
 __all__ = [
     "activation_factor",
     "buffer_factor",
+    "held_gradients",
     "in_flight",
     "recomputes",
+    "weight_grad_bytes",
 ]
 
 
@@ -39,6 +42,18 @@ def activation_factor(problem: PartitionProblem, k: int, num_stages: int) -> int
     if recomputes(problem, k):
         return 1
     return in_flight(problem, k, num_stages)
+
+
+def held_gradients(problem: PartitionProblem, k: int, num_stages: int) -> int:
+    """Micro-batches whose weight-node gradients stage ``k`` holds from ``B`` to ``W``."""
+    if not problem.training:
+        return 0
+    return pending_weights(problem.schedule, num_stages, k, problem.microbatches)
+
+
+def weight_grad_bytes(problem: PartitionProblem, v: int) -> int:
+    """Bytes ``W`` restarts node ``v`` from: its output's gradient, if it has parameters."""
+    return problem.out_bytes[v] if problem.grad_bytes(v) > 0 else 0
 
 
 def recomputes(problem: PartitionProblem, k: int) -> bool:

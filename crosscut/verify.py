@@ -9,12 +9,19 @@ parameter change *is* the gradient, compared under the original
 The eager reference runs micro-batch by micro-batch, like the pipeline does, so
 batch norm sees the same statistics on both sides (see the runtime's batch-norm
 notes); dropout is switched off on both copies because the two sides draw
-random numbers in different orders.
+random numbers in different orders. A batch norm in a batch-split stage (a
+group of ``w`` devices) normalises each device's share of the micro-batch
+apart, and only the leader's share updates the running statistics
+(``runtime/batch_split.py``): the reference does the same for the batch norms
+of those stages (:func:`_shared_batch_norms`), so a plan with device groups is
+compared with what it computes, not flagged for normalising as data
+parallelism does.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -82,6 +89,49 @@ def _no_dropout(model: nn.Module) -> None:
             m.p = 0.0
 
 
+def _shared_batch_norms(model: nn.Module, plan: Plan) -> None:
+    """Make each batch norm of a batch-split stage normalise the group's shares apart.
+
+    Share ``i`` holds the rows :func:`~crosscut.runtime.batch_shares.share_bounds`
+    gives it (what the runtime scatters); the leader's share runs the module
+    itself (updating the running statistics), the others only normalise with
+    their own batch statistics. Eval mode is left alone."""
+
+    width: dict[str, int] = {}
+    for node in plan.nodes:
+        stage = plan.assignment.get(node.name)
+        if stage is None or plan.stages[stage].split != "batch" or "batch_norm" not in node.kind:
+            continue
+        width.setdefault(node.module_path, len(plan.stages[stage].devices))
+    for path, w in width.items():
+        try:
+            bn = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(bn, nn.modules.batchnorm._BatchNorm) and w > 1:
+            bn.forward = functools.partial(_by_shares, bn, type(bn).forward, w)  # type: ignore[method-assign]
+
+
+def _by_shares(bn: nn.modules.batchnorm._BatchNorm, forward: Any, w: int, x: torch.Tensor) -> Any:
+    """``bn`` on ``x`` as a batch-split group of ``w`` devices computes it (training)."""
+    from crosscut.runtime.batch_shares import share_bounds
+
+    if not bn.training:
+        return forward(bn, x)
+    outs = []
+    for i, (a, b) in enumerate(share_bounds(int(x.shape[0]), w)):
+        part = x[a:b]
+        if i == 0:
+            outs.append(forward(bn, part))
+        else:
+            outs.append(
+                torch.nn.functional.batch_norm(
+                    part, None, None, bn.weight, bn.bias, True, 0.0, bn.eps
+                )
+            )
+    return torch.cat(outs)
+
+
 def _load(plan: Plan | str | Path) -> Plan:
     return plan if isinstance(plan, Plan) else Plan.load(plan)
 
@@ -136,6 +186,7 @@ def verify_plan(
     work = copy.deepcopy(model)
     _no_dropout(ref)
     _no_dropout(work)
+    _shared_batch_norms(ref, the_plan)
     compiled = cc_compile(work, devs, x, plan=the_plan)
     compiled.train(train)
     with torch.no_grad() if not train else torch.enable_grad():

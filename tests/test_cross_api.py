@@ -145,3 +145,34 @@ def test_a_cross_shaped_plan_records_the_seed_it_was_asked_for() -> None:
         model, "4xV100", x, time_limit=2, microbatches=1, replicas=1, cross_shaped=True, seed=7
     )
     assert plan.solver.seed == 7
+
+
+def _bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4), nn.Flatten(),
+        nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 10),
+    )  # fmt: skip
+
+
+def test_verify_compares_a_default_group_plan_with_what_its_shares_compute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A default plan may give a stage with batch norms a batch-split group; each device
+    normalises its share apart and the leader's share updates the running statistics, as
+    data parallelism does. ``crosscut verify`` replays it against an eager reference that
+    does the same (and would report a mismatch against plain micro-batch eager)."""
+    from crosscut import verify
+
+    x = torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    plan = partition(_bn_net(), "4xK20c", x.to("meta"), time_limit=5)
+    grouped = [s for s in plan.stages if s.split == "batch" and len(s.devices) > 1]
+    held = {n.kind for n in plan.nodes if plan.assignment.get(n.name) in {s.index for s in grouped}}
+    assert grouped and "batch_norm" in held, [(s.devices, s.split) for s in plan.stages]
+    report = verify.verify_plan(_bn_net(), x, plan)
+    assert report.ok and not report.not_compared, report.text()  # running statistics too
+    monkeypatch.setattr(verify, "_shared_batch_norms", lambda model, plan: None)
+    plain = verify.verify_plan(_bn_net(), x, plan)
+    assert not plain.ok and plain.max_output_diff > 1e-3, plain.text()

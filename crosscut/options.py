@@ -330,8 +330,8 @@ def split_options(
 
     The run's ``recompute`` and ``precision`` also set the plan's
     (``recompute_request``: a list of flags is not priced); ``bn_mode="exact"``
-    (the whole batch's statistics) fixes micro-batches and replicas at 1 unless
-    given.
+    (the whole batch's statistics) fixes micro-batches and replicas at 1 and
+    leaves out device groups (whose shares normalise apart) unless given.
     """
     _refuse_unknown(keywords, sorted({*PLAN_FIELDS, *RUN_FIELDS}), "crosscut.compile")
     base = options if options is not None else PlanRequest()
@@ -347,4 +347,6 @@ def split_options(
         for name in ("microbatches", "replicas"):
             if plan_kw.get(name, getattr(base, name)) is None:
                 plan_kw[name] = 1
+        if plan_kw.get("cross_shaped", base.cross_shaped) is None:
+            plan_kw["cross_shaped"] = False
     return dataclasses.replace(base, **plan_kw), the_run

@@ -304,10 +304,13 @@ def test_an_options_object_and_keywords_over_it_plan_alike() -> None:
     assert by_object.options.schedule == by_keywords.options.schedule == "gpipe"
     assert by_object.assignment == by_keywords.assignment
     # compile's run options: the run's recompute and precision also set the plan's;
-    # exact batch norm fixes M and R at 1 unless given
+    # exact batch norm fixes M and R at 1 and leaves out device groups unless given
     request, run = split_options(base, RunOptions(recompute="always"), {"bn_mode": "exact"})
     assert (request.recompute, run.recompute, run.bn_mode) == ("always", "always", "exact")
-    assert (request.microbatches, request.replicas) == (2, 1)
+    assert (request.microbatches, request.replicas, request.cross_shaped) == (2, 1, False)
+    request, _ = split_options(None, None, {"bn_mode": "exact", "cross_shaped": True})
+    assert request.cross_shaped is True
+    assert split_options(None, None, {})[0].cross_shaped is None  # "auto"
     request, _ = split_options(None, None, {"bn_mode": "step"})
     assert request.recompute == "never"  # "auto" cannot run under step statistics
     request, run = split_options(None, None, {"recompute": [True, False], "precision": "bf16"})

@@ -231,9 +231,13 @@ def _attempt(
     costs = cache.costs(size, node)
     search.trace_s = max(search.trace_s, time.monotonic() - t0)
     groups, splits = request.stage_groups(lay.replicas)
+    widths = request.widths
     if share_sizes(lay, request, size):  # batch-split shares priced at their own batch
-        widths, _ = cross_options(groups, request.widths, splits, lay.devices)
-        costs = cache.share_costs(size, node, widths)
+        allowed, _ = cross_options(groups, request.widths, splits, lay.devices)
+        costs = cache.share_costs(size, node, allowed)
+        # a share the model refuses (batch norm on one value per channel) would fail at
+        # run time: no group that splits a micro-batch that finely
+        widths = tuple(w for w in allowed if not cache.refuses(-(-size // w)))
     t0 = time.monotonic()
     if lay.replicas > 1:
         graph = batch_major_cuts(graph)
@@ -243,6 +247,7 @@ def _attempt(
         require_all_devices=lay.require_all,
         cross_shaped=groups,
         splits=splits,
+        widths=widths,
         # "auto" groups split by batch only: a co-located tail (two stages on one group)
         # would gain nothing, and `crosscut run` could not run the plan it made
         colocate=request.colocate and request.cross_shaped is not None,

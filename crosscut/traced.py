@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from crosscut.errors import InputError
 from crosscut.ir.graph import OpGraph
 from crosscut.ir.plan import Plan, PlanOptions
 from crosscut.ir.schedule import AUTO_SCHEDULE, DEFAULT_SCHEDULE
@@ -65,20 +66,32 @@ class TraceCache:
         self._graphs: dict[int, OpGraph] = {}
         self._costs: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._work: dict[tuple[int, str], float] = {}
+        self._refused: dict[int, InputError] = {}
 
     def has(self, size: int) -> bool:
         return size in self._graphs
 
+    def refuses(self, size: int) -> bool:
+        """Whether the model rejected a micro-batch of ``size`` samples when traced
+        (batch norm on one value per channel): nothing may run on that few."""
+        return size in self._refused
+
     def graph(self, size: int) -> OpGraph:
+        if size in self._refused:
+            raise self._refused[size]
         if size not in self._graphs:
             from crosscut.frontend.tracer import trace
 
-            graph = trace(
-                self.model,
-                tuple(t[:size] for t in self.inputs),
-                mode=self.request.mode,
-                precision=self.request.precision,
-            )
+            try:
+                graph = trace(
+                    self.model,
+                    tuple(t[:size] for t in self.inputs),
+                    mode=self.request.mode,
+                    precision=self.request.precision,
+                )
+            except InputError as exc:
+                self._refused[size] = exc
+                raise
             graph.model_name = self.model_name
             self._graphs[size] = graph
         return self._graphs[size]
@@ -101,9 +114,8 @@ class TraceCache:
         """:meth:`costs` at ``size``, knowing what a batch split's shares cost at their
         own batch: the graph is also traced at ``ceil(size / w)`` samples for each
         width ``w`` (``CostTable.with_share_scales``). A size the model refuses (batch
-        norm on one sample) is left out: that share is priced linearly."""
-        from crosscut.errors import InputError
-
+        norm on one value per channel) is left out (:meth:`refuses` says so; the
+        strategy then allows no group that would run shares that small)."""
         smaller: dict[int, Any] = {}
         for w in sorted(set(widths)):
             s = -(-size // w)

@@ -387,3 +387,42 @@ def test_torchrun_default_compile_chooses_and_runs_replicas(tmp_path: Path) -> N
     )
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-6, msg=k)
+
+
+class _NormedHead(nn.Module):
+    """Batch norm on a (batch, features) value: it refuses one sample in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+        )  # fmt: skip
+        self.head = nn.Sequential(
+            nn.Linear(256, 4096), nn.BatchNorm1d(4096), nn.ReLU(), nn.Linear(4096, 4096),
+            nn.ReLU(), nn.Linear(4096, 10),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))  # type: ignore[no-any-return]
+
+
+def test_no_group_splits_a_micro_batch_into_shares_the_model_refuses() -> None:
+    """A share of one sample through ``BatchNorm1d`` fails in training, so a batch-split
+    group must not cut a micro-batch that finely: at 4 samples per micro-batch groups
+    of 2 are allowed, of 4 and 8 not; at 2 samples none. Without the rule the planner
+    chose groups of 2 on 2-sample micro-batches (shares of one sample)."""
+    for batch, widest in ((2, 1), (4, 2)):
+        x = torch.randn(batch, 3, 64, 64)
+        plan = crosscut.partition(
+            _NormedHead(), "8xK20c", x.to("meta"), cross_shaped=True, splits=("batch",),
+            replicas=1, microbatches=1, time_limit=5,
+        )  # fmt: skip
+        assert max(plan.options.widths) == widest, plan.options.widths
+        assert max(len(st.devices) for st in plan.stages) <= widest
+    assert any(len(st.devices) == 2 for st in plan.stages), strategy_line(plan)
+    compiled = crosscut.compile(_NormedHead(), ["cpu"] * 8, x, plan=plan)
+    loss = compiled.train_step(x, torch.zeros(4, 10), lambda o, t: (o - t).pow(2).mean())
+    assert torch.isfinite(loss)
+    compiled.close()

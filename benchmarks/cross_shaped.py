@@ -37,6 +37,7 @@ import torchvision
 from torch import nn
 
 from crosscut.api import get_costs, trace
+from crosscut.cost_models.analytic import channel_scales
 from crosscut.cost_models.cluster import Cluster
 from crosscut.ir.plan import Plan, PlanOptions
 from crosscut.partitioner.build import plan_groups, plan_to_problem
@@ -93,6 +94,15 @@ def solve(
     costs = get_costs(graph, cluster)
     num = len(cluster.devices)
     widths = group_widths(num, every_width) if cross else [1]
+    if cross:  # every share priced at its own size, as crosscut.partition prices it
+        costs = costs.with_channel_scales(channel_scales(graph, cluster, widths))
+        smaller = {}
+        for w in widths:
+            share = -(-batch // w)
+            if share < batch:
+                g = trace(model, torch.randn(share, 3, size, size, device="meta"), mode="train")
+                smaller[share] = get_costs(g, cluster)
+        costs = costs.with_share_scales(smaller, batch)
     options = PlanOptions(
         time_limit_s=time_limit, widths=widths, splits=["batch", "channel"] if cross else []
     )

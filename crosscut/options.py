@@ -12,8 +12,8 @@ stage), each share priced at its own batch (the model is traced at that many
 samples: on a K20c AlexNet costs 1.7x as much per sample at 4 samples as at
 32, and a share priced linearly would favour groups by a margin the devices
 do not give). ``cross_shaped=True`` also allows the splits ``splits`` names
-(channel splits, whose shards are priced linearly) on graphs given traced;
-``False`` forbids groups.
+(channel splits, each shard priced at its own size by the analytic roofline)
+and groups on graphs given traced; ``False`` forbids groups.
 
 Run options (batch-norm mode, output merge, all-reduce overlap, the run's
 recomputation and precision, the torchrun timeout) are :class:`RunOptions`:

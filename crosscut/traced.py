@@ -167,6 +167,10 @@ def solve_traced(
     # a graph given traced has one batch only, so it gets groups only when asked for
     groups, allowed = r.stage_groups(1) if r.cross_shaped is not None else (False, ())
     widths, splits = cross_options(groups, r.widths, allowed, len(cluster.devices))
+    if "channel" in splits:  # each channel shard priced at its own size
+        from crosscut.cost_models.analytic import channel_scales
+
+        costs = costs.with_channel_scales(channel_scales(graph, cluster, widths))
     options = PlanOptions(
         objective=r.objective,
         schedule=DEFAULT_SCHEDULE if r.schedule == AUTO_SCHEDULE else r.schedule,

@@ -117,6 +117,32 @@ def test_analytic_monotone_in_flops_and_faster_devices() -> None:
     assert node_times(g, g.node("flatten"), spec) == (5e-6, 5e-6)  # a view moves nothing
 
 
+def test_a_channel_shard_reads_its_whole_input_and_pays_its_launches() -> None:
+    """One of ``w`` channel shards: the conv does 1/w of its FLOPs but reads its whole
+    input and 1/w of its weights, the relu moves 1/w of its bytes, and each pays its
+    whole launch overhead, so a shard costs more than 1/w of the node (the scale
+    ``channel_scales`` records), more so the smaller the shard."""
+    from crosscut.cost_models.analytic import channel_scales
+
+    g = _chain(10**8)
+    spec = preset("V100")
+    eff = efficiency_of("V100")
+    bw = 900e9 * eff.memory
+    f, _ = node_times(g, g.node("relu"), spec, part=0.25)
+    assert f == pytest.approx(16 * MB * 0.25 / bw + 5e-6)
+    conv_f, _ = node_times(g, g.node("conv"), spec, part=0.5)
+    whole_f, _ = node_times(g, g.node("conv"), spec)
+    assert whole_f / 2 < conv_f < whole_f
+    scales = channel_scales(g, Cluster.from_spec("2xV100"), [1, 2, 4])
+    assert set(scales) == {"conv", "relu", "flatten", "fc"}  # every node with a time
+    for name in ("conv", "relu", "fc"):
+        two, four = scales[name]["2"]["V100"], scales[name]["4"]["V100"]
+        assert 1.0 < two < four, (name, two, four)
+    table = analytic_costs(g, Cluster.from_spec("2xV100")).with_channel_scales(scales)
+    assert table.channel_share_scale("conv") == scales["conv"]
+    assert CostTable.from_json(table.to_json()) == table
+
+
 def test_infer_mode_has_no_backward_or_activations() -> None:
     g = _chain()
     g.mode = "infer"

@@ -37,7 +37,14 @@ from crosscut.cost_models.memory import _VIEW, _key, activation_bytes, is_alias,
 from crosscut.cost_models.table import CostTable, NodeCost
 from crosscut.ir.graph import OpGraph, OpNode
 
-__all__ = ["MathFlags", "analytic_costs", "node_times", "priced_rate", "rates_summary"]
+__all__ = [
+    "MathFlags",
+    "analytic_costs",
+    "channel_scales",
+    "node_times",
+    "priced_rate",
+    "rates_summary",
+]
 
 BWD_BYTES_FACTOR = 2.0
 BN_FWD_PASSES = 1.5  # training batch norm reads its input twice: (2 reads + 1 write) / 2
@@ -81,9 +88,12 @@ def node_mode(node: OpNode, spec: DeviceSpec, flags: MathFlags) -> MathMode:
     )
 
 
-def _compute_rate(node: OpNode, spec: DeviceSpec, eff: Efficiency, mode: MathMode) -> float:
-    """Achieved FLOP/s of a conv/GEMM node: peak × e_max × depth ramp × size ramp."""
-    out = _elements(node)
+def _compute_rate(
+    node: OpNode, spec: DeviceSpec, eff: Efficiency, mode: MathMode, part: float = 1.0
+) -> float:
+    """Achieved FLOP/s of a conv/GEMM node: peak × e_max × depth ramp × size ramp
+    (``part`` of its output channels: the same depth, ``part`` of the outputs)."""
+    out = _elements(node) * part
     frac = {"tensor": eff.tensor, "tf32": eff.tf32}.get(mode.unit, eff.fma)
     if eff.depth_half > 0 and out > 0:
         depth = node.fwd_flops / (2.0 * out)  # multiply-adds per output: Cin/groups·kh·kw
@@ -99,9 +109,20 @@ def _is_view(node: OpNode) -> bool:
 
 
 def node_times(
-    graph: OpGraph, node: OpNode, spec: DeviceSpec, flags: MathFlags | None = None
+    graph: OpGraph,
+    node: OpNode,
+    spec: DeviceSpec,
+    flags: MathFlags | None = None,
+    part: float = 1.0,
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of ``node`` on ``spec``."""
+    """(forward, backward) seconds of ``node`` on ``spec``.
+
+    ``part`` < 1 prices one channel shard of the node (a channel-split stage): a
+    node with FLOPs (a convolution or matmul) still reads its whole input but
+    ``part`` of its weights, does ``part`` of the FLOPs at the rate of ``part`` of
+    the outputs, and writes ``part``; any other node moves ``part`` of its bytes.
+    Launch overhead stays whole: that is why small shards cost more than their
+    fraction."""
     if node.is_io or node.op == "get_attr":
         return 0.0, 0.0
     train = graph.mode == "train"
@@ -111,23 +132,26 @@ def node_times(
     eff = efficiency_of(spec.kind, spec.device)
     bw = spec.mem_bw * eff.memory
     if node.fwd_flops == 0 and is_alias(graph, node):  # in place: read and write the tensor
-        moved = 2.0 * node.out_bytes
+        moved = 2.0 * node.out_bytes * part
+    elif node.fwd_flops > 0 and part < 1.0:  # a shard: the whole input, its part of weights
+        inputs = max(0, node.read_bytes - node.param_bytes)
+        moved = inputs + part * (node.param_bytes + node.out_bytes)
     else:
-        moved = float(node.read_bytes + node.out_bytes)
+        moved = float(node.read_bytes + node.out_bytes) * part
     if train and "batch_norm" in node.kind:
         moved *= BN_FWD_PASSES
     kernels = 1.0
     cast = 0.0
     if node.dtype in _HALF and node.param_bytes > 0 and graph.precision != "fp32":
-        cast, kernels = 1.5 * node.param_bytes, 2.0  # fp32 -> 16-bit weight copy
+        cast, kernels = 1.5 * node.param_bytes * part, 2.0  # fp32 -> 16-bit weight copy
     if node.fwd_flops > 0:
         mode = node_mode(node, spec, flags or MathFlags.from_torch())
-        rate = _compute_rate(node, spec, eff, mode)
-        fwd = max(node.fwd_flops / rate, moved / bw) + cast / bw + kernels * launch
+        rate = _compute_rate(node, spec, eff, mode, part)
+        fwd = max(node.fwd_flops * part / rate, moved / bw) + cast / bw + kernels * launch
         if not train:
             return fwd, 0.0
         bwd_kernels = 2.0 if node.param_bytes > 0 else 1.0  # data and weight gradients
-        bwd = max(node.bwd_flops / rate, BWD_BYTES_FACTOR * moved / bw) + cast / bw
+        bwd = max(node.bwd_flops * part / rate, BWD_BYTES_FACTOR * moved / bw) + cast / bw
         return fwd, bwd + (bwd_kernels + kernels - 1.0) * launch
     fwd = moved / bw + cast / bw + kernels * launch
     if not train:
@@ -183,6 +207,34 @@ def priced_rate(graph: OpGraph, spec: DeviceSpec, flags: MathFlags | None = None
         "efficiency": where,
         "costs": "analytic",
     }
+
+
+def channel_scales(
+    graph: OpGraph, cluster: Cluster, widths: list[int], *, tf32: bool | None = None
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per node: width ``w`` (a string) -> kind -> how much more than ``1/w`` of its time
+    one of ``w`` channel shards takes (``node_times`` with ``part=1/w``, training time
+    as the graph's mode has it). Nodes with no time get none."""
+    cluster.validate()
+    flags = MathFlags.of(tf32)
+    specs: dict[str, DeviceSpec] = {}
+    for d in cluster.devices:
+        specs.setdefault(d.kind, d)
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for n in graph.nodes:
+        by_width: dict[str, dict[str, float]] = {}
+        for w in sorted({w for w in widths if w > 1}):
+            by_kind = {}
+            for kind, spec in specs.items():
+                whole = sum(node_times(graph, n, spec, flags))
+                shard = sum(node_times(graph, n, spec, flags, part=1.0 / w))
+                if whole > 0 and shard > 0:
+                    by_kind[kind] = shard / (whole / w)
+            if by_kind:
+                by_width[str(w)] = by_kind
+        if by_width:
+            out[n.name] = by_width
+    return out
 
 
 def analytic_costs(

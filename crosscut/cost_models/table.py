@@ -35,6 +35,9 @@ class NodeCost:
     # runs on that many samples of its micro-batch: what a batch-split group's share costs
     # (``CostTable.with_share_scales``); absent: its share of the time, linearly
     share_scale: dict[str, dict[str, float]] = field(default_factory=dict)
+    # channel-split width (a string) -> kind -> how much more than 1/w of the node's time
+    # one of w channel shards takes (analytic.channel_scales); absent: priced linearly
+    channel_scale: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -82,6 +85,19 @@ class CostTable:
     def batch_scale(self, name: str) -> dict[str, dict[str, float]]:
         """``NodeCost.share_scale`` of ``name``: samples -> kind -> per-sample slowdown."""
         return self._get(name).share_scale
+
+    def channel_share_scale(self, name: str) -> dict[str, dict[str, float]]:
+        """``NodeCost.channel_scale`` of ``name``: width -> kind -> shard slowdown."""
+        return self._get(name).channel_scale
+
+    def with_channel_scales(self, scales: dict[str, dict[str, dict[str, float]]]) -> CostTable:
+        """A copy whose nodes know what one channel shard costs (``analytic.channel_scales``:
+        node -> width -> kind -> scale); nodes it does not name keep theirs."""
+        out = {
+            name: replace(c, channel_scale={**c.channel_scale, **scales.get(name, {})})
+            for name, c in self.nodes.items()
+        }
+        return CostTable(out, self.source, self.mode, self.optimizer, dict(self.meta))
 
     def with_share_scales(self, smaller: dict[int, CostTable], batch: int) -> CostTable:
         """A copy that knows what each node costs on fewer samples than ``batch``.
@@ -142,7 +158,12 @@ class CostTable:
         for name, c in self.nodes.items():
             o = other.nodes[name]
             out[name] = NodeCost(
-                {**c.fwd, **o.fwd}, {**c.bwd, **o.bwd}, c.resident, c.activation, c.share_scale
+                {**c.fwd, **o.fwd},
+                {**c.bwd, **o.bwd},
+                c.resident,
+                c.activation,
+                c.share_scale,
+                c.channel_scale,
             )
         source = self.source if self.source == other.source else "mixed"
         meta = {**self.meta, **other.meta}
@@ -172,10 +193,8 @@ class CostTable:
                     bwd={str(a): float(b) for a, b in v["bwd"].items()},
                     resident=int(v["resident"]),
                     activation=int(v["activation"]),
-                    share_scale={
-                        str(n): {str(a): float(b) for a, b in by.items()}
-                        for n, by in v.get("share_scale", {}).items()
-                    },
+                    share_scale=_scales(v.get("share_scale", {})),
+                    channel_scale=_scales(v.get("channel_scale", {})),
                 )
                 for k, v in data["nodes"].items()
             }
@@ -209,6 +228,11 @@ class CostTable:
     @classmethod
     def load(cls, path: str | Path) -> CostTable:
         return cls.from_dict(read_json(path, CostModelError, "a cost table file"))
+
+
+def _scales(data: Any) -> dict[str, dict[str, float]]:
+    """A ``share_scale`` / ``channel_scale`` mapping read back from JSON."""
+    return {str(n): {str(a): float(b) for a, b in by.items()} for n, by in data.items()}
 
 
 MAX_OP_SECONDS = 3600.0

@@ -103,6 +103,9 @@ class PlanNode:
     # samples of the micro-batch: what a batch-split group's share costs, beyond its
     # fraction of time_s (empty: priced linearly; cost_models/table.py, with_share_scales)
     batch_scale: dict[str, dict[str, float]] = field(default_factory=dict)
+    # channel-split width (as a string) -> device kind -> how much more than 1/w of time_s
+    # one of w channel shards takes (launch overhead, lower occupancy; analytic.channel_scales)
+    channel_scale: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -120,6 +120,9 @@ class PartitionProblem:
     # priced at its own ceil(batch / w) samples (build.problem_from_parts, from the nodes'
     # batch_scale). A width without a table prices the share linearly: compute × share
     share_compute: dict[int, list[list[float]]] = field(default_factory=dict)
+    # width w -> [node][device] seconds of one of w channel shards of a shared node (split /
+    # channel), priced from the nodes' channel_scale; a width without one: compute × share
+    channel_compute: dict[int, list[list[float]]] = field(default_factory=dict)
 
     @property
     def n(self) -> int:

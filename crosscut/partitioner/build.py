@@ -40,6 +40,7 @@ class CostLookup(Protocol):
     def resident_bytes(self, name: str) -> int: ...
     def activation_bytes(self, name: str) -> int: ...
     def batch_scale(self, name: str) -> dict[str, dict[str, float]]: ...
+    def channel_share_scale(self, name: str) -> dict[str, dict[str, float]]: ...
 
 
 def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[PlanNode]:
@@ -68,6 +69,7 @@ def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[
                 channels=channels,
                 batch_major=batch_major_value(n, graph.batch_size),
                 batch_scale={} if n.is_io else costs.batch_scale(n.name),
+                channel_scale={} if n.is_io else costs.channel_share_scale(n.name),
             )
         )
     return out
@@ -169,6 +171,7 @@ def problem_from_parts(
         graph_inputs=[(by_name[p].out_bytes, cs) for p, cs in readers.items() if cs],
         graph_outputs=returned,
         share_compute=_share_compute([by_name[n] for n in names], kinds, compute, options, batch),
+        channel_compute=_channel_compute([by_name[n] for n in names], kinds, compute, options),
     )
 
 
@@ -201,6 +204,32 @@ def _share_compute(
             ]
             for n, row in zip(nodes, compute)
         ]
+    return out
+
+
+def _channel_compute(
+    nodes: Sequence[PlanNode],
+    kinds: Sequence[str],
+    compute: list[list[float]],
+    options: PlanOptions,
+) -> dict[int, list[list[float]]]:
+    """``PartitionProblem.channel_compute``: per channel-split width, each shared node's
+    shard on each device (``compute × share × scale``, the share of its channels; a
+    scale under 1 taken as 1, as for batch shares). Widths no node has a scale for are
+    left out (linear); ``full`` nodes are not shared (node_compute prices them whole)."""
+    out: dict[int, list[list[float]]] = {}
+    if "channel" not in options.splits:
+        return out
+    for w in sorted(set(options.widths)):
+        key = str(w)
+        if w <= 1 or not any(key in n.channel_scale for n in nodes):
+            continue
+        rows = []
+        for n, row in zip(nodes, compute):
+            f = math.ceil(n.channels / w) / n.channels if n.channels > 0 else 1.0 / w
+            by_kind = n.channel_scale.get(key, {})
+            rows.append([t * f * max(1.0, by_kind.get(k, 1.0)) for t, k in zip(row, kinds)])
+        out[w] = rows
     return out
 
 

@@ -12,10 +12,12 @@ stages"), for stage ``k`` on group ``G`` of ``w`` devices, leader ``G[0]``:
   cost what the largest shard costs. Unknown ``n`` prices ``1 / w``.
 * **compute** = ``max`` over the group's devices of ``Σ compute[v][d] · share``.
   In a channel split only ``split``/``channel`` nodes are shared; ``full`` nodes
-  run whole on the leader. In a batch split each share is priced at its own
-  batch where the problem knows it (``PartitionProblem.share_compute``, from the
-  nodes' ``batch_scale``; :func:`node_compute`): a device is used less well on
-  fewer samples, so ``w`` shares of a micro-batch cost more than the whole.
+  run whole on the leader. Each share is priced at its own size where the
+  problem knows it (:func:`node_compute`): a batch share at its own batch
+  (``PartitionProblem.share_compute``, from the nodes' ``batch_scale``), a
+  channel shard at its own width (``channel_compute``, from ``channel_scale``):
+  a device is used less well on fewer samples or outputs, so ``w`` shares cost
+  more than the whole.
 * **collectives** (charged to the stage, ×2 when training: the backward moves
   the same bytes the other way), ``coll(B) = lat_G + (w - 1) / w · B / bw_G``
   with ``bw_G``/``lat_G`` the slowest link inside the group:
@@ -92,10 +94,16 @@ def node_compute(
 ) -> float:
     """Seconds node ``v`` takes on device ``d`` of ``group``, holding ``fraction`` of its work.
 
-    A batch split's share at its own batch when the problem has a table for the
-    group's width (``share_compute``), else ``compute × fraction``."""
-    if group.split == "batch" and group.width > 1:
+    A batch split's share at its own batch, a channel split's shard at its own
+    size, when the problem has a table for the group's width (``share_compute``,
+    ``channel_compute``), else ``compute × fraction``. A ``full`` node of a
+    channel split runs whole (``fraction`` 1)."""
+    if group.width > 1 and group.split == "batch":
         table = problem.share_compute.get(group.width)
+        if table is not None:
+            return table[v][d]
+    if group.width > 1 and group.split == "channel" and problem.shard_of(v) != "full":
+        table = problem.channel_compute.get(group.width)
         if table is not None:
             return table[v][d]
     return problem.compute[v][d] * fraction

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from crosscut.ir.plan import (
     ModelInfo,
@@ -278,3 +279,18 @@ def make_simulation(plan: Plan) -> SimpleSimulation:
     }
     bubble = 1 - sum(busy.values()) / (done * len(busy)) if done else 0.0
     return SimpleSimulation(events, done, bubble, busy, dict(plan.predicted.device_peak_bytes))
+
+
+def reprice(plan: Plan, clear: str = "") -> Any:
+    """``plan`` read back from its JSON and priced by the evaluator (an ``Evaluation``),
+    with the per-node field ``clear`` (``"batch_scale"``, ``"channel_scale"``) emptied
+    first: what the plan's own numbers price, and what they would without that field."""
+    from crosscut.partitioner.build import plan_groups, plan_to_problem
+    from crosscut.partitioner.evaluate import evaluate
+
+    back = Plan.from_dict(plan.to_dict())
+    if clear:
+        for n in back.nodes:
+            setattr(n, clear, {})
+    problem, stage_of, stage_device = plan_to_problem(back)
+    return evaluate(problem, stage_of, stage_device, plan_groups(back))

@@ -185,22 +185,15 @@ def test_channel_shards_are_priced_at_their_own_size() -> None:
     each node's shard scale (``PlanNode.channel_scale``), re-pricing the plan from its
     JSON gives the same stage times, and every channel-split stage costs more than its
     linear share would."""
-    from crosscut.partitioner.build import plan_groups, plan_to_problem
-    from crosscut.partitioner.evaluate import evaluate
+    from tests.plan_factory import reprice
 
     model = torchvision.models.alexnet(weights=None)
     plan = partition(model, "8xV100", torch.empty(64, 3, 224, 224, device="meta"),
                      cross_shaped=True, time_limit=10)  # fmt: skip
     split = [s for s in plan.stages if s.split == "channel"]
     assert split, [(s.devices, s.split) for s in plan.stages]
-    back = Plan.from_dict(plan.to_dict())
-    problem, stage_of, stage_device = plan_to_problem(back)
-    priced = evaluate(problem, stage_of, stage_device, plan_groups(back))
+    priced = reprice(plan)
     assert priced.stage_time == pytest.approx([s.time_s for s in plan.stages])
-    linear = copy.deepcopy(back)
-    for n in linear.nodes:
-        n.channel_scale = {}
-    problem, _, _ = plan_to_problem(linear)
-    flat = evaluate(problem, stage_of, stage_device, plan_groups(linear))
+    flat = reprice(plan, clear="channel_scale")
     for s in split:
         assert flat.stage_compute[s.index] < priced.stage_compute[s.index]

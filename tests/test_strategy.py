@@ -210,10 +210,7 @@ def test_group_shares_are_priced_at_their_own_batch() -> None:
     carries each node's per-sample slowdown at that share (``PlanNode.batch_scale``, from a
     trace at that size), so re-pricing it from its JSON prices the shares the same way, and
     every grouped stage costs more than its linear share would."""
-    import copy
-
-    from crosscut.partitioner.build import plan_groups, plan_to_problem
-    from crosscut.partitioner.evaluate import evaluate
+    from tests.plan_factory import reprice
 
     model = torchvision.models.alexnet(weights=None)
     plan = crosscut.partition(model, "8xK20c", _meta(256))
@@ -225,15 +222,9 @@ def test_group_shares_are_priced_at_their_own_batch() -> None:
         held = [n for n in plan.nodes if plan.assignment.get(n.name) == st.index]
         convs = [n for n in held if n.kind == "conv2d"]
         assert convs and all(n.batch_scale[key]["K20c"] > 1.0 for n in convs), key
-    back = Plan.from_dict(plan.to_dict())
-    problem, stage_of, stage_device = plan_to_problem(back)
-    priced = evaluate(problem, stage_of, stage_device, plan_groups(back))
+    priced = reprice(plan)
     assert priced.stage_time == pytest.approx([st.time_s for st in plan.stages])
-    linear = copy.deepcopy(back)
-    for n in linear.nodes:
-        n.batch_scale = {}
-    problem, _, _ = plan_to_problem(linear)
-    flat = evaluate(problem, stage_of, stage_device, plan_groups(linear))
+    flat = reprice(plan, clear="batch_scale")
     for st in plan.stages:
         if len(st.devices) > 1:
             assert flat.stage_time[st.index] < priced.stage_time[st.index]

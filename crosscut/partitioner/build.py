@@ -196,14 +196,12 @@ def _share_compute(
         key = str(samples)
         if w <= 1 or samples >= batch or not any(key in n.batch_scale for n in nodes):
             continue
-        f = samples / batch
-        out[w] = [
-            [
-                t * f * max(1.0, n.batch_scale.get(key, {}).get(kind, 1.0))
-                for t, kind in zip(row, kinds)
-            ]
-            for n, row in zip(nodes, compute)
-        ]
+        out[w] = _scaled(
+            kinds,
+            compute,
+            [samples / batch] * len(nodes),
+            [n.batch_scale.get(key, {}) for n in nodes],
+        )
     return out
 
 
@@ -224,13 +222,27 @@ def _channel_compute(
         key = str(w)
         if w <= 1 or not any(key in n.channel_scale for n in nodes):
             continue
-        rows = []
-        for n, row in zip(nodes, compute):
-            f = math.ceil(n.channels / w) / n.channels if n.channels > 0 else 1.0 / w
-            by_kind = n.channel_scale.get(key, {})
-            rows.append([t * f * max(1.0, by_kind.get(k, 1.0)) for t, k in zip(row, kinds)])
-        out[w] = rows
+        out[w] = _scaled(
+            kinds,
+            compute,
+            [math.ceil(n.channels / w) / n.channels if n.channels > 0 else 1.0 / w for n in nodes],
+            [n.channel_scale.get(key, {}) for n in nodes],
+        )
     return out
+
+
+def _scaled(
+    kinds: Sequence[str],
+    compute: list[list[float]],
+    fractions: list[float],
+    scales: list[dict[str, float]],
+) -> list[list[float]]:
+    """``compute[v][d] × fractions[v] × scales[v][kind of d]``, a scale under 1 taken as
+    1 (a share never costs less than its linear part, so the solvers' bounds hold)."""
+    return [
+        [t * f * max(1.0, by_kind.get(k, 1.0)) for t, k in zip(row, kinds)]
+        for row, f, by_kind in zip(compute, fractions, scales)
+    ]
 
 
 def plan_groups(plan: Plan) -> list[StageGroup] | None:

@@ -318,3 +318,57 @@ def test_a_cached_profile_with_impossible_times_is_refused_naming_the_file(
         again = profile_costs(g, "cpu", repeats=1, warmup=0, cache_dir=tmp_path)
     assert again.meta["cache_hit"] is False
     assert 0 < again.fwd_s("conv", "cpu") < 1  # measured again, not the cached value
+
+
+def test_a_cached_profile_is_retimed_and_profiled_again_when_the_machine_moved(
+    tmp_path: Path,
+) -> None:
+    """A cache written while the machine was busy (its steps 3x slower than now) must not be
+    compared with fresh prices: it is re-timed on reuse, found stale and profiled again."""
+    g = _traced()
+    first = profile_costs(g, "cpu", repeats=3, warmup=1, cache_dir=tmp_path)
+    assert len(first.meta["steps"]) == 3
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    data["meta"]["steps"] = [3.0 * s for s in data["meta"]["steps"]]
+    data["meta"]["spread"] = 0.0
+    for cost in data["nodes"].values():
+        cost["fwd"]["cpu"] *= 3.0
+    path.write_text(json.dumps(data))
+    with pytest.warns(RuntimeWarning, match=r"profiled at .* now takes .*profiling again"):
+        again = profile_costs(g, "cpu", repeats=3, warmup=1, cache_dir=tmp_path)
+    assert again.meta["cache_hit"] is False
+    assert again.meta["steps"] != data["meta"]["steps"]
+    reused = profile_costs(g, "cpu", repeats=3, warmup=1, cache_dir=tmp_path)
+    assert reused.meta["cache_hit"] is True
+    check = reused.meta["recheck"]
+    assert abs(check["ratio"] - 1.0) <= check["tolerance"] and len(check["steps"]) == 3
+
+
+def test_a_cached_profile_without_steps_cannot_be_checked_and_is_measured_again(
+    tmp_path: Path,
+) -> None:
+    g = _traced()
+    profile_costs(g, "cpu", repeats=1, warmup=0, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    del data["meta"]["steps"]
+    path.write_text(json.dumps(data))
+    assert (
+        profile_costs(g, "cpu", repeats=1, warmup=0, cache_dir=tmp_path).meta["cache_hit"] is False
+    )
+
+
+def test_the_cache_key_holds_the_thread_count_a_cpu_profile_ran_on() -> None:
+    from crosscut.cost_models.profiled import cache_key
+
+    g = _traced()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cache_key(g, "cpu", torch.device("cpu"))
+        torch.set_num_threads(2)
+        two = cache_key(g, "cpu", torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    assert one != two

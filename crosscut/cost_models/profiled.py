@@ -6,9 +6,19 @@ fx node alone with real random tensors of the traced shapes: forward, then
 backward through ``torch.autograd.grad`` on that node's output with a random
 gradient. Each is warmed up, then the median of ``repeats`` timed runs is kept
 (``torch.cuda.synchronize`` around CUDA timings). Results are cached as JSON,
-keyed by graph fingerprint, device kind, batch size, dtype and mode, because a
-ResNet-50 profile takes tens of seconds on a CPU; a corrupt cache file is
-ignored with a warning and rewritten.
+keyed by graph fingerprint, device kind, batch size, dtype and mode, and by
+what else sets the times (the torch version, the CPU thread count, the GPU's
+name), because a ResNet-50 profile takes tens of seconds on a CPU; a corrupt
+cache file is ignored with a warning and rewritten.
+
+A cached profile is a measurement of the machine as it was. Before one is
+reused, a few whole steps are timed again (:func:`_still_holds`): if they have
+moved further than both measurements' own noise — the cache was written
+while the machine was busy, or is busy now — the graph is profiled again.
+Without that check one strategy search compared a data-parallel price read
+from a profile taken under load (7.8 s a step) with pipeline prices profiled
+on a quiet machine, and chose the pipeline that then ran 18 % slower than
+DistributedDataParallel; profiled afresh, the same step was priced 5.8 s.
 """
 
 from __future__ import annotations
@@ -33,7 +43,11 @@ from crosscut.errors import CostModelError
 from crosscut.ir.graph import OpGraph
 from crosscut.precision import autocast
 
-__all__ = ["cache_key", "device_kind", "profile_costs", "step_spread"]
+__all__ = ["DRIFT", "cache_key", "device_kind", "profile_costs", "step_spread"]
+
+#: How far a re-timed step may move from a cached profile's before the cache is
+#: stale, unless the steps' own spread is larger (:func:`_still_holds`).
+DRIFT = 0.10
 
 _DTYPES = {
     "float32": torch.float32,
@@ -55,11 +69,28 @@ def device_kind(device: torch.device) -> str:
     return Cluster.from_devices([device]).devices[0].kind
 
 
-def cache_key(graph: OpGraph, kind: str) -> str:
-    """File stem for the cache: fingerprint, kind, batch size, dtype, mode."""
+def _machine(dev: torch.device | None) -> list[Any]:
+    """What besides the graph sets a profile's times: torch's version, and the CPU
+    threads or the GPU's name (a profile on 2 threads prices a 1-thread rank at half)."""
+    if dev is not None and dev.type == "cuda":
+        return [torch.__version__, torch.cuda.get_device_name(dev)]
+    return [torch.__version__, torch.get_num_threads()]
+
+
+def cache_key(graph: OpGraph, kind: str, device: torch.device | None = None) -> str:
+    """File stem for the cache: fingerprint, kind, batch size, dtype, mode, and the
+    machine state that sets the times (:func:`_machine`)."""
     dtypes = sorted({n.dtype for n in graph.nodes if n.op == "placeholder"}) or ["float32"]
     raw = json.dumps(
-        [graph.fingerprint(), kind, graph.batch_size, dtypes, graph.mode, graph.precision]
+        [
+            graph.fingerprint(),
+            kind,
+            graph.batch_size,
+            dtypes,
+            graph.mode,
+            graph.precision,
+            *_machine(device),
+        ]
     )
     return f"{kind}-b{graph.batch_size}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
 
@@ -300,9 +331,11 @@ def profile_costs(
         raise CostModelError("repeats >= 1 and warmup >= 0", value=(repeats, warmup))
     dev = torch.device(device)
     kind = kind or device_kind(dev)
-    stem = f"{cache_key(graph, kind)}-{method}"
+    stem = f"{cache_key(graph, kind, dev)}-{method}"
     path = Path(cache_dir) / f"{stem}.json" if cache_dir is not None else None
     cached = _load_cache(path, graph) if path is not None else None
+    if cached is not None and method == "context" and not _still_holds(cached, graph, dev, path):
+        cached = None
     if cached is not None:  # a cache written before the record: say how it was priced
         cached.meta.setdefault("priced", _priced(kind, str(dev), method, graph.precision))
         return _with_memory(cached, graph, optimizer)
@@ -334,6 +367,8 @@ def profile_costs(
             "profile_s": time.perf_counter() - t0,
             # whole steps' relative spread over the repeats (in-context only; 0: unknown)
             "spread": step_spread(steps),
+            # the whole steps themselves: what a later reuse of this cache re-times
+            "steps": steps,
             "cache_hit": False,
             "priced": _priced(kind, str(dev), method, graph.precision),
         },
@@ -345,6 +380,37 @@ def profile_costs(
         except OSError as exc:
             warnings.warn(f"could not write cost cache {path}: {exc}", RuntimeWarning, stacklevel=2)
     return _with_memory(table, graph, optimizer)
+
+
+def _still_holds(cached: CostTable, graph: OpGraph, dev: torch.device, path: Path | None) -> bool:
+    """Whether the machine still runs ``graph`` as fast as when ``cached`` was profiled.
+
+    Three whole steps are timed again (after one warm-up) and their median is
+    compared with the cached steps' median. They agree when the two differ by
+    less than :data:`DRIFT` or than three times either series' own spread
+    (:func:`step_spread`): noise that large cannot be told from a change. A
+    cache with no steps recorded (written before they were) cannot be checked
+    and is profiled again. The outcome goes in ``meta["recheck"]``.
+    """
+    old = [float(s) for s in cached.meta.get("steps") or []]
+    if not old:
+        return False
+    now: list[float] = []
+    _measure_context(graph, dev, warmup=1, repeats=3, steps=now)
+    ratio = statistics.median(now) / statistics.median(old)
+    tolerance = max(DRIFT, 3.0 * step_spread(old), 3.0 * step_spread(now))
+    cached.meta["recheck"] = {"ratio": ratio, "tolerance": tolerance, "steps": now}
+    if abs(ratio - 1.0) <= tolerance:
+        return True
+    warnings.warn(
+        f"cost cache {path.name if path else ''} was profiled at "
+        f"{statistics.median(old):.3g} s a step and the same step now takes "
+        f"{statistics.median(now):.3g} s ({ratio:.2f}x, beyond the {tolerance:.0%} noise): "
+        "profiling again so every price compared comes from the machine as it is now",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return False
 
 
 def _with_memory(table: CostTable, graph: OpGraph, optimizer: str) -> CostTable:

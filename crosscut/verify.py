@@ -8,8 +8,9 @@ parameter change *is* the gradient, compared under the original
 
 The eager reference runs micro-batch by micro-batch, like the pipeline does, so
 batch norm sees the same statistics on both sides (see the runtime's batch-norm
-notes); dropout is switched off on both copies because the two sides draw
-random numbers in different orders. A batch norm in a batch-split stage (a
+notes); dropout, stochastic depth and every other random drop are switched
+off on both copies (:func:`_no_dropout`) because the two sides draw random
+numbers in different orders. A batch norm in a batch-split stage (a
 group of ``w`` devices) normalises each device's share of the micro-batch
 apart, and only the leader's share updates the running statistics
 (``runtime/batch_split.py``): the reference does the same for the batch norms
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from crosscut.errors import PlanError
 from crosscut.ir.plan import Plan
 
 __all__ = ["BenchReport", "VerifyReport", "bench_plan", "loss_of", "verify_plan"]
@@ -83,10 +85,28 @@ def loss_of(out: Any) -> torch.Tensor:
     return torch.stack(parts).sum()
 
 
+#: the attributes that set how much a random-drop module (or a model's head) drops
+_DROP_ATTRS = ("p", "drop_prob", "drop_rate")
+
+
 def _no_dropout(model: nn.Module) -> None:
+    """Switch off every op that drops at random, on one copy as on the other.
+
+    Dropout modules, and any module whose class name says it drops (timm's
+    ``DropPath`` and ``DropBlock2d``, torchvision's ``StochasticDepth``) get
+    their rate set to 0; so does a float ``drop_rate`` on any module (timm's
+    heads call ``F.dropout(x, self.drop_rate)``). Before, only ``nn.Dropout``
+    was switched off, and every efficientnet plan — data parallelism included
+    — "differed" from eager by whole units: its stochastic depth drew
+    different rows on each side."""
     for m in model.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd):
-            m.p = 0.0
+        name = type(m).__name__.lower()
+        drops = isinstance(m, nn.modules.dropout._DropoutNd) or any(
+            word in name for word in ("drop", "stochasticdepth")
+        )
+        for attr in _DROP_ATTRS:
+            if isinstance(getattr(m, attr, None), float) and (drops or attr == "drop_rate"):
+                setattr(m, attr, 0.0)
 
 
 def _shared_batch_norms(model: nn.Module, plan: Plan) -> None:
@@ -187,7 +207,20 @@ def verify_plan(
     _no_dropout(ref)
     _no_dropout(work)
     _shared_batch_norms(ref, the_plan)
-    compiled = cc_compile(work, devs, x, plan=the_plan)
+    try:
+        compiled = cc_compile(work, devs, x, plan=the_plan)
+    except PlanError as exc:
+        if "fingerprint" not in str(exc):
+            raise
+        raise PlanError(
+            "verify switches every random drop off on both sides, and with this model's "
+            "drops off it traces to another graph than the plan was made for: a drop "
+            "written as a Python branch on its rate (timm's drop_path) leaves the trace "
+            "when the rate is 0",
+            value=the_plan.model.name,
+            remedy="partition the model with its drop rates at 0 (timm: drop_path_rate=0.0, "
+            "drop_rate=0.0) and verify that plan; the cuts do not depend on the rates",
+        ) from exc
     compiled.train(train)
     with torch.no_grad() if not train else torch.enable_grad():
         # the replicas' shares of each micro-batch are normalised apart, as chunks are

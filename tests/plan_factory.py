@@ -29,7 +29,15 @@ from crosscut.ir.plan import (
     SolverRecord,
 )
 
-__all__ = ["SimEvent", "SimpleSimulation", "make_plan", "make_simulation", "rename_node"]
+__all__ = [
+    "SimEvent",
+    "SimpleSimulation",
+    "make_plan",
+    "make_simulation",
+    "rename_node",
+    "reprice",
+    "widen",
+]
 
 GiB = 1 << 30
 _KINDS = {"V100": 1.0, "T4": 2.2}  # relative slowness per device kind
@@ -294,3 +302,30 @@ def reprice(plan: Plan, clear: str = "") -> Any:
             setattr(n, clear, {})
     problem, stage_of, stage_device = plan_to_problem(back)
     return evaluate(problem, stage_of, stage_device, plan_groups(back))
+
+
+def widen(plan: Plan, groups: tuple[tuple[int, str], ...]) -> Plan:
+    """``plan`` with stage ``k`` on ``groups[k][0]`` devices split by ``groups[k][1]``.
+
+    Why: which stages the planner gives a group depends on the prices, so a test
+    that must run groups on a given model builds them itself from a plain
+    pipeline plan. The cluster becomes ``cpu0 ..`` with the plan's fastest link
+    between every two devices.
+    """
+    data = plan.to_dict()
+    cluster = data["cluster"]
+    template = cluster["devices"][0]
+    total = sum(w for w, _ in groups)
+    bw = max(max(row) for row in cluster["bandwidth"])
+    lat = max(max(row) for row in cluster["latency"]) or 1e-5
+    cluster["devices"] = [dict(template, name=f"cpu{i}") for i in range(total)]
+    cluster["bandwidth"] = [[bw] * total for _ in range(total)]
+    cluster["latency"] = [[0.0 if i == j else lat for j in range(total)] for i in range(total)]
+    first = 0
+    for stage, (width, split) in zip(data["stages"], groups):
+        stage["devices"] = [f"cpu{first + i}" for i in range(width)]
+        stage["split"] = split
+        first += width
+    data["options"]["widths"] = sorted({1, *(w for w, _ in groups)})
+    data["options"]["splits"] = sorted({s for _, s in groups if s != "none"})
+    return Plan.from_dict(data)

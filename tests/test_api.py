@@ -321,3 +321,57 @@ def test_an_options_object_and_keywords_over_it_plan_alike() -> None:
     assert (request.precision, run.precision) == ("fp32", None)
     with pytest.raises(InputError, match="recompute must be one of"):
         RunOptions(recompute="sometimes")
+
+
+
+class _DropPath(nn.Module):
+    """timm's DropPath as it is written: a Python branch on the rate, traced away at 0."""
+
+    def __init__(self, drop_prob: float) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.drop_prob == 0.0:
+            return x
+        keep = torch.rand(x.shape[0], 1, 1, 1) >= self.drop_prob
+        return x * keep / (1 - self.drop_prob)
+
+
+class _Drops(nn.Module):
+    """A stochastic depth (torchvision's, traced as one call whatever its rate) and a
+    dropout; with ``path`` > 0 also a timm-style DropPath."""
+
+    def __init__(self, path: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.sd = torchvision.ops.StochasticDepth(0.5, "row")
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.dp = _DropPath(path)
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.c1(x))
+        y = y + self.sd(torch.relu(self.c2(y)))
+        return self.fc(self.drop(self.dp(y).mean((2, 3))))
+
+
+def test_verify_switches_off_stochastic_depth_on_both_sides() -> None:
+    """Before, only nn.Dropout was switched off, so every plan of a model with stochastic
+    depth (torchvision's efficientnet, convnext) — data parallelism too — was reported
+    as differing from eager: the two sides dropped different rows."""
+    x = torch.randn(8, 3, 16, 16)
+    plan = crosscut.partition(_Drops(), ["cpu"] * 2, x, replicas=2, time_limit=5)
+    report = verify_plan(_Drops(), x, plan)
+    assert report.ok, report.text()
+
+
+def test_verify_names_a_drop_that_leaves_the_trace_when_switched_off() -> None:
+    x = torch.randn(8, 3, 16, 16)
+    plan = crosscut.partition(_Drops(path=0.5), ["cpu"] * 2, x, replicas=2, time_limit=5)
+    with pytest.raises(PlanError, match=r"random drop off.*drop_path_rate=0\.0"):
+        verify_plan(_Drops(path=0.5), x, plan)
+    fixed = crosscut.partition(_Drops(path=0.0), ["cpu"] * 2, x, replicas=2, time_limit=5)
+    assert verify_plan(_Drops(path=0.5), x, fixed).ok  # the remedy: a plan made without

@@ -17,7 +17,13 @@ from torch import fx, nn
 from crosscut.errors import CodegenError
 from crosscut.frontend.tracer import trace
 from crosscut.runtime import CompiledModule
-from crosscut.runtime.batch_shares import batch_of, check_output, input_kind, share_bounds
+from crosscut.runtime.batch_shares import (
+    batch_of,
+    check_output,
+    input_kind,
+    share_bounds,
+    split_rows,
+)
 
 
 class SizeAcross(nn.Module):
@@ -46,6 +52,8 @@ def _split_at(gm: fx.GraphModule, first_of_stage1: str) -> dict[str, int]:
 def test_rule_functions() -> None:
     x = torch.zeros(5, 2)
     assert batch_of([3, x], "s") == 5
+    assert batch_of([(torch.zeros(2),), x], "s") == 5  # a tensor argument first
+    assert batch_of([3, (x, torch.zeros(2))], "s") == 5
     with pytest.raises(CodegenError, match="batch-major tensor input"):
         batch_of([3, torch.zeros(())], "s")
     assert share_bounds(5, 2) == [(0, 3), (3, 5)]
@@ -53,6 +61,11 @@ def test_rule_functions() -> None:
     assert input_kind(x, 5) == "split"
     assert input_kind(torch.zeros(4, 2), 5) == "whole"
     assert input_kind((x[:1], 2), 5) == "whole"
+    assert input_kind((x, {"b": x}, 3), 5) == "split"  # every tensor in it is batch-major
+    assert input_kind((x, x[:1]), 5) == "whole"
+    shares = split_rows((x, 3, {"b": x[:, :1]}), 2)
+    assert [s[0].shape[0] for s in shares] == [3, 2] and [s[1] for s in shares] == [3, 3]
+    assert torch.equal(torch.cat([s[2]["b"] for s in shares]), x[:, :1])
     assert input_kind((1, "a"), 5) == "const"
     check_output(torch.zeros(3, 1), 3, "0", "s")
     check_output((torch.zeros(3), {"aux": torch.zeros(3, 2)}), 3, "0", "s")  # a pytree
@@ -119,6 +132,43 @@ def test_whole_pytree_inputs_reach_every_share() -> None:
         assert torch.allclose(got[k].grad, p.grad, atol=1e-5), k
 
 
+class ChunkAcross(nn.Module):
+    """Stage 0 ends with ``x.chunk(2, dim=1)``: a tuple of batch-major halves crosses the
+    cut, as in every shufflenet_v2 block's channel split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        halves = self.c(x).chunk(2, dim=1)
+        y = torch.cat([halves[0], torch.relu(self.b(halves[1]))], 1)
+        return self.fc(y.mean((2, 3)))
+
+
+def test_a_tuple_of_batch_major_tensors_is_cut_into_the_shares() -> None:
+    """Before, the tuple went whole to every share: share 0 concatenated the micro-batch's
+    8 rows of one half with its own 4 rows of the other, and crashed."""
+    torch.manual_seed(0)
+    model = ChunkAcross()
+    x = torch.randn(8, 3, 8, 8)
+    gm = trace(model, x).gm
+    assert gm is not None
+    stage_of = _split_at(gm, "getitem")
+    assert stage_of["chunk"] == 0
+    groups = [(["cpu"], "none"), (["cpu", "cpu"], "batch")]
+    c = CompiledModule(model, gm, stage_of, ["cpu", "cpu"], groups=groups)
+    out, ref = c(x), model(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    ref.sum().backward()
+    got = dict(c.named_parameters())
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(got[k].grad, p.grad, rtol=1e-4, atol=1e-6, msg=k)
+
+
 class _TwoHeads(nn.Module):
     """Returns a named pair of batch-major tensors (logits and auxiliary logits)."""
 
@@ -180,3 +230,28 @@ def test_a_torchrun_batch_group_joins_a_tuple_output(tmp_path: Path) -> None:
     for key, p in model.named_parameters():
         assert p.grad is not None
         torch.testing.assert_close(lead["grads"][key], p.grad, rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("dist")
+def test_a_torchrun_batch_group_cuts_a_received_tuple(tmp_path: Path) -> None:
+    """The same tuple over torchrun: the group's leader sends each member its rows of
+    every tensor in the tuple; loss and every gradient as eager."""
+    import tests.test_distributed as td
+
+    script = td.ROOT / "tests" / "dist_scripts" / "chunk_group_check.py"
+    from chunk_group_check import batch, build  # type: ignore[import-not-found]
+
+    td.ok(td.launch(3, ["--out", str(tmp_path)], timeout=180, script=script))
+    ranks = [torch.load(tmp_path / f"chunk_rank{r}.pt", weights_only=False) for r in range(3)]
+    model, (x, y) = build(), batch()
+    loss = nn.functional.cross_entropy(model(x), y)
+    losses = [r["loss"] for r in ranks if r["loss"] is not None]
+    assert losses and all(v == pytest.approx(float(loss.detach()), rel=1e-5) for v in losses)
+    loss.backward()
+    got: dict[str, torch.Tensor] = {}
+    for r in ranks:
+        got.update(r["grads"])
+    for key, p in model.named_parameters():
+        assert p.grad is not None and key in got, (key, sorted(got))
+        torch.testing.assert_close(got[key], p.grad, rtol=1e-4, atol=1e-6, msg=key)

@@ -10,11 +10,15 @@ other refuses (they did disagree: the local stage passed a pytree of tensors
 to other devices unmoved and accepted a constant output, the torchrun one
 copied the pytree and refused the constant). The rule, written once:
 
-* the batch is dim 0 of the first tensor input with a dimension (none: the
-  stage cannot be batch-split);
-* an input whose dim 0 is the batch is cut (``tensor_split``: the first shares
-  are one row larger when the batch does not divide); any other input that
-  holds tensors goes whole to every share; the rest are constants;
+* the batch is dim 0 of the first tensor input with a dimension, else of the
+  first one inside a tuple input (none: the stage cannot be batch-split);
+* an input whose tensors all have the batch as dim 0 — one tensor, or a tuple
+  of them such as ``x.chunk(2, dim=1)`` handed over a cut — is cut, tensor by
+  tensor (``tensor_split``: the first shares are one row larger when the batch
+  does not divide; :func:`split_rows`); any other input that holds tensors
+  goes whole to every share; the rest are constants. (A tuple went whole
+  before: each share of shufflenet_v2's stage concatenated a whole micro-batch
+  with its share, and crashed);
 * the group uses ``min(width, batch)`` devices (no empty shares);
 * an output must be a tensor whose dim 0 is the batch, or a tuple (list, named
   tuple, dict) of such tensors only: the shares' outputs are concatenated,
@@ -36,12 +40,15 @@ from torch.utils import _pytree as pytree
 from crosscut.codegen.width import shard_bounds
 from crosscut.errors import CodegenError
 
-__all__ = ["batch_of", "check_output", "input_kind", "join", "share_bounds"]
+__all__ = ["batch_of", "check_output", "input_kind", "join", "share_bounds", "split_rows"]
 
 
 def batch_of(values: Sequence[Any], where: str) -> int:
-    """The batch size of a batch-split stage's inputs (dim 0 of the first such tensor)."""
-    for v in values:
+    """The batch size of a batch-split stage's inputs: dim 0 of the first tensor input with
+    a dimension, else of the first such tensor inside a tuple or dict input (a tensor
+    argument is the likelier batch: a tuple may hold per-channel statistics)."""
+    plain = [v for v in values if isinstance(v, torch.Tensor)]
+    for v in [*plain, *(t for v in values for t in pytree.tree_leaves(v))]:
         if isinstance(v, torch.Tensor) and v.dim() > 0:
             return int(v.shape[0])
     raise CodegenError(
@@ -57,12 +64,20 @@ def share_bounds(batch: int, width: int) -> list[tuple[int, int]]:
 
 
 def input_kind(value: Any, batch: int) -> str:
-    """``"split"`` (cut by rows), ``"whole"`` (tensors copied whole) or ``"const"``."""
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and int(value.shape[0]) == batch:
+    """``"split"`` (every tensor in it cut by rows), ``"whole"`` (tensors copied whole)
+    or ``"const"`` (no tensor)."""
+    tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    if tensors and all(_rows(t, batch) for t in tensors):
         return "split"
-    if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value)):
-        return "whole"
-    return "const"
+    return "whole" if tensors else "const"
+
+
+def split_rows(value: Any, width: int) -> list[Any]:
+    """A ``"split"`` input cut into ``width`` shares: each tensor in it by
+    ``tensor_split`` on dim 0, anything else in it the same in every share."""
+    leaves, spec = pytree.tree_flatten(value)
+    cut = [t.tensor_split(width, 0) if isinstance(t, torch.Tensor) else [t] * width for t in leaves]
+    return [pytree.tree_unflatten([c[i] for c in cut], spec) for i in range(width)]
 
 
 def _rows(t: Any, rows: int) -> bool:

@@ -32,7 +32,14 @@ from torch.utils import _pytree as pytree
 
 from crosscut.codegen.width import shard_bounds
 from crosscut.errors import CodegenError, RuntimeError_
-from crosscut.runtime.batch_shares import batch_of, check_output, input_kind, join, share_bounds
+from crosscut.runtime.batch_shares import (
+    batch_of,
+    check_output,
+    input_kind,
+    join,
+    share_bounds,
+    split_rows,
+)
 from crosscut.runtime.device_thread import DeviceThread, stop_threads
 from crosscut.runtime.share_threads import (
     draws_random,
@@ -120,7 +127,7 @@ class BatchSplitStage(nn.Module):
         bounds = share_bounds(batch, len(self.devices))
         w = len(bounds)
         kinds = [input_kind(a, batch) for a in args]
-        parts = [a.tensor_split(w, 0) if kind == "split" else None for a, kind in zip(args, kinds)]
+        parts = [split_rows(a, w) if kind == "split" else None for a, kind in zip(args, kinds)]
         params = dict(self.inner.named_parameters())
         buffers = dict(self.inner.named_buffers())
         call = next_call()
@@ -133,7 +140,12 @@ class BatchSplitStage(nn.Module):
                 for k, b in buffers.items():  # only the leader's replica updates running stats
                     state[k] = b if i == 0 else b.to(dev, copy=True)
                 mine = [
-                    p[i].to(dev, copy=j in self.mutated)
+                    pytree.tree_map(
+                        lambda t, c=(j in self.mutated): (
+                            t.to(dev, copy=c) if isinstance(t, torch.Tensor) else t
+                        ),
+                        p[i],
+                    )
                     if p is not None
                     else pytree.tree_map(
                         lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, a

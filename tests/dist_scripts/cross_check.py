@@ -32,6 +32,9 @@ import crosscut.distributed as cd
 from crosscut.errors import CrosscutError
 from crosscut.ir.plan import Plan
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.*
+from tests.plan_factory import widen
+
 
 @dataclass(frozen=True)
 class Case:
@@ -103,27 +106,6 @@ def bn_eval(*mods: nn.Module) -> None:
 def batch(n: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g)
-
-
-def widen(plan: Plan, groups: tuple[tuple[int, str], ...]) -> Plan:
-    """``plan`` with stage ``k`` on ``groups[k][0]`` devices split by ``groups[k][1]``."""
-    data = plan.to_dict()
-    cluster = data["cluster"]
-    template = cluster["devices"][0]
-    total = sum(w for w, _ in groups)
-    bw = max(max(row) for row in cluster["bandwidth"])
-    lat = max(max(row) for row in cluster["latency"]) or 1e-5
-    cluster["devices"] = [dict(template, name=f"cpu{i}") for i in range(total)]
-    cluster["bandwidth"] = [[bw] * total for _ in range(total)]
-    cluster["latency"] = [[0.0 if i == j else lat for j in range(total)] for i in range(total)]
-    first = 0
-    for stage, (width, split) in zip(data["stages"], groups):
-        stage["devices"] = [f"cpu{first + i}" for i in range(width)]
-        stage["split"] = split
-        first += width
-    data["options"]["widths"] = sorted({1, *(w for w, _ in groups)})
-    data["options"]["splits"] = sorted({s for _, s in groups if s != "none"})
-    return Plan.from_dict(data)
 
 
 def make_plan(case: Case) -> Plan:

@@ -287,7 +287,7 @@ class _MemberGraph:
 
 @dataclass(frozen=True)
 class _Input:
-    kind: str  # "split" (batch-major tensor) | "whole" (tensors copied whole) | "const"
+    kind: str  # "split" (batch-major tensors) | "whole" (tensors copied whole) | "const"
     value: Any  # the traced value (shapes and constants)
     grad: bool  # gradients travel back
 
@@ -345,7 +345,7 @@ class BatchMember(nn.Module):
                 leaf
                 for leaf, t in enumerate(pytree.tree_leaves(spec.value))
                 if isinstance(t, torch.Tensor)
-            ]  # a split input is one tensor: leaf 0
+            ]
             for leaf in leaves if spec.kind != "const" else []:
                 for i in range(1, self.width):
                     ops[("in", j, leaf, i)] = len(ops)
@@ -366,13 +366,22 @@ class BatchMember(nn.Module):
     def _lead(self, args: list[Any], token: torch.Tensor) -> tuple[Any, ...]:
         mine: list[Any] = []
         for j, (spec, a) in enumerate(zip(self.inputs, args)):
-            if spec.kind == "split":
-                for i in range(1, self.width):
-                    lo, hi = self.bounds[i]
-                    token = self._op(token, ("in", j, 0, i), spec, a.narrow(0, lo, hi - lo))
+            if spec.kind == "split":  # every tensor in it cut by rows (batch_shares.split_rows)
+                leaves, tree = pytree.tree_flatten(a)
+                for leaf, t in enumerate(leaves):
+                    if isinstance(t, torch.Tensor):
+                        for i in range(1, self.width):
+                            lo, hi = self.bounds[i]
+                            token = self._op(
+                                token, ("in", j, leaf, i), spec, t.narrow(0, lo, hi - lo)
+                            )
                 lo, hi = self.bounds[0]
-                share = a.narrow(0, lo, hi - lo)
-                mine.append(share.clone() if j in self.mutated else share)
+                share = [
+                    t.narrow(0, lo, hi - lo) if isinstance(t, torch.Tensor) else t for t in leaves
+                ]
+                if j in self.mutated:
+                    share = [t.clone() if isinstance(t, torch.Tensor) else t for t in share]
+                mine.append(pytree.tree_unflatten(share, tree))
                 continue
             if spec.kind == "whole":
                 for leaf, t in enumerate(pytree.tree_leaves(a)):
@@ -415,21 +424,15 @@ class BatchMember(nn.Module):
             if spec.kind == "const":
                 mine.append(spec.value)
                 continue
-            if spec.kind == "split":
-                v = spec.value
-                op = self._ops[0][("in", j, 0, k)]
-                grad = spec.grad and v.is_floating_point()
-                shape = (hi - lo, *tuple(v.shape[1:]))
-                token, x = recv(token, self.link, op, 0, name, grad, shape, v.dtype)
-                mine.append(x)
-                continue
             leaves, tree = pytree.tree_flatten(spec.value)
             built = []
             for leaf, t in enumerate(leaves):
                 if isinstance(t, torch.Tensor):
                     op = self._ops[0][("in", j, leaf, k)]
                     grad = spec.grad and t.is_floating_point()
-                    token, x = recv(token, self.link, op, 0, name, grad, t.shape, t.dtype)
+                    # a split input's tensors arrive as this member's rows, a whole one's whole
+                    shape = (hi - lo, *t.shape[1:]) if spec.kind == "split" else tuple(t.shape)
+                    token, x = recv(token, self.link, op, 0, name, grad, shape, t.dtype)
                     built.append(x)
                 else:
                     built.append(t)

@@ -113,21 +113,34 @@ def _shared_batch_norms(model: nn.Module, plan: Plan) -> None:
     """Make each batch norm of a batch-split stage normalise the group's shares apart.
 
     Share ``i`` holds the rows :func:`~crosscut.runtime.batch_shares.share_bounds`
-    gives it (what the runtime scatters); the leader's share runs the module
-    itself (updating the running statistics), the others only normalise with
-    their own batch statistics. Eval mode is left alone."""
+    gives it (what the runtime scatters); every share runs the module's own
+    forward, the leader's on the module's running statistics (updating them),
+    the others' on copies, as the runtime's shares do. Eval mode is left alone.
+
+    A batch norm belongs to the stage of its ``batch_norm`` node: the nearest
+    batch-norm module around that node (timm's ``BatchNormAct2d`` is traced as
+    ``F.batch_norm`` and an activation inside it; its ``num_batches_tracked``
+    update may sit in another stage, and does not count). Before, the other
+    shares ran ``F.batch_norm`` alone and skipped the activation such a module
+    applies: every timm model with a grouped stage "differed" from eager."""
 
     width: dict[str, int] = {}
     for node in plan.nodes:
         stage = plan.assignment.get(node.name)
         if stage is None or plan.stages[stage].split != "batch" or "batch_norm" not in node.kind:
             continue
-        width.setdefault(node.module_path, len(plan.stages[stage].devices))
+        parts = node.module_path.split(".") if node.module_path else []
+        for i in range(len(parts), 0, -1):  # the node's module, else the nearest around it
+            path = ".".join(parts[:i])
+            try:
+                module = model.get_submodule(path)
+            except AttributeError:
+                continue
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                width.setdefault(path, len(plan.stages[stage].devices))
+                break
     for path, w in width.items():
-        try:
-            bn = model.get_submodule(path)
-        except AttributeError:
-            continue
+        bn = model.get_submodule(path)
         if isinstance(bn, nn.modules.batchnorm._BatchNorm) and w > 1:
             bn.forward = functools.partial(_by_shares, bn, type(bn).forward, w)  # type: ignore[method-assign]
 
@@ -140,15 +153,15 @@ def _by_shares(bn: nn.modules.batchnorm._BatchNorm, forward: Any, w: int, x: tor
         return forward(bn, x)
     outs = []
     for i, (a, b) in enumerate(share_bounds(int(x.shape[0]), w)):
-        part = x[a:b]
         if i == 0:
-            outs.append(forward(bn, part))
-        else:
-            outs.append(
-                torch.nn.functional.batch_norm(
-                    part, None, None, bn.weight, bn.bias, True, 0.0, bn.eps
-                )
-            )
+            outs.append(forward(bn, x[a:b]))
+            continue
+        kept = dict(bn.named_buffers(recurse=False))
+        for k, v in kept.items():  # the share runs on copies (autograd saved the originals)
+            setattr(bn, k, v.clone())
+        outs.append(forward(bn, x[a:b]))
+        for k, v in kept.items():
+            setattr(bn, k, v)
     return torch.cat(outs)
 
 

@@ -323,7 +323,6 @@ def test_an_options_object_and_keywords_over_it_plan_alike() -> None:
         RunOptions(recompute="sometimes")
 
 
-
 class _DropPath(nn.Module):
     """timm's DropPath as it is written: a Python branch on the rate, traced away at 0."""
 

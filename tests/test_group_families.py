@@ -15,8 +15,10 @@ tiny variance, and a share's convolution sums in another order than the
 whole micro-batch's, so in float32 vgg11_bn's first weights move 4.7e-4 from
 eager's after one step — rounding, amplified (equal in float64 to 1e-9). A
 tolerance wide enough for that would hide real bugs; in float64 the test
-holds every model to 1e-7. ``make test`` runs ``SAMPLED``; ``CROSSCUT_HEAVY=1``
-runs every model (about 10 minutes for the torchvision list on 2 cores).
+holds every model to 1e-7. The models: 19 torchvision families and timm's
+(one model per family, as ``tests/test_timm_families.py``). ``make test`` runs
+``SAMPLED``; ``CROSSCUT_HEAVY=1`` runs every model (about 10 minutes for the
+torchvision list on 2 cores, longer for timm's).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch import nn
 import crosscut
 from crosscut.verify import verify_plan
 from tests.plan_factory import widen
+from tests.test_timm_families import FAMILIES, SIZES
 
 torch.set_num_threads(1)
 
@@ -40,12 +43,21 @@ TORCHVISION = [
     "mnasnet0_5", "shufflenet_v2_x0_5", "squeezenet1_1", "efficientnet_b0",
     "efficientnet_v2_s", "regnet_x_400mf", "regnet_y_400mf", "convnext_tiny",
 ]  # fmt: skip
-SAMPLED = ["resnet18", "mobilenet_v3_small", "googlenet"]
+# one model per timm CNN family (tests/test_timm_families.py's), prefixed "timm:"
+TIMM = [f"timm:{name}" for name in FAMILIES.values()]
+# resnet18: plain; googlenet: a named tuple out; mobilenetv3 and regnetx (timm): batch norms
+# traced as F.batch_norm + activation inside BatchNormAct2d, which verify once missed
+SAMPLED = ["resnet18", "googlenet", "timm:mobilenetv3_small_050", "timm:regnetx_002"]
 HEAVY = os.environ.get("CROSSCUT_HEAVY") == "1"
 
 
 def build(name: str) -> nn.Module:
     torch.manual_seed(0)
+    if name.startswith("timm:"):
+        import timm
+
+        model = timm.create_model(name[5:], pretrained=False, num_classes=5, drop_rate=0.0)
+        return model.double()
     kw = (
         {"aux_logits": False, "init_weights": False}
         if name in ("googlenet", "inception_v3")
@@ -55,9 +67,10 @@ def build(name: str) -> nn.Module:
     return model.double()
 
 
-@pytest.mark.parametrize("name", TORCHVISION if HEAVY else SAMPLED)
+@pytest.mark.parametrize("name", TORCHVISION + TIMM if HEAVY else SAMPLED)
 def test_batch_groups_match_eager_on_the_family(name: str) -> None:
-    size = 96 if name == "inception_v3" else 64
+    timm_sizes = {f"timm:{FAMILIES[f]}": px for f, px in SIZES.items()}
+    size = 96 if name == "inception_v3" else timm_sizes.get(name, 64)
     x = torch.randn(8, 3, size, size, generator=torch.Generator().manual_seed(1))
     x = x.double()
     model = build(name)

@@ -48,9 +48,9 @@ def batch_of(values: Sequence[Any], where: str) -> int:
     a dimension, else of the first such tensor inside a tuple or dict input (a tensor
     argument is the likelier batch: a tuple may hold per-channel statistics)."""
     plain = [v for v in values if isinstance(v, torch.Tensor)]
-    for v in [*plain, *(t for v in values for t in pytree.tree_leaves(v))]:
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            return int(v.shape[0])
+    for t in [*plain, *(leaf for v in values for leaf in pytree.tree_leaves(v))]:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
     raise CodegenError(
         f"{where} needs a batch-major tensor input",
         value=[type(v).__name__ for v in values],

@@ -21,6 +21,7 @@ __all__ = [
     "MAX_MICROBATCHES",
     "Layout",
     "candidate_layouts",
+    "layout_groups",
     "microbatch_candidates",
     "share_sizes",
 ]
@@ -98,11 +99,26 @@ def candidate_layouts(cluster: Cluster, request: PlanRequest, batch: int) -> lis
     return out
 
 
+def layout_groups(lay: Layout, request: PlanRequest) -> tuple[bool, tuple[str, ...]]:
+    """Whether an attempt on ``lay`` searches device groups, and their splits.
+
+    :meth:`PlanRequest.stage_groups`'s rule (one replica holds the cluster), except
+    where the caller wants a stage of its own on every device (``require_all_devices``,
+    or the torchrun path's ``fill_devices``). A replica spanning nodes must fill its
+    devices too, but a group fills them: there the solver keeps only plans whose
+    stages and groups hold every device (``solve_cross(use_all=True)``), so a
+    parameter-light stage may be replicated over both nodes while a heavy one stays
+    on a few devices of one, its gradients never crossing the network."""
+    if request.require_all_devices or request.fill_devices:
+        return False, ()
+    return request.stage_groups(lay.replicas)
+
+
 def share_sizes(lay: Layout, request: PlanRequest, size: int) -> list[int]:
     """The micro-batch sizes a batch-split group's shares run at in this attempt (each
     traced to price them), or none where the attempt searches no batch-split group."""
-    groups, splits = request.stage_groups(lay.replicas)
-    if not groups or "batch" not in splits or lay.require_all:
+    groups, splits = layout_groups(lay, request)
+    if not groups or "batch" not in splits:
         return []
     widths, _ = cross_options(groups, request.widths, splits, lay.devices)
     return sorted({-(-size // w) for w in widths if w > 1 and -(-size // w) < size})

@@ -198,8 +198,10 @@ class PlanRequest:
 
     def stage_groups(self, replicas: int) -> tuple[bool, tuple[str, ...]]:
         """Whether a layout of ``replicas`` replicas may put stages on device groups, and
-        how they may split: only where one replica holds the cluster; as asked, or for
-        "auto" (``None``) batch splits, if ``splits`` allows them."""
+        how they may split: only where one replica holds the cluster (one node or
+        several); as asked, or for "auto" (``None``) batch splits, if ``splits`` allows
+        them. The strategy also leaves groups out where the caller wants a stage on
+        every device (:func:`crosscut.layouts.layout_groups`)."""
         if self.cross_shaped is None:
             return replicas == 1 and "batch" in self.splits, ("batch",)
         return self.cross_shaped and replicas == 1, self.splits

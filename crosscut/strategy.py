@@ -83,7 +83,13 @@ from crosscut.cost_models.subclusters import replica_cluster
 from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
 from crosscut.ir.plan import Alternative, Plan, Strategy
 from crosscut.ir.schedule import AUTO_SCHEDULE
-from crosscut.layouts import Layout, candidate_layouts, microbatch_candidates, share_sizes
+from crosscut.layouts import (
+    Layout,
+    candidate_layouts,
+    layout_groups,
+    microbatch_candidates,
+    share_sizes,
+)
 from crosscut.options import PlanRequest, cross_options
 from crosscut.partitioner.annotate import as_replicas, in_rank_order
 from crosscut.partitioner.deadline import Deadline
@@ -230,7 +236,7 @@ def _attempt(
     graph = cache.graph(size)
     costs = cache.costs(size, node)
     search.trace_s = max(search.trace_s, time.monotonic() - t0)
-    groups, splits = request.stage_groups(lay.replicas)
+    groups, splits = layout_groups(lay, request)
     widths = request.widths
     if share_sizes(lay, request, size):  # batch-split shares priced at their own batch
         allowed, _ = cross_options(groups, request.widths, splits, lay.devices)

@@ -172,3 +172,63 @@ def test_two_node_groups_run_a_replica_spanning_both(tmp_path: Path) -> None:
     got = td.merged(tmp_path, "resnet18_1f1b", 4, 4)
     assert len(got["losses"]) == 1  # one replica, its last stage reports the loss
     td.compare(got, td.eager("resnet18", 8, 32, 2), buffers=False)
+
+
+def _spanning_group(plan: Plan) -> Plan:
+    """``plan`` (stages on groups 2+1+1 over 2 nodes of 2) re-laid as 1+2+1: the middle
+    stage a batch-split group of one device of each node, then re-priced."""
+    from crosscut.partitioner.annotate import annotate
+
+    data = plan.to_dict()
+    layout = [(["n0.cpu0"], "none"), (["n0.cpu1", "n1.cpu0"], "batch"), (["n1.cpu1"], "none")]
+    for stage, (devices, split) in zip(data["stages"], layout, strict=True):
+        stage["devices"], stage["split"] = devices, split
+    return annotate(Plan.from_dict(data))
+
+
+def test_a_replica_spanning_nodes_may_put_stages_on_device_groups() -> None:
+    """Groups were searched only inside one node: alexnet at batch 256 on two nodes of 4
+    K20c was an 8-stage pipeline (213 ms a step). Its convolutions, light in parameters,
+    now run on groups (one of them spanning both nodes) and its classifier on groups of
+    its own: a quicker step, every device still holding a stage or a share."""
+    import torchvision
+
+    x = torch.empty(256, 3, 224, 224, device="meta")
+    model = torchvision.models.alexnet(weights=None)
+    flat = crosscut.partition(model, "2x4xK20c", x, replicas=1, cross_shaped=False, time_limit=20)
+    plan = crosscut.partition(model, "2x4xK20c", x, replicas=1, time_limit=20)
+    assert any(s.split == "batch" for s in plan.stages), [s.devices for s in plan.stages]
+    assert plan.predicted.step_time_s < flat.predicted.step_time_s * 0.95
+    held = [d for s in plan.stages for d in s.devices]
+    assert sorted(held) == sorted(d.name for d in plan.cluster.devices)  # each device once
+    assert runs_in_rank_order(plan, 2)
+    validate_plan(plan)
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("dist")
+def test_two_node_groups_run_device_groups_of_a_spanning_replica(tmp_path: Path) -> None:
+    """The planner's group plan for vgg11 on 2 nodes of 2 CPU devices (a batch-split group
+    of node 0's two devices, then a stage on each device of node 1), and the same cuts
+    with the group spanning both nodes, each run by `crosscut run --nnodes 2` as 2
+    torchrun node groups on 127.0.0.1: loss, gradients and weights after an SGD step as
+    eager training (vgg11 has no batch norm: shares compute what the whole batch does)."""
+    import tests.test_distributed as td
+
+    x, _ = td.batch(8, 64)
+    plan = crosscut.partition(td.build("vgg11"), "2x2xcpu", x, replicas=1, microbatches=2,
+                              time_limit=10)  # fmt: skip
+    assert [(s.devices, s.split) for s in plan.stages] == [
+        (["n0.cpu0", "n0.cpu1"], "batch"), (["n1.cpu0"], "none"), (["n1.cpu1"], "none")
+    ], plan.solver.notes  # fmt: skip
+    spanning = _spanning_group(plan)
+    assert runs_in_rank_order(spanning, 2)
+    want = td.eager("vgg11", 8, 64, 2)
+    for label, p in (("planned", plan), ("spanning", spanning)):
+        out = tmp_path / label
+        path = p.save(tmp_path / f"{label}.json")
+        td.run_node_groups(path, out, ["--models", "vgg11", "--batch", "8", "--size", "64",
+                                       "--schedules", "1f1b", "--microbatches", "2"])  # fmt: skip
+        got = td.merged(out, "vgg11_1f1b", 4, 4)  # group members hold the same weights
+        assert len(got["losses"]) == 1
+        td.compare(got, want, buffers=False)

@@ -302,11 +302,9 @@ def _solve(
     nodes = _coarse_nodes(coarse_graph, members, {n.name: n for n in fine})
     problem = problem_from_parts(nodes, pc, options, training=training, ties=coarse_graph.ties)
     problem = dataclasses.replace(problem, widths=(1,), splits=())  # the pipeline-only solve
-    cross = (
-        any(w > 1 for w in options.widths)
-        and bool(options.splits)
-        and not settings.require_all_devices
-    )
+    # with require_all_devices (a replica spanning nodes) groups still compete, among the
+    # plans whose stages and groups hold every device (use_all below)
+    cross = any(w > 1 for w in options.widths) and bool(options.splits)
     try:
         within = work.share(PIPELINE_SHARE) if cross else work
         piped: SolveResult | None = solve(problem, dataclasses.replace(settings, deadline=within))
@@ -336,8 +334,9 @@ def _solve(
         pipe,
         pipeline_name=f"pipeline_{settings.solver}",
         seed=settings.seed,  # the plan records the seed it was asked for
-        colocate=settings.colocate,
+        colocate=settings.colocate and not settings.require_all_devices,
         deadline=work,
+        use_all=settings.require_all_devices,
     )
     if piped is None:
         found.notes.insert(0, f"no pipeline-only plan: {pipe_error}")

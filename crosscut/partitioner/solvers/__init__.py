@@ -57,7 +57,7 @@ def solve(problem: PartitionProblem, settings: SolveSettings | None = None) -> S
     """
     s = settings or SolveSettings()
     dl = s.deadline_or_limit()
-    if problem.cross_shaped and not s.require_all_devices:
+    if problem.cross_shaped:
         return _solve_cross_shaped(problem, s, dl)
     if s.solver not in SOLVERS:
         raise InputError(
@@ -83,12 +83,16 @@ def _solve_cross_shaped(problem: PartitionProblem, s: SolveSettings, dl: Deadlin
     plain = dataclasses.replace(problem, widths=(1,), splits=())
     # only what the pipeline-only solve has always been given (no progress, no log)
     pipe_settings = SolveSettings(
-        solver=s.solver, seed=s.seed, workers=s.workers, deadline=dl.share(PIPELINE_SHARE)
+        solver=s.solver,
+        seed=s.seed,
+        workers=s.workers,
+        deadline=dl.share(PIPELINE_SHARE),
+        require_all_devices=s.require_all_devices,
     )
     try:
         pipe = solve(plain, pipe_settings)
         pipeline: tuple[list[int], list[int]] | None = (pipe.stage_of, pipe.stage_device)
-    except InfeasiblePlanError:
+    except (InfeasiblePlanError, PartitionError):  # (fewer nodes than devices to fill)
         pipeline = None
     return solve_cross(
         problem,
@@ -96,7 +100,9 @@ def _solve_cross_shaped(problem: PartitionProblem, s: SolveSettings, dl: Deadlin
         pipeline_name=f"pipeline_{s.solver}",
         seed=s.seed,
         deadline=dl,
-        colocate=s.colocate,
+        # every device a stage or a share: a replica spanning nodes (its ranks all run)
+        colocate=s.colocate and not s.require_all_devices,
+        use_all=s.require_all_devices,
     )
 
 

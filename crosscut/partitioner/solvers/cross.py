@@ -109,8 +109,11 @@ def cross_dp_search(
     *,
     colocate: bool = True,
     deadline: Deadline | None = None,
+    use_all: bool = False,
 ) -> tuple[GroupPlan | None, bool]:
-    """:func:`cross_dp`, and whether it searched its whole space before ``deadline``."""
+    """:func:`cross_dp`, and whether it searched its whole space before ``deadline``;
+    ``use_all``: only plans whose groups hold every device (a replica spanning nodes,
+    whose ranks all run a stage)."""
     pb = problem
     order = order or device_order(pb)
     n, num = pb.n, len(order)
@@ -141,7 +144,7 @@ def cross_dp_search(
             complete = False
             break
         se = _Search(pb, tb, order, total, types, ok, valid, shape, deadline, batch_bad)
-        plans, done = _dp(se, s_loop, colocate)
+        plans, done = _dp(se, s_loop, colocate, use_all)
         complete = complete and done
         for plan in plans:
             stage_device = [g.leader for g in plan[1]]
@@ -230,7 +233,9 @@ class _Search:
 _Back = dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-def _dp(se: _Search, exact_count: bool, colocate: bool = True) -> tuple[list[GroupPlan], bool]:
+def _dp(
+    se: _Search, exact_count: bool, colocate: bool = True, use_all: bool = False
+) -> tuple[list[GroupPlan], bool]:
     """Min-max DP over (stage k, devices used d, boundary b); one plan per stage count.
 
     Besides one plan per stage count it returns, per stage count, the best plan
@@ -278,10 +283,12 @@ def _dp(se: _Search, exact_count: bool, colocate: bool = True) -> tuple[list[Gro
         back.append(arg)
         if exact_count and k < total - 1:
             continue
-        ends = [(v[n], d) for d, v in vals.items() if np.isfinite(v[n])]
+        ends = [
+            (v[n], d) for d, v in vals.items() if np.isfinite(v[n]) and (not use_all or d == num)
+        ]
         if ends:
             plans.append(_backtrack(se, back, min(ends)[1], n))
-        if k >= 1 and colocate:
+        if k >= 1 and colocate and not use_all:
             tail = _colocated_tail(se, k, hist[k - 1], back[: k - 1])
             if tail is not None:
                 plans.append(tail)
@@ -377,8 +384,12 @@ def solve_cross(
     seed: int = 0,
     colocate: bool = True,
     deadline: Deadline | None = None,
+    use_all: bool = False,
 ) -> SolveResult:
     """The best of: the group DP, data parallelism, and a given pipeline-only plan.
+
+    ``use_all``: every device must run a stage or a share of one (a replica spanning
+    nodes under torchrun has a rank on every device); the DP keeps only such plans.
 
     ``pipeline`` (stage_of, stage_device) is typically the CP-SAT answer on the
     same problem without groups; keeping it as a candidate means allowing
@@ -394,7 +405,9 @@ def solve_cross(
     dp = data_parallel(problem, order)
     if dp is not None:
         cands["data_parallel"] = dp
-    found, complete = cross_dp_search(problem, order, colocate=colocate, deadline=deadline)
+    found, complete = cross_dp_search(
+        problem, order, colocate=colocate, deadline=deadline, use_all=use_all
+    )
     if found is not None:
         cands["cross_dp"] = found
     baselines: dict[str, float] = {}

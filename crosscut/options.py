@@ -6,14 +6,15 @@ planner (:mod:`crosscut.strategy`) reads only it. An option the caller leaves
 at ``None`` is the planner's to choose ("auto"); a value is a constraint:
 ``microbatches=8`` fixes M, ``replicas=2`` fixes the data-parallel replicas.
 Device groups inside a stage are searched by default where they can be priced
-honestly: ``cross_shaped=None`` ("auto") lets the one-replica layout of a
-single node give a stage a batch-split group (data parallelism inside the
-stage), each share priced at its own batch (the model is traced at that many
-samples: on a K20c AlexNet costs 1.7x as much per sample at 4 samples as at
-32, and a share priced linearly would favour groups by a margin the devices
-do not give). ``cross_shaped=True`` also allows the splits ``splits`` names
-(channel splits, each shard priced at its own size by the analytic roofline)
-and groups on graphs given traced; ``False`` forbids groups.
+honestly: ``cross_shaped=None`` ("auto") lets the one-replica layout (of one
+node, or spanning nodes: there every device holds a stage or a share) give a
+stage a batch-split group (data parallelism inside the stage), each share
+priced at its own batch (the model is traced at that many samples: on a K20c
+AlexNet costs 1.7x as much per sample at 4 samples as at 32, and a share
+priced linearly would favour groups by a margin the devices do not give).
+``cross_shaped=True`` also allows the splits ``splits`` names (channel
+splits, each shard priced at its own size by the analytic roofline) and
+groups on graphs given traced; ``False`` forbids groups.
 
 Run options (batch-norm mode, output merge, all-reduce overlap, the run's
 recomputation and precision, the torchrun timeout) are :class:`RunOptions`:

@@ -26,8 +26,10 @@ early and the time limit is honoured:
 
 Stages replicated to their own degrees, searched by default (``cross_shaped``
 ``None``: batch splits; ``True``: the splits asked for): in the layout of one
-replica on one node a stage may run on a group of devices (batch-split: data
-parallelism inside the stage), so a model's many-FLOP, few-parameter layers
+replica, on one node or spanning nodes, a stage may run on a group of devices
+(batch-split: data parallelism inside the stage; a replica spanning nodes keeps
+only plans whose stages and groups hold every device, as its ranks all run:
+:func:`~crosscut.layouts.layout_groups`), so a model's many-FLOP, few-parameter layers
 take many devices and its parameter-heavy layers few (the cross-shaped
 solver, ``partitioner/solvers/cross.py``, chooses them with the stage
 boundaries). A group's shares are priced at their own batch: the attempt

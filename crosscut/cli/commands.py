@@ -88,7 +88,7 @@ def _partition_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         action="store_true",
         default=None,
         help="let stages run on device groups split by batch or channels (default: "
-        "batch-split groups on one node, priced at their shares' batch)",
+        "batch-split groups in the one-replica layout, priced at their shares' batch)",
     )
     p.add_argument(
         "--no-cross-shaped",

@@ -2,15 +2,12 @@
 
 The GPU presets are checked against published measurements
 (``calibration.py``); the ``cpu`` preset (``devices.cpu_spec``: 40 GFLOP/s and
-10 GB/s per core, 10 µs per op, every core of ``os.cpu_count()``) can be
-checked right here. For each small CNN this prints, side by side:
+10 GB/s per thread torch computes on, 10 µs per op) can be checked right here.
+For each small CNN this prints, side by side:
 
 * the analytic step: forward + backward of every node (``analytic_costs`` on
   ``Cluster.from_spec("1xcpu")``), the optimizer update
   (``calibration.update_seconds``) and the per-iteration overhead;
-* the same with the preset's compute and bandwidth scaled to the threads torch
-  actually computes on (``torch.get_num_threads()``: 1 under
-  ``OMP_NUM_THREADS=1``, where the preset still counts every core);
 * the same with this machine's rates measured right before (a 1024² fp32
   GEMM's FLOP/s, ``links.measure_matmul_flops``, and a 64 MB copy's bytes
   moved per second): what the preset would say if it were measured here, under
@@ -121,14 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     preset = Cluster.from_spec("1xcpu").devices[0]
+    # the preset counts the threads torch computes on (devices.compute_threads)
     cores, threads = os.cpu_count() or 1, torch.get_num_threads()
-    # the same per-core rates, counted on the threads torch computes on
-    scale = threads / cores
-    on_threads = replace(
-        preset,
-        peak_flops={k: v * scale for k, v in preset.peak_flops.items()},
-        mem_bw=preset.mem_bw * scale,
-    )
     flops, bw = measure_matmul_flops(torch.device("cpu")), copy_bandwidth()
     here = replace(preset, peak_flops={k: flops for k in preset.peak_flops}, mem_bw=bw)
     print(
@@ -138,20 +129,19 @@ def main(argv: list[str] | None = None) -> None:
         f"measured here {flops / 1e9:.1f} GFLOP/s, {bw / 1e9:.1f} GB/s"
     )
     print(
-        f"{'model':<16}{'batch':>6}{'preset s':>10}{'threads s':>10}{'here s':>8}"
-        f"{'measured s':>11}{'preset/meas':>12}{'threads/meas':>13}{'here/meas':>10}"
+        f"{'model':<16}{'batch':>6}{'preset s':>10}{'here s':>8}"
+        f"{'measured s':>11}{'preset/meas':>12}{'here/meas':>10}"
     )
     for name in args.models.split(","):
         factory, shape, batch = MODELS[name]
         model = factory().train()  # type: ignore[operator]
         x = torch.randn(batch, *shape)
         pred = predicted_step(model, x, preset)
-        pred_t = predicted_step(model, x, on_threads)
         pred_h = predicted_step(model, x, here)
         meas = measured_step(model, x, args.steps)
         print(
-            f"{name:<16}{batch:>6}{pred:>10.4f}{pred_t:>10.4f}{pred_h:>8.4f}{meas:>11.4f}"
-            f"{pred / meas:>12.2f}{pred_t / meas:>13.2f}{pred_h / meas:>10.2f}",
+            f"{name:<16}{batch:>6}{pred:>10.4f}{pred_h:>8.4f}{meas:>11.4f}"
+            f"{pred / meas:>12.2f}{pred_h / meas:>10.2f}",
             flush=True,
         )
 

@@ -308,7 +308,6 @@ def profile_costs(
     optimizer: str = "sgd",
     kind: str | None = None,
     method: str = "context",
-    recheck: bool = True,
 ) -> CostTable:
     """Measured forward/backward seconds of every node on ``device``.
 
@@ -317,8 +316,6 @@ def profile_costs(
     ``method="context"`` (default) times every node inside whole training steps
     (``context.py``); ``"isolated"`` runs each node alone, which needs no memory
     for a whole step but over-prices ops that normally run back to back.
-    ``recheck=False`` reuses a cached profile without re-timing it
-    (:func:`_still_holds`), for a caller who knows the machine has not moved.
     """
     if method not in ("context", "isolated"):
         raise CostModelError(
@@ -337,12 +334,7 @@ def profile_costs(
     stem = f"{cache_key(graph, kind, dev)}-{method}"
     path = Path(cache_dir) / f"{stem}.json" if cache_dir is not None else None
     cached = _load_cache(path, graph) if path is not None else None
-    if (
-        cached is not None
-        and recheck
-        and method == "context"
-        and not _still_holds(cached, graph, dev, path)
-    ):
+    if cached is not None and method == "context" and not _still_holds(cached, graph, dev, path):
         cached = None
     if cached is not None:  # a cache written before the record: say how it was priced
         cached.meta.setdefault("priced", _priced(kind, str(dev), method, graph.precision))

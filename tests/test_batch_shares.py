@@ -7,6 +7,7 @@ runs them end to end.
 from __future__ import annotations
 
 import collections
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -132,25 +133,12 @@ def test_whole_pytree_inputs_reach_every_share() -> None:
         assert torch.allclose(got[k].grad, p.grad, atol=1e-5), k
 
 
-class ChunkAcross(nn.Module):
-    """Stage 0 ends with ``x.chunk(2, dim=1)``: a tuple of batch-major halves crosses the
-    cut, as in every shufflenet_v2 block's channel split."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c = nn.Conv2d(3, 8, 3, padding=1)
-        self.b = nn.Conv2d(4, 4, 3, padding=1)
-        self.fc = nn.Linear(8, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        halves = self.c(x).chunk(2, dim=1)
-        y = torch.cat([halves[0], torch.relu(self.b(halves[1]))], 1)
-        return self.fc(y.mean((2, 3)))
-
-
 def test_a_tuple_of_batch_major_tensors_is_cut_into_the_shares() -> None:
     """Before, the tuple went whole to every share: share 0 concatenated the micro-batch's
     8 rows of one half with its own 4 rows of the other, and crashed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "dist_scripts"))
+    from chunk_group_check import ChunkAcross  # type: ignore[import-not-found]
+
     torch.manual_seed(0)
     model = ChunkAcross()
     x = torch.randn(8, 3, 8, 8)

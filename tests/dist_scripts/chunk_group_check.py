@@ -27,9 +27,13 @@ from crosscut.ir.plan import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cross_check import widen
+from merge_check import batch  # the same 8 images and labels
 
 
 class ChunkAcross(nn.Module):
+    """Stage 0 ends with ``x.chunk(2, dim=1)``: a tuple of batch-major halves crosses the
+    cut, as in every shufflenet_v2 block's channel split."""
+
     def __init__(self) -> None:
         super().__init__()
         self.c = nn.Conv2d(3, 8, 3, padding=1)
@@ -45,11 +49,6 @@ class ChunkAcross(nn.Module):
 def build() -> nn.Module:
     torch.manual_seed(0)
     return ChunkAcross()
-
-
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
 
 
 def cut_after_chunk(plan: Plan) -> Plan:

@@ -5,7 +5,8 @@ regnet_y_128gf, ...) each build the model, its traced copy and the compiled
 copy with gradients; in one long pytest process their memory piles up past
 24 GiB and the kernel kills the run, while each alone fits. About 11 minutes
 on a 2-core machine, plus one process per timm CNN family
-(``tests/test_timm_families.py``: 2 and 3 devices, M in 1, 2, 4, recompute, bf16).
+(``tests/test_timm_families.py``: 2 and 3 devices, M in 1, 2, 4, recompute, bf16),
+and one per model of ``tests/test_group_families.py`` (batch-split groups, float64).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.test_group_families import TIMM, TORCHVISION  # noqa: E402
 from tests.test_timm_families import FAMILIES  # noqa: E402
 from tests.test_transparency import HEAVY  # noqa: E402
 
@@ -35,6 +37,10 @@ def main() -> int:
     tests += [
         f"tests/test_timm_families.py::test_timm_family_is_eager_or_refused[{f}]"
         for f in sorted(FAMILIES)
+    ]
+    tests += [  # batch-split groups on every family, float64 (one process each: memory)
+        f"tests/test_group_families.py::test_batch_groups_match_eager_on_the_family[{m}]"
+        for m in TORCHVISION + TIMM
     ]
     for test in tests:
         name = test.rsplit("[", 1)[1].rstrip("]")

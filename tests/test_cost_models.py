@@ -396,3 +396,28 @@ def test_the_cache_key_holds_the_thread_count_a_cpu_profile_ran_on() -> None:
     finally:
         torch.set_num_threads(threads)
     assert one != two
+
+
+def test_a_bf16_profile_is_retimed_under_the_autocast_it_was_taken_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Re-timed in fp32, a bf16 profile's steps would never match its cached ones, and
+    every reuse would profile the graph again."""
+    from crosscut.cost_models import profiled
+    from crosscut.frontend.tracer import trace
+
+    g = trace(_Tiny(), torch.randn(4, 3, 16, 16), precision="bf16")
+    profile_costs(g, "cpu", repeats=1, warmup=0, cache_dir=tmp_path)
+    seen: list[bool] = []
+
+    def record(graph, dev, warmup, repeats, steps=None):  # type: ignore[no-untyped-def]
+        seen.append(torch.is_autocast_enabled("cpu"))
+        steps.append(1.0)
+        return {}
+
+    monkeypatch.setattr(profiled, "_measure_context", record)
+    with pytest.warns(RuntimeWarning, match="profiling again"):  # 1 s: moved
+        cached = profiled._load_cache(next(tmp_path.glob("*.json")), g)
+        assert cached is not None
+        profiled._still_holds(cached, g, torch.device("cpu"), None)
+    assert seen == [True]

@@ -404,7 +404,8 @@ def _still_holds(cached: CostTable, graph: OpGraph, dev: torch.device, path: Pat
     if not old:
         return False
     now: list[float] = []
-    _measure_context(graph, dev, warmup=1, repeats=3, steps=now)
+    with autocast(graph.precision, dev.type):  # as the cached steps were timed
+        _measure_context(graph, dev, warmup=1, repeats=3, steps=now)
     ratio = statistics.median(now) / statistics.median(old)
     tolerance = max(DRIFT, 3.0 * step_spread(old), 3.0 * step_spread(now))
     cached.meta["recheck"] = {"ratio": ratio, "tolerance": tolerance, "steps": now}

@@ -53,6 +53,13 @@ from crosscut.runtime.share_threads import (
 __all__ = ["BatchSplitStage"]
 
 
+def _moved(value: Any, dev: torch.device, copy: bool) -> Any:
+    """``value`` with every tensor in it on ``dev`` (copied there when ``copy``)."""
+    return pytree.tree_map(
+        lambda t: t.to(dev, copy=copy) if isinstance(t, torch.Tensor) else t, value
+    )
+
+
 class BatchSplitStage(nn.Module):
     """A stage replicated over a device group, each device on its share of the batch.
 
@@ -140,16 +147,8 @@ class BatchSplitStage(nn.Module):
                 for k, b in buffers.items():  # only the leader's replica updates running stats
                     state[k] = b if i == 0 else b.to(dev, copy=True)
                 mine = [
-                    pytree.tree_map(
-                        lambda t, c=(j in self.mutated): (
-                            t.to(dev, copy=c) if isinstance(t, torch.Tensor) else t
-                        ),
-                        p[i],
-                    )
-                    if p is not None
-                    else pytree.tree_map(
-                        lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, a
-                    )
+                    # a split input's rows (copied where the stage writes them), else whole
+                    _moved(a if p is None else p[i], dev, p is not None and j in self.mutated)
                     for j, (p, a) in enumerate(zip(parts, args))
                 ]
                 return tuple(functional_call(module, state, tuple(mine)))

@@ -41,8 +41,8 @@ def build_model(name: str) -> nn.Module:
 
 
 @lru_cache(maxsize=8)
-def _graph(name: str, batch: int, precision: str) -> OpGraph:
-    x = torch.empty(batch, 3, 224, 224, device="meta")
+def _graph(name: str, batch: int, precision: str, image: int = 224) -> OpGraph:
+    x = torch.empty(batch, 3, image, image, device="meta")
     return trace(build_model(name), x, mode="train", precision=precision)
 
 
@@ -67,8 +67,8 @@ def single_step_s(graph: OpGraph, kind: str, optimizer: str = "momentum") -> flo
 
 def predict(point: Published) -> float:
     """Predicted images/s of ``point``'s configuration."""
-    graph = _graph(point.model, point.batch, point.precision)
-    return point.batch / single_step_s(graph, point.kind)
+    graph = _graph(point.model, point.batch, point.precision, point.image)
+    return point.batch / single_step_s(graph, point.kind, point.optimizer)
 
 
 def main(argv: list[str] | None = None) -> None:

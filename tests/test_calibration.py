@@ -104,8 +104,70 @@ def test_single_gpu_throughput_within_15_percent_of_published(point: object) -> 
     assert abs(got / want - 1) <= TOL, (got, want)
 
 
+HELD_OUT = [p for p in PUBLISHED if not p.fitted]
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="3x3 Winograd convolutions in fp32 are not modelled")
-def test_held_out_vgg16_on_p100() -> None:
-    (point,) = [p for p in PUBLISHED if not p.fitted]
-    assert abs(bench.predict(point) / point.images_per_s - 1) <= TOL
+@pytest.mark.parametrize(
+    "point",
+    [p for p in HELD_OUT if p.precision == "fp32"],
+    ids=lambda p: f"{p.model}-{p.kind}-{p.precision}",
+)
+def test_held_out_fp32_points_within_20_percent(point: object) -> None:
+    """Points no parameter was fitted to: VGG-16 (all 3x3 Winograd convolutions) and
+    EfficientNet-B0/B4 in fp32 and TF32 (depthwise convolutions, memory-bound ops)."""
+    got = bench.predict(point)  # type: ignore[arg-type]
+    assert abs(got / point.images_per_s - 1) <= 0.20, got  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="EfficientNet under AMP runs 1.3-1.85x slower than priced: depthwise convolutions "
+    "in fp16/NHWC and the published runs' data loading are not modelled",
+)
+def test_held_out_efficientnet_mixed_precision() -> None:
+    half = [p for p in HELD_OUT if p.precision == "fp16"]
+    assert all(abs(bench.predict(p) / p.images_per_s - 1) <= TOL for p in half)
+
+
+def test_a_depthwise_backward_is_two_convolutions_of_its_forward_size() -> None:
+    """torch 2.14's formula leaves groups out of a convolution's backward: a depthwise
+    3x3 on 144 channels counted 145x its forward. Each gradient is one forward's work."""
+    for groups in (1, 4, 144):
+        model = nn.Conv2d(144, 144, 3, padding=1, groups=groups, bias=False)
+        g = trace(model, torch.empty(8, 144, 16, 16, device="meta"))
+        conv = next(n for n in g.nodes if n.kind.startswith("conv"))
+        assert conv.fwd_flops == 2 * 8 * 144 * 16 * 16 * (144 // groups) * 9
+        assert conv.bwd_flops == 2 * conv.fwd_flops  # input and weight gradients
+        assert conv.conv is not None and conv.conv["groups"] == groups
+
+
+def test_winograd_prices_dense_3x3_stride_1_fp32_only() -> None:
+    from crosscut.cost_models.analytic import winograd
+    from crosscut.cost_models.efficiency import WINOGRAD
+
+    def conv_node(**kw: int) -> object:
+        model = nn.Conv2d(64, 64, bias=False, **kw)
+        g = trace(model, torch.empty(32, 64, 28, 28, device="meta"))
+        return next(n for n in g.nodes if n.kind.startswith("conv"))
+
+    dense = conv_node(kernel_size=3, padding=1)
+    assert winograd(dense)  # type: ignore[arg-type]
+    for other in (
+        conv_node(kernel_size=3, padding=1, stride=2),
+        conv_node(kernel_size=1),
+        conv_node(kernel_size=3, padding=1, groups=64),
+        conv_node(kernel_size=3, padding=2, dilation=2),
+    ):
+        assert not winograd(other)  # type: ignore[arg-type]
+    g = trace(
+        nn.Conv2d(256, 256, 3, padding=1, bias=False), torch.empty(64, 256, 28, 28, device="meta")
+    )
+    conv = next(n for n in g.nodes if n.kind.startswith("conv"))
+    v100 = analytic_costs(g, Cluster.from_spec("1xV100"))
+    flops_time = conv.fwd_flops / (15.7e12 * 0.8)  # the fp32 FMA rate before Winograd
+    assert v100.fwd_s(conv.name, "V100") < flops_time / (WINOGRAD * 0.9)
+    a100 = analytic_costs(g, Cluster.from_spec("1xA100-80GB"), tf32=True)
+    tf32 = analytic_costs(g, Cluster.from_spec("1xA100-80GB"), tf32=False)
+    assert a100.fwd_s(conv.name, "A100-80GB") < tf32.fwd_s(conv.name, "A100-80GB")

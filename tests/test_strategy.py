@@ -104,18 +104,17 @@ def test_never_slower_than_listed_or_fixed_by_hand(name: str, spec: str) -> None
     assert row.best_fixed_s == 0 or row.step_s <= row.best_fixed_s * (1 + 1e-9), row
 
 
-@pytest.mark.parametrize(
-    ("spread", "stages", "microbatches"), [(0.0, 4, 8), (0.6, 2, 1), (1.0, 1, 1)]
-)
+@pytest.mark.parametrize("spread", [0.0, 0.6, 1.0])
 def test_predictions_within_the_profiles_spread_choose_the_simpler_strategy(
-    monkeypatch: pytest.MonkeyPatch, spread: float, stages: int, microbatches: int
+    monkeypatch: pytest.MonkeyPatch, spread: float
 ) -> None:
     """AlexNet on 4 K20c, batch 64: a 4-stage pipeline with 8 micro-batches is predicted
-    quickest (71 ms), 2 replicas of 2 stages with M=1 at 111 ms, data parallelism at 141 ms.
-    With profiles that spread by 60 % (100 %) the planner cannot tell the pipeline from the
-    2-stage (1-stage) strategy, so it keeps the simpler one and says why; without spread the
-    quickest wins. (Without device groups inside stages: with them a 1+2+1 pipeline is
-    quicker still, which would change the layouts compared, not the rule.)"""
+    quickest (65 ms), 2 replicas of 2 stages at 73 ms, data parallelism at 138 ms. With
+    profiles that spread by 60 % (100 %) the planner cannot tell the pipeline from the
+    strategies of fewer stages within that spread, so it keeps the simplest of them
+    (fewest stages, then fewest micro-batches) and says why; without spread the quickest
+    wins. (Without device groups inside stages: with them a 1+2+1 pipeline is quicker
+    still, which would change the layouts compared, not the rule.)"""
     from crosscut.traced import TraceCache
 
     monkeypatch.setattr(TraceCache, "spread", lambda self, size: spread)
@@ -125,24 +124,27 @@ def test_predictions_within_the_profiles_spread_choose_the_simpler_strategy(
         model, "4xK20c", _meta(64), time_limit=10, schedule="1f1b", cross_shaped=False
     )
     rows = plan.strategy.alternatives
-    assert (plan.num_stages, plan.options.microbatches) == (stages, microbatches), [
-        a.text() for a in rows
-    ]
     chosen = next(a for a in rows if a.outcome == "chosen")
     assert chosen.step_time_s == plan.predicted.step_time_s
-    quickest = min((a for a in rows if a.step_time_s > 0), key=lambda a: a.step_time_s)
+    priced = [a for a in rows if a.step_time_s > 0]
+    quickest = min(priced, key=lambda a: a.step_time_s)
+    assert (quickest.stages, quickest.microbatches) == (4, 8), [a.text() for a in rows]
+    close = [a for a in priced if a.step_time_s <= quickest.step_time_s * (1 + spread)]
+    simplest = min(close, key=lambda a: (a.stages, a.microbatches))
+    assert (plan.num_stages, plan.options.microbatches) == (
+        simplest.stages,
+        simplest.microbatches,
+    ), [a.text() for a in rows]
     noisy = [a for a in rows if a.outcome == "within noise"]
     if spread == 0.0:
         assert quickest is chosen and not noisy
     else:
-        assert noisy == [quickest] and quickest.stages == 4
+        # the rule fired: a simpler strategy than the quickest (fewer stages or micro-batches)
+        assert (plan.num_stages, plan.options.microbatches) < (4, 8)
+        assert noisy == [quickest]
         assert plan.predicted.step_time_s <= quickest.step_time_s * (1 + spread)
         assert f"within the profiles' spread ({spread:.1%})" in quickest.reason
         assert any("the simpler strategy" in n for n in plan.solver.notes)
-        # every strategy with fewer stages than the chosen one is outside the spread
-        for a in rows:
-            if a.step_time_s > 0 and (a.stages, a.microbatches) < (stages, microbatches):
-                assert a.step_time_s > quickest.step_time_s * (1 + spread), a.text()
         assert Plan.from_dict(plan.to_dict()).strategy == plan.strategy
 
 

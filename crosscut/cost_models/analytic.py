@@ -27,6 +27,9 @@ from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.devices import PRESETS, DeviceSpec
 from crosscut.cost_models.efficiency import (
     GENERATIONS,
+    GROUP_OUT_HALF,
+    GROUPED_TF32,
+    WINOGRAD,
     Efficiency,
     MathMode,
     efficiency_of,
@@ -44,6 +47,7 @@ __all__ = [
     "node_times",
     "priced_rate",
     "rates_summary",
+    "winograd",
 ]
 
 BWD_BYTES_FACTOR = 2.0
@@ -76,15 +80,30 @@ def _elements(node: OpNode) -> int:
 
 
 def node_mode(node: OpNode, spec: DeviceSpec, flags: MathFlags) -> MathMode:
-    """The math ``node`` runs in on ``spec``."""
+    """The math ``node`` runs in on ``spec`` (a grouped convolution never in TF32:
+    :data:`~crosscut.cost_models.efficiency.GROUPED_TF32`)."""
     conv = "conv" in node.kind
+    grouped = node.conv is not None and node.conv["groups"] > 1
     return math_mode(
         spec.peak_flops,
         spec.kind,
         node.dtype,
         conv=conv,
-        tf32_conv=flags.tf32_conv,
+        tf32_conv=flags.tf32_conv and not (grouped and not GROUPED_TF32),
         tf32_matmul=flags.tf32_matmul,
+    )
+
+
+def winograd(node: OpNode) -> bool:
+    """Whether cuDNN can run ``node`` as a Winograd convolution: dense, 3x3, stride 1,
+    no dilation (what its fp32 heuristics pick for such layers)."""
+    c = node.conv
+    return (
+        c is not None
+        and c["groups"] == 1
+        and not c["transposed"]
+        and all(k == 3 for k in c["kernel"])
+        and all(v == 1 for v in (*c["stride"], *c["dilation"]))
     )
 
 
@@ -100,6 +119,12 @@ def _compute_rate(
         frac *= depth / (depth + eff.depth_half)
         half_fill = sm_count(spec.kind) * 4096.0
         frac *= out / (out + half_fill)
+        if node.conv is not None and node.conv["groups"] > 1 and node.shapes[0]:
+            # each input a kernel loads feeds only its group's output channels
+            per_group = node.shapes[0][1] / node.conv["groups"]
+            frac *= per_group / (per_group + GROUP_OUT_HALF)
+        if mode.unit == "fma" and winograd(node):
+            frac *= WINOGRAD  # FLOPs counted as direct convolution, run with fewer
     return mode.peak * max(frac, 1e-6)
 
 

@@ -47,6 +47,8 @@ class Published:
     images_per_s: float
     source: str  # key of the module docstring's list
     fitted: bool = True  # used to fit efficiency.py (False: a held-out check)
+    image: int = 224  # input height and width
+    optimizer: str = "momentum"  # the update the run's step includes
 
 
 PUBLISHED: list[Published] = [
@@ -61,6 +63,40 @@ PUBLISHED: list[Published] = [
     Published("resnet50", "P100", "fp32", 64, 219.0, "tf-bench"),
     Published("resnet152", "P100", "fp32", 64, 91.8, "tf-bench"),
     Published("vgg16", "P100", "fp32", 32, 154.0, "tf-bench", fitted=False),
+    Published(
+        "efficientnet_b0", "V100", "fp32", 64, 655.0, "dle-effnet", False, optimizer="rmsprop"
+    ),
+    Published(
+        "efficientnet_b0", "V100", "fp16", 128, 1301.0, "dle-effnet", False, optimizer="rmsprop"
+    ),
+    Published(
+        "efficientnet_b0",
+        "A100-80GB",
+        "fp32",
+        256,
+        1078.0,
+        "dle-effnet",
+        False,
+        optimizer="rmsprop",
+    ),
+    Published(
+        "efficientnet_b0",
+        "A100-80GB",
+        "fp16",
+        256,
+        2489.0,
+        "dle-effnet",
+        False,
+        optimizer="rmsprop",
+    ),
+    Published("efficientnet_b4", "V100", "fp32", 16, 83.0, "dle-effnet", False, 380, "rmsprop"),
+    Published("efficientnet_b4", "V100", "fp16", 32, 204.0, "dle-effnet", False, 380, "rmsprop"),
+    Published(
+        "efficientnet_b4", "A100-80GB", "fp32", 64, 157.0, "dle-effnet", False, 380, "rmsprop"
+    ),
+    Published(
+        "efficientnet_b4", "A100-80GB", "fp16", 128, 331.0, "dle-effnet", False, 380, "rmsprop"
+    ),
 ]
 
 

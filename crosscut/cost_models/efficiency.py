@@ -16,7 +16,11 @@ docs/BENCHMARKS.md lists the points and the fit):
   convolution: 9 for a depthwise 3×3, so it gets ~a third of a dense one's
   rate) and ``W`` the output elements (a kernel needs enough output tiles to
   fill every SM: ``W½ = SMs × 4096``). ``e_max`` is the generation's large-op
-  fraction, one for FMA math and one for tensor cores;
+  fraction, one for FMA math and one for tensor cores. Two facts of cuDNN's
+  kernels on top: a dense 3×3 stride-1 convolution in FMA math runs as
+  Winograd, :data:`WINOGRAD` times fewer multiplies than counted; a grouped one
+  reuses each input only across its group's ``n`` output channels,
+  ``× n/(n + GROUP_OUT_HALF)``, and never runs on TF32 tensor cores;
 * **memory-bound ops** move their bytes at ``memory × mem_bw`` (STREAM-like
   achieved bandwidth), in-place or not (``analytic.py`` counts the bytes);
 * every kernel pays the device's ``launch_overhead_s``.
@@ -36,7 +40,10 @@ from dataclasses import dataclass
 __all__ = [
     "EFFICIENCIES",
     "GENERATIONS",
+    "GROUPED_TF32",
+    "GROUP_OUT_HALF",
     "STEP_OVERHEAD_S",
+    "WINOGRAD",
     "Efficiency",
     "MathMode",
     "efficiency_of",
@@ -72,14 +79,26 @@ class Efficiency:
 # reduction: a k-loop prologue/epilogue of ~one 16-32-deep tile), fitted to the
 # ResNeXt-101 32x4d (grouped, K = 36) against ResNet-50 (dense) points together.
 DEPTH_HALF = 4.0
+# cuDNN runs dense 3x3 stride-1 fp32 convolutions as Winograd F(2x2, 3x3): 16 multiplies
+# for 4 outputs where direct convolution does 36, 2.25x fewer than the FLOPs counted
+# (the transforms are memory traffic the roofline already bounds). Tensor-core math
+# (fp16, bf16, TF32) runs implicit GEMM, counted as is.
+WINOGRAD = 2.25
+# a grouped convolution reuses each input it loads only across its group's output
+# channels: with n outputs per group it reaches n / (n + GROUP_OUT_HALF) of a dense
+# kernel's rate (depthwise: n = 1). Fitted with the ResNeXt-101 32x4d points.
+GROUP_OUT_HALF = 16.0
+# whether cuDNN runs grouped convolutions on TF32 tensor cores: no (fitted, ResNeXt-101
+# 32x4d on A100: priced in TF32 it is 1.3x faster than published)
+GROUPED_TF32 = False
 EFFICIENCIES: dict[str, Efficiency] = {
     # memory: BabelStream/STREAM triad as a fraction of the datasheet bandwidth
     # (K20c ~145/208 with ECC, P100 ~550/732, P40 ~260/346, V100 ~800/900,
     # A100 ~1,400/1,555, H100 ~3,000/3,350).
-    "kepler": Efficiency("kepler", 0.70, 0.0, 0.70, DEPTH_HALF, "assumed: Pascal's fma"),
+    "kepler": Efficiency("kepler", 0.65, 0.0, 0.70, DEPTH_HALF, "assumed: Pascal's fma"),
     "pascal": Efficiency(
         "pascal",
-        0.85,
+        0.65,
         0.0,
         0.75,
         DEPTH_HALF,
@@ -88,7 +107,7 @@ EFFICIENCIES: dict[str, Efficiency] = {
     ),
     "volta": Efficiency(
         "volta",
-        1.0,
+        0.8,
         0.70,
         0.88,
         DEPTH_HALF,
@@ -97,17 +116,17 @@ EFFICIENCIES: dict[str, Efficiency] = {
     ),
     "ampere": Efficiency(
         "ampere",
-        1.0,
+        0.5,
         0.45,
         0.90,
         DEPTH_HALF,
         "NVIDIA DeepLearningExamples PyTorch, DGX A100 (ResNet-50, ResNeXt-101), 21.03",
-        ("tensor", "tf32"),
+        ("fma", "tensor", "tf32"),
         tf32=0.26,
     ),
     "hopper": Efficiency(
         "hopper",
-        1.0,
+        0.5,
         0.45,
         0.90,
         DEPTH_HALF,
@@ -200,7 +219,7 @@ def math_mode(
 
 # bytes the optimizer update moves per parameter element (fp32 master weights):
 # read w, g (+ momentum / Adam's two moments), write w (+ state)
-_UPDATE_BYTES = {"sgd": 12.0, "momentum": 20.0, "adam": 28.0, "adamw": 28.0}
+_UPDATE_BYTES = {"sgd": 12.0, "momentum": 20.0, "rmsprop": 28.0, "adam": 28.0, "adamw": 28.0}
 # fp16 with a loss scaler: unscale_ reads and writes every gradient, the inf check reads it
 _SCALER_BYTES = 12.0
 

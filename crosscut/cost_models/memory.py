@@ -42,7 +42,13 @@ __all__ = [
     "saved_by",
 ]
 
-OPTIMIZER_STATE: dict[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+OPTIMIZER_STATE: dict[str, float] = {
+    "sgd": 0.0,
+    "momentum": 1.0,
+    "rmsprop": 2.0,  # square average + momentum buffer (momentum > 0, as EfficientNet trains)
+    "adam": 2.0,
+    "adamw": 2.0,
+}
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
 
 _VIEW = ("view", "reshape", "flatten", "squeeze", "unsqueeze", "permute", "transpose", "expand",

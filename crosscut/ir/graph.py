@@ -63,6 +63,10 @@ class OpNode:
     # its value holds something besides tensors (an int from ``x.size(0)``, a shape,
     # None): a batch split cannot join such a value from its shares
     non_tensor: bool = False
+    # a convolution's geometry, as the cost model's rates need it (which kernels cuDNN can
+    # run: Winograd for dense 3x3 stride 1; groups): groups, kernel, stride, dilation,
+    # transposed; None for every other op
+    conv: dict[str, Any] | None = None
 
     @property
     def is_io(self) -> bool:

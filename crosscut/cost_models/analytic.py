@@ -119,12 +119,12 @@ def _compute_rate(
         frac *= depth / (depth + eff.depth_half)
         half_fill = sm_count(spec.kind) * 4096.0
         frac *= out / (out + half_fill)
-        if node.conv is not None and node.conv["groups"] > 1 and node.shapes[0]:
-            # each input a kernel loads feeds only its group's output channels
-            per_group = node.shapes[0][1] / node.conv["groups"]
-            frac *= per_group / (per_group + GROUP_OUT_HALF)
         if mode.unit == "fma" and winograd(node):
-            frac *= WINOGRAD  # FLOPs counted as direct convolution, run with fewer
+            frac *= WINOGRAD  # FLOPs counted as direct convolution, run with fewer (cuDNN)
+    if node.conv is not None and node.conv["groups"] > 1 and node.shapes[0]:
+        # each input a kernel loads feeds only its group's output channels (GPU or CPU)
+        per_group = node.shapes[0][1] / node.conv["groups"]
+        frac *= per_group / (per_group + GROUP_OUT_HALF)
     return mode.peak * max(frac, 1e-6)
 
 

@@ -83,15 +83,19 @@ def node_mode(node: OpNode, spec: DeviceSpec, flags: MathFlags) -> MathMode:
     """The math ``node`` runs in on ``spec`` (a grouped convolution never in TF32:
     :data:`~crosscut.cost_models.efficiency.GROUPED_TF32`)."""
     conv = "conv" in node.kind
-    grouped = node.conv is not None and node.conv["groups"] > 1
     return math_mode(
         spec.peak_flops,
         spec.kind,
         node.dtype,
         conv=conv,
-        tf32_conv=flags.tf32_conv and not (grouped and not GROUPED_TF32),
+        tf32_conv=flags.tf32_conv and (GROUPED_TF32 or _groups(node) == 1),
         tf32_matmul=flags.tf32_matmul,
     )
+
+
+def _groups(node: OpNode) -> int:
+    """A convolution's groups (1 for a dense one and for every other op)."""
+    return 1 if node.conv is None else int(node.conv["groups"])
 
 
 def winograd(node: OpNode) -> bool:
@@ -100,7 +104,7 @@ def winograd(node: OpNode) -> bool:
     c = node.conv
     return (
         c is not None
-        and c["groups"] == 1
+        and _groups(node) == 1
         and not c["transposed"]
         and all(k == 3 for k in c["kernel"])
         and all(v == 1 for v in (*c["stride"], *c["dilation"]))
@@ -121,9 +125,9 @@ def _compute_rate(
         frac *= out / (out + half_fill)
         if mode.unit == "fma" and winograd(node):
             frac *= WINOGRAD  # FLOPs counted as direct convolution, run with fewer (cuDNN)
-    if node.conv is not None and node.conv["groups"] > 1 and node.shapes[0]:
+    if _groups(node) > 1 and node.shapes[0]:
         # each input a kernel loads feeds only its group's output channels (GPU or CPU)
-        per_group = node.shapes[0][1] / node.conv["groups"]
+        per_group = node.shapes[0][1] / _groups(node)
         frac *= per_group / (per_group + GROUP_OUT_HALF)
     return mode.peak * max(frac, 1e-6)
 

@@ -74,7 +74,7 @@ from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.replicas import reduction, stage_gradient_bytes
 from crosscut.partitioner.simulate import simulate
 
-__all__ = ["RUNS", "Breakdown", "PublishedRun", "breakdown", "main", "predict_run"]
+__all__ = ["HELD_OUT", "RUNS", "Breakdown", "PublishedRun", "breakdown", "main", "predict_run"]
 
 IMAGENET_TRAIN = 1_281_167
 IMAGENET_VAL = 50_000
@@ -97,6 +97,10 @@ class PublishedRun:
     scaling: float = 0.0  # the paper's scaling efficiency (0: not published) ...
     scaling_gpus: int = 0  # ... at this many GPUs (0: the run's) ...
     scaling_base: int = 1  # ... against this many (1: one GPU; Goyal et al.: one server)
+    model: str = "resnet50"  # a torchvision constructor
+    image: int = 224  # input height and width
+    optimizer: str = "momentum"  # the update each step includes
+    source: str = "paper"  # "paper" (the four large ResNet-50 runs) | "dle-tf2" (held out)
 
 
 RUNS: list[PublishedRun] = [
@@ -145,6 +149,61 @@ RUNS: list[PublishedRun] = [
 ]
 
 
+# Held out: NVIDIA DeepLearningExamples, TensorFlow2 EfficientNet v1 README
+# (tensorflow:21.09-tf2-py3 NGC container, Horovod, XLA, RMSprop, 500 epochs,
+# AutoAugment, SyncBN), "Training accuracy" (time to train) and "Training
+# performance" (images/s, weak scaling vs one GPU) tables, on DGX A100 80 GB
+# (8 HDR InfiniBand NICs per node) and DGX-1 32 GB V100 (4 EDR). Per-GPU
+# batch from the README's train_benchmark_8x*.sh scripts. Nothing in
+# efficiency.py was fitted to these, nor to any TensorFlow figure.
+def _tf2(
+    name: str,
+    cluster: str,
+    model: str,
+    image: int,
+    batch: int,
+    hours: float,
+    weak: float,
+    precision: str = "fp32",
+) -> PublishedRun:
+    gpus = Cluster.from_spec(cluster).total_devices
+    return PublishedRun(
+        name,
+        cluster,
+        batch,
+        precision,
+        4.0,
+        500,
+        hours * 3600.0,
+        None,
+        True,
+        weak / gpus,
+        model=model,
+        image=image,
+        optimizer="rmsprop",
+        source="dle-tf2",
+    )
+
+
+_A100_2, _A100_4, _A100_8 = (f"{n}x8xA100-80GB+8xib200" for n in (2, 4, 8))
+_V100_4, _V100_8 = (f"{n}x8xV100-32GB+4xib100" for n in (4, 8))
+HELD_OUT: list[PublishedRun] = [
+    _tf2("EffNet-B0 16xA100", _A100_2, "efficientnet_b0", 224, 512, 10.0, 14.74),
+    _tf2("EffNet-B4 32xA100", _A100_4, "efficientnet_b4", 380, 80, 38.0, 28.98),
+    _tf2("EffNet-B4 64xA100", _A100_8, "efficientnet_b4", 380, 80, 19.0, 57.41),
+    _tf2("EffNet-B0 32xV100", _V100_4, "efficientnet_b0", 224, 256, 11.5, 20.36),
+    _tf2("EffNet-B4 32xV100", _V100_4, "efficientnet_b4", 380, 32, 97.0, 23.48),
+    _tf2("EffNet-B4 64xV100", _V100_8, "efficientnet_b4", 380, 32, 50.0, 45.16),
+    # mixed precision (AMP; Horovod reduces the fp32 gradients of fp32 weights)
+    _tf2("EffNet-B0 16xA100 AMP", _A100_2, "efficientnet_b0", 224, 1024, 4.5, 11.77, "fp16"),
+    _tf2("EffNet-B4 32xA100 AMP", _A100_4, "efficientnet_b4", 380, 160, 14.0, 27.46, "fp16"),
+    _tf2("EffNet-B4 64xA100 AMP", _A100_8, "efficientnet_b4", 380, 160, 7.0, 54.16, "fp16"),
+    _tf2("EffNet-B0 32xV100 AMP", _V100_4, "efficientnet_b0", 224, 512, 10.0, 21.23, "fp16"),
+    _tf2("EffNet-B4 32xV100 AMP", _V100_4, "efficientnet_b4", 380, 64, 41.0, 20.50, "fp16"),
+    _tf2("EffNet-B4 64xV100 AMP", _V100_8, "efficientnet_b4", 380, 64, 20.5, 40.96, "fp16"),
+]
+
+
 def _slowest_link(cluster: Cluster) -> list[float]:
     n = len(cluster.devices)
     pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
@@ -157,13 +216,13 @@ def _slowest_link(cluster: Cluster) -> list[float]:
 def one_gpu_plan(run: PublishedRun, model: torch.nn.Module | None = None) -> Plan:
     """One GPU's training plan at the run's per-GPU batch and precision."""
     kind = Cluster.from_spec(run.cluster).devices[0].kind
-    x = torch.empty(run.per_gpu_batch, 3, 224, 224, device="meta")
+    x = torch.empty(run.per_gpu_batch, 3, run.image, run.image, device="meta")
     return crosscut.partition(
-        model or torchvision.models.resnet50(weights=None),
+        model or getattr(torchvision.models, run.model)(weights=None),
         f"1x{kind}",
         x,
         precision=run.precision,
-        optimizer="momentum",
+        optimizer=run.optimizer,
     )
 
 
@@ -269,32 +328,40 @@ def predict_run(run: PublishedRun) -> tuple[float, Plan]:
 
 
 def main() -> None:
-    print(
-        f"{'run':<20}{'cluster':<24}{'fwd':>6}{'bwd':>6}{'upd+oh':>7}{'exposed':>8}"
-        f"{'step ms':>8}{'pred s':>8}{'publ s':>8}{'ratio':>7}{'eval s':>7}"
-    )
     rates = []
-    for run in RUNS:
-        b = breakdown(run)
-        flag = "" if abs(b.total / run.published_s - 1) <= TOLERANCE else "  OUT"
+    for title, runs in (
+        ("The four large ResNet-50 runs (papers)", RUNS),
+        (
+            "Held out: TensorFlow2 EfficientNet v1 on DGX A100 and DGX-1 (NVIDIA DLE 21.09)",
+            HELD_OUT,
+        ),
+    ):
+        print(title)
         print(
-            f"{run.name:<20}{run.cluster:<24}{b.forward * 1e3:>6.1f}{b.backward * 1e3:>6.1f}"
-            f"{(b.update + b.overhead) * 1e3:>7.1f}{b.exposed * 1e3:>8.1f}{b.step * 1e3:>8.1f}"
-            f"{b.total:>8.0f}{run.published_s:>8.0f}{b.total / run.published_s:>7.2f}"
-            f"{b.eval_s:>7.1f}  ({b.algorithm}{'' if run.overlap else ', after backward'}, "
-            f"wire {b.wire * 1e3:.1f} ms){flag}",
-            flush=True,
+            f"{'run':<22}{'cluster':<24}{'fwd':>6}{'bwd':>6}{'upd+oh':>7}{'exposed':>8}"
+            f"{'step ms':>8}{'pred s':>8}{'publ s':>8}{'ratio':>7}{'eval s':>7}"
         )
-        rates.append((run, b))
-    print()
+        for run in runs:
+            b = breakdown(run)
+            flag = "" if abs(b.total / run.published_s - 1) <= TOLERANCE else "  OUT"
+            print(
+                f"{run.name:<22}{run.cluster:<24}{b.forward * 1e3:>6.1f}{b.backward * 1e3:>6.1f}"
+                f"{(b.update + b.overhead) * 1e3:>7.1f}{b.exposed * 1e3:>8.1f}{b.step * 1e3:>8.1f}"
+                f"{b.total:>8.0f}{run.published_s:>8.0f}{b.total / run.published_s:>7.2f}"
+                f"{b.eval_s:>7.1f}  ({b.algorithm}{'' if run.overlap else ', after backward'}, "
+                f"wire {b.wire * 1e3:.1f} ms){flag}",
+                flush=True,
+            )
+            rates.append((run, b))
+        print()
     print(
-        f"{'run':<20}{'img/s/GPU priced':>17}{'published':>10}{'framework alone':>16}"
+        f"{'run':<22}{'img/s/GPU priced':>17}{'published':>10}{'framework alone':>16}"
         f"{'priced/fw':>10}{'scaling: publ':>14}{'pred':>6}{'  (GPUs vs base)'}"
     )
     for run, b in rates:
         gpus = run.scaling_gpus or Cluster.from_spec(run.cluster).total_devices
         print(
-            f"{run.name:<20}{b.gpu_rate:>17.0f}{b.published_rate:>10.0f}{b.framework_rate:>16.0f}"
+            f"{run.name:<22}{b.gpu_rate:>17.0f}{b.published_rate:>10.0f}{b.framework_rate:>16.0f}"
             f"{b.gpu_rate / b.framework_rate:>10.2f}{run.scaling:>14.3f}{b.scaling:>6.3f}"
             f"  ({gpus} vs {run.scaling_base})"
         )

@@ -60,7 +60,7 @@ __all__ = [
     "split_options",
 ]
 
-OPTIMIZERS = ("sgd", "momentum", "adam")
+OPTIMIZERS = ("sgd", "momentum", "rmsprop", "adam", "adamw")
 COSTS = ("analytic", "profiled")
 
 

@@ -421,3 +421,34 @@ def test_a_bf16_profile_is_retimed_under_the_autocast_it_was_taken_in(
         assert cached is not None
         profiled._still_holds(cached, g, torch.device("cpu"), None)
     assert seen == [True]
+
+
+def test_every_priced_optimizer_is_accepted_by_the_front_doors() -> None:
+    """An optimizer the memory and update tables price can be asked for, and round-trips.
+
+    Why: ``rmsprop`` was priced (EfficientNet's calibration points use it) but
+    refused by ``partition``, the CLI and the plan schema, which each kept
+    their own list.
+    """
+    import crosscut
+    from crosscut.cli.commands import build_parser
+    from crosscut.cost_models.efficiency import _UPDATE_BYTES
+    from crosscut.cost_models.memory import OPTIMIZER_STATE
+    from crosscut.ir.plan import Plan, plan_schema
+    from crosscut.options import OPTIMIZERS
+
+    assert set(OPTIMIZERS) == set(OPTIMIZER_STATE) == set(_UPDATE_BYTES)
+    schema = plan_schema()["properties"]["options"]["properties"]["optimizer"]["enum"]
+    assert set(schema) == set(OPTIMIZERS)
+    x = torch.randn(4, 3, 8, 8)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    resident = {}
+    for name in OPTIMIZERS:
+        args = build_parser().parse_args(
+            ["partition", "m:f", "--devices", "1xV100", "-o", "p.json", "--optimizer", name]
+        )
+        assert args.optimizer == name
+        plan = Plan.from_json(crosscut.partition(model, "1xV100", x, optimizer=name).to_json())
+        assert plan.options.optimizer == name
+        resident[name] = sum(n.resident_bytes for n in plan.nodes)
+    assert resident["sgd"] < resident["momentum"] < resident["rmsprop"] == resident["adam"]

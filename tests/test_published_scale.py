@@ -10,6 +10,17 @@ Mikami et al. miss because their frameworks computed each GPU's step 1.4-3.6x
 slower than the single-GPU figures crosscut is calibrated on
 (docs/BENCHMARKS.md); those are strict xfails, so a change that meets the
 target shows.
+
+Held out (``bench.HELD_OUT``): NVIDIA's TensorFlow2 EfficientNet-B0/B4 runs on
+2-8 DGX A100 and 4-8 DGX-1 nodes, a framework as fast per GPU as the
+containers crosscut is calibrated on. Their three TF32 runs on A100 must land
+within ±25 % of the published time to train. The fp32 runs on DGX-1 and the
+mixed-precision runs miss, and their published scaling efficiencies (0.64-0.92
+against one GPU; 0.94 for B0 on the eight NVSwitch-joined GPUs of one node,
+where no network is crossed) sit below anything crosscut's all-reduce model
+predicts (0.996-0.999): those losses are not the network's, and crosscut does
+not price the input pipeline (AutoAugment on each GPU's share of the host's
+cores). They are strict xfails with that reason.
 """
 
 from __future__ import annotations
@@ -23,11 +34,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import published_scale as bench
 
 RUNS = {run.name: run for run in bench.RUNS}
+HELD = {run.name: run for run in bench.HELD_OUT}
+# the TF2 runs whose whole time lands within the target: A100, TF32
+HELD_WITHIN = ("EffNet-B0 16xA100", "EffNet-B4 32xA100", "EffNet-B4 64xA100")
+_NOT_NETWORK = (
+    "the published run loses more to scaling than the network explains (0.94 on one "
+    "NVSwitch node); crosscut does not price the input pipeline"
+)
 
 
 @pytest.fixture(scope="module")
 def priced() -> dict[str, bench.Breakdown]:
-    return {name: bench.breakdown(run) for name, run in RUNS.items()}
+    return {name: bench.breakdown(run) for name, run in (RUNS | HELD).items()}
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -44,7 +62,10 @@ def test_a_reduction_after_the_backward_is_waited_for_whole(
     akiba = priced["Akiba et al. 2017"]  # ChainerMN in 2017: one fused ring after backward
     assert akiba.algorithm == "ring" and akiba.exposed == pytest.approx(akiba.wire)
     for name, b in priced.items():
-        if RUNS[name].overlap:  # DDP-style buckets hide most of it behind the backward
+        assert b.exposed <= b.wire + 1e-12, name
+        if name in RUNS and RUNS[name].overlap:
+            # DDP-style buckets hide most of 5-37 ms behind the backward; the held-out
+            # runs reduce 0.4-4 ms, where the last bucket's latency is most of what is left
             assert b.exposed < 0.5 * b.wire, name
         assert b.step == pytest.approx(b.forward + b.backward + b.update + b.overhead + b.exposed)
 
@@ -67,3 +88,32 @@ def test_whole_run_within_25_percent_of_published(
     name: str, priced: dict[str, bench.Breakdown]
 ) -> None:
     assert abs(priced[name].total / RUNS[name].published_s - 1) <= bench.TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        name
+        if name in HELD_WITHIN
+        else pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=_NOT_NETWORK))
+        for name in HELD
+    ],
+)
+def test_held_out_tf2_run_within_25_percent_of_published(
+    name: str, priced: dict[str, bench.Breakdown]
+) -> None:
+    assert abs(priced[name].total / HELD[name].published_s - 1) <= bench.TOLERANCE
+
+
+def test_held_out_tf2_runs_price_one_a100_like_its_framework_alone(
+    priced: dict[str, bench.Breakdown],
+) -> None:
+    """The passing TF2 runs pass for the right reason: one GPU priced as that framework ran it.
+
+    "Framework alone" is the published per-GPU rate over the published weak
+    scaling, i.e. the README's own one-GPU figure (1,209 and 165 images/s).
+    """
+    for name in HELD_WITHIN:
+        b = priced[name]
+        assert 0.85 <= b.gpu_rate / b.framework_rate <= 1.15, (name, b.gpu_rate, b.framework_rate)
+        assert b.scaling >= 0.99  # 8 HDR NICs per node hide a few MB of gradients

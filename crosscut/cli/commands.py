@@ -18,6 +18,7 @@ from crosscut.cli.args import _positive_float, _positive_int, _shape
 from crosscut.errors import CrosscutError
 from crosscut.fileio import check_writable, write_atomic
 from crosscut.ir.schedule import AUTO_SCHEDULE, SCHEDULE_CHOICES
+from crosscut.options import OPTIMIZERS
 from crosscut.version import __version__
 
 __all__ = ["build_parser", "main"]
@@ -80,7 +81,7 @@ def _partition_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "device is always priced)",
     )
     p.add_argument("--time-limit", type=_positive_float, default=10.0, help="solver seconds")
-    p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="sgd")
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="sgd")
     p.add_argument("--cost", choices=["analytic", "profiled"], default="analytic")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

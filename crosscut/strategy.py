@@ -82,7 +82,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from crosscut.cost_models.subclusters import replica_cluster
-from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
+from crosscut.errors import CrosscutError, InfeasiblePlanError, InputError, PartitionError
 from crosscut.ir.plan import Alternative, Plan, Strategy
 from crosscut.ir.schedule import AUTO_SCHEDULE
 from crosscut.layouts import (
@@ -131,6 +131,8 @@ class _Search:
         self.rejected: InputError | None = None  # the model refused a micro-batch size
         self.refusal: PartitionError | None = None  # a rule refused a layout
         self.priced: list[tuple[int, Plan, int]] = []  # (row, plan, micro-batch size)
+        # what each priced row was planned from: (layout, request, micro-batches)
+        self.sources: dict[int, tuple[Layout, PlanRequest, int]] = {}
 
     def affordable(self, left: float, *sizes: int) -> bool:
         """Whether another attempt fits in ``left`` seconds (always, before any plan).
@@ -337,8 +339,47 @@ def _one(
         search.rejected = exc
         return "too small"
     search.row(lay, m, "priced", plan=plan)
+    search.sources[len(search.rows) - 1] = (lay, request, m)
     search.keep(plan, size)
     return plan
+
+
+def _polish(search: _Search, progress: Progress | None) -> None:
+    """Spend the time the search left re-solving the best strategy, if its solve was cut short.
+
+    Every attempt had a share of the limit, and the shares assume every
+    micro-batch count of a layout is tried; the unimodal search stops earlier,
+    so time is often left when the last layout ends. A solve that stopped at its
+    deadline (not proven optimal) may find a better plan for the same (R, M)
+    with more time, as a user fixing that (R, M) by hand would; the re-solved
+    plan replaces the best one only when its predicted step is shorter."""
+    best = search.best
+    if best is None or search.best_row not in search.sources:
+        return
+    if best.solver.status == "OPTIMAL":
+        return
+    left = search.deadline.left()
+    if left <= 0.0 or left < 2.0 * search.quickest:  # at least twice the quickest solve
+        return
+    lay, request, m = search.sources[search.best_row]
+    try:
+        plan = _attempt(search, lay, request, m, lambda: search.deadline, progress)
+    except CrosscutError:
+        return
+    before = best.predicted.step_time_s
+    if plan.predicted.step_time_s >= before * (1.0 - 1e-9):
+        return
+    plan.solver.notes.append(
+        f"re-solved with the {left:.1f} s the strategy search left: step "
+        f"{plan.predicted.step_time_s * 1e3:.4g} ms, was {before * 1e3:.4g} ms"
+    )
+    row = search.best_row
+    search.rows.pop(row)
+    search.row(lay, m, "priced", plan=plan)
+    search.rows.insert(row, search.rows.pop())
+    size = search.cache.batch // (lay.replicas * m)
+    search.priced = [e for e in search.priced if e[0] != row] + [(row, plan, size)]
+    search.best = plan
 
 
 def _layout(
@@ -421,6 +462,7 @@ def plan_strategy(
         counts = [fixed] if fixed else microbatch_candidates(batch // lay.replicas)
         within = dl.within(dl.left() / (len(options) - i))  # an equal part of what is left
         _layout(search, lay, share, counts, within, progress)
+    _polish(search, progress)
     search.choose()
     best = search.best
     if best is None and search.last_error is None:  # nothing failed for memory

@@ -13,8 +13,12 @@ target shows.
 
 Held out (``bench.HELD_OUT``): NVIDIA's TensorFlow2 EfficientNet-B0/B4 runs on
 2-8 DGX A100 and 4-8 DGX-1 nodes, a framework as fast per GPU as the
-containers crosscut is calibrated on. Their three TF32 runs on A100 must land
-within ±25 % of the published time to train. The fp32 runs on DGX-1 and the
+containers crosscut is calibrated on, and OneFlow's DLPerf reproduction of
+NVIDIA's PyTorch ResNet-50 on 2 and 4 nodes of 8 V100 with one EDR NIC each.
+The three TF2 TF32 runs on A100 and DLPerf's two fp32 runs must land within
+±25 % of the published time (DLPerf's: one epoch at its measured rate).
+DLPerf's AMP runs miss on one GPU's speed: their container ran AMP at 0.67 of
+the one crosscut is calibrated on. The fp32 runs on DGX-1 and the
 mixed-precision runs miss, and their published scaling efficiencies (0.64-0.92
 against one GPU; 0.94 for B0 on the eight NVSwitch-joined GPUs of one node,
 where no network is crossed) sit below anything crosscut's all-reduce model
@@ -36,10 +40,22 @@ import published_scale as bench
 RUNS = {run.name: run for run in bench.RUNS}
 HELD = {run.name: run for run in bench.HELD_OUT}
 # the TF2 runs whose whole time lands within the target: A100, TF32
-HELD_WITHIN = ("EffNet-B0 16xA100", "EffNet-B4 32xA100", "EffNet-B4 64xA100")
+# the held-out runs whose whole time lands within the target: TF2 on A100 in TF32, and
+# DLPerf's fp32 PyTorch runs on 2 and 4 DGX-1-like nodes
+HELD_WITHIN = (
+    "EffNet-B0 16xA100",
+    "EffNet-B4 32xA100",
+    "EffNet-B4 64xA100",
+    "DLPerf RN50 16xV100",
+    "DLPerf RN50 32xV100",
+)
 _NOT_NETWORK = (
     "the published run loses more to scaling than the network explains (0.94 on one "
     "NVSwitch node); crosscut does not price the input pipeline"
+)
+_OLD_AMP = (
+    "that container (pytorch 20.03) ran one V100 at 803 images/s in AMP, 0.67 of the "
+    "1,200 of the 21.03 container crosscut is calibrated on"
 )
 
 
@@ -95,25 +111,34 @@ def test_whole_run_within_25_percent_of_published(
     [
         name
         if name in HELD_WITHIN
-        else pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=_NOT_NETWORK))
+        else pytest.param(
+            name,
+            marks=pytest.mark.xfail(
+                strict=True, reason=_OLD_AMP if name.startswith("DLPerf") else _NOT_NETWORK
+            ),
+        )
         for name in HELD
     ],
 )
-def test_held_out_tf2_run_within_25_percent_of_published(
+def test_held_out_run_within_25_percent_of_published(
     name: str, priced: dict[str, bench.Breakdown]
 ) -> None:
     assert abs(priced[name].total / HELD[name].published_s - 1) <= bench.TOLERANCE
 
 
-def test_held_out_tf2_runs_price_one_a100_like_its_framework_alone(
+def test_held_out_runs_within_target_price_one_gpu_like_its_framework_alone(
     priced: dict[str, bench.Breakdown],
 ) -> None:
-    """The passing TF2 runs pass for the right reason: one GPU priced as that framework ran it.
+    """The passing held-out runs pass for the right reason: one GPU priced as that framework
+    ran it, and the scaling it lost not hidden in a compensating error.
 
     "Framework alone" is the published per-GPU rate over the published weak
-    scaling, i.e. the README's own one-GPU figure (1,209 and 165 images/s).
+    scaling, i.e. each source's own one-GPU figure (TF2: 1,209 and 165 images/s;
+    DLPerf: 367).
     """
     for name in HELD_WITHIN:
         b = priced[name]
         assert 0.85 <= b.gpu_rate / b.framework_rate <= 1.15, (name, b.gpu_rate, b.framework_rate)
-        assert b.scaling >= 0.99  # 8 HDR NICs per node hide a few MB of gradients
+        # TF2's EfficientNets on 8 HDR NICs per node: a few MB of gradients, hidden; DLPerf's
+        # 102 MB through one EDR NIC per node: the scaling lost is the network's, within 0.10
+        assert b.scaling >= 0.99 or abs(b.scaling - HELD[name].scaling) <= 0.10, name

@@ -90,7 +90,20 @@ def node_mode(node: OpNode, spec: DeviceSpec, flags: MathFlags) -> MathMode:
         conv=conv,
         tf32_conv=flags.tf32_conv and (GROUPED_TF32 or _groups(node) == 1),
         tf32_matmul=flags.tf32_matmul,
+        depthwise=_depthwise(node),
     )
+
+
+def _depthwise(node: OpNode) -> bool:
+    """One input and one output channel per group (a channel multiplier of one)."""
+    g = _groups(node)
+    if g == 1 or node.conv is None or not node.shapes or len(node.shapes[0]) < 2:
+        return False
+    outputs = _elements(node)
+    taps = math.prod(int(k) for k in node.conv["kernel"])
+    # multiply-adds per output = input channels per group × kernel taps
+    per_group_in = node.fwd_flops / (2.0 * outputs * taps) if outputs and taps else 0.0
+    return int(node.shapes[0][1]) == g and round(per_group_in) == 1
 
 
 def _groups(node: OpNode) -> int:

@@ -12,6 +12,11 @@ images (224×224), images per second as published:
   FP32 112 on the 16 GB V100), 1-GPU rows;
 * ``dle-rnx101``: the same repository's ResNeXt-101 32x4d README (pytorch-20.06
   container; batch 128, FP32 64 on V100), 1-GPU rows;
+* ``dle-effnet``: the same repository's PyTorch EfficientNet README
+  (pytorch-21.03; batch sizes from its ``configs.yml``), 1-GPU rows;
+* ``dle-tf2``: its TensorFlow2 EfficientNet v1 README (tensorflow:21.09-tf2-py3,
+  XLA; per-GPU batch from its ``train_benchmark_8x*.sh`` scripts), the 1-GPU
+  rows of its "Training performance" tables (DGX A100 80 GB, DGX-1 32 GB V100);
 * ``tf-bench``: TensorFlow's "Benchmarks" page (tf_cnn_benchmarks, 2017),
   NVIDIA DGX-1 with P100, fp32, 1 GPU (batch 64 for ResNet-50 and -152,
   32 for VGG-16; real data).
@@ -96,6 +101,20 @@ PUBLISHED: list[Published] = [
     ),
     Published(
         "efficientnet_b4", "A100-80GB", "fp16", 128, 331.0, "dle-effnet", False, 380, "rmsprop"
+    ),
+    # the TensorFlow2 EfficientNet v1 README's one-GPU rows (XLA; batch of its scripts)
+    *(
+        Published(m, k, p, b, r, "dle-tf2", False, img, "rmsprop")
+        for m, k, p, b, r, img in (
+            ("efficientnet_b0", "A100-80GB", "fp32", 512, 1209.0, 224),
+            ("efficientnet_b0", "A100-80GB", "fp16", 1024, 3454.0, 224),
+            ("efficientnet_b4", "A100-80GB", "fp32", 80, 165.0, 380),
+            ("efficientnet_b4", "A100-80GB", "fp16", 160, 470.0, 380),
+            ("efficientnet_b0", "V100-32GB", "fp32", 256, 752.0, 224),
+            ("efficientnet_b0", "V100-32GB", "fp16", 512, 868.0, 224),
+            ("efficientnet_b4", "V100-32GB", "fp32", 32, 79.0, 380),
+            ("efficientnet_b4", "V100-32GB", "fp16", 64, 211.0, 380),
+        )
     ),
 ]
 

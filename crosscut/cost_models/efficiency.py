@@ -192,6 +192,16 @@ class MathMode:
 
 
 _TENSOR_HALF = ("volta", "ampere", "hopper")
+# half-precision FMA on CUDA cores (not tensor cores), as a multiple of the fp32 rate:
+# V100 31.4 vs 15.7 TFLOPS, A100 78 (fp16) / 39 (bf16) vs 19.5, H100 SXM 133.8 vs 66.9
+# (the vendors' datasheets and architecture whitepapers)
+HALF_FMA_RATIO: dict[tuple[str, str], float] = {
+    ("volta", "float16"): 2.0,
+    ("ampere", "float16"): 4.0,
+    ("ampere", "bfloat16"): 2.0,
+    ("hopper", "float16"): 2.0,
+    ("hopper", "bfloat16"): 2.0,
+}
 
 
 def math_mode(
@@ -202,14 +212,23 @@ def math_mode(
     conv: bool,
     tf32_conv: bool,
     tf32_matmul: bool,
+    depthwise: bool = False,
 ) -> MathMode:
-    """The math PyTorch uses for a ``dtype`` conv (``conv``) or matmul on preset ``kind``."""
+    """The math PyTorch uses for a ``dtype`` conv (``conv``) or matmul on preset ``kind``.
+
+    A ``depthwise`` convolution (one input and one output channel per group) has no
+    tensor-core kernel: a matrix-multiply tile needs several output channels to
+    fill, so cuDNN runs it on the CUDA cores, in half precision at
+    :data:`HALF_FMA_RATIO` times the fp32 rate."""
     fp32 = peak_flops.get("float32", 0.0)
     gen = GENERATIONS.get(kind, DEFAULT_GENERATION)
     if dtype in ("float16", "bfloat16"):
         short = "fp16" if dtype == "float16" else "bf16"
         if dtype not in peak_flops:  # no fast half precision: fp16 storage, fp32 math
             return MathMode(f"{short} storage, fp32 math", fp32, "fma")
+        if gen in _TENSOR_HALF and depthwise:
+            ratio = HALF_FMA_RATIO.get((gen, dtype), 2.0)
+            return MathMode(f"{short} FMA (depthwise)", fp32 * ratio, "fma")
         if gen in _TENSOR_HALF:
             return MathMode(f"{short} tensor cores", peak_flops[dtype], "tensor")
         return MathMode(f"{short} FMA", peak_flops[dtype], "fma")

@@ -374,9 +374,8 @@ def _polish(search: _Search, progress: Progress | None) -> None:
         f"{plan.predicted.step_time_s * 1e3:.4g} ms, was {before * 1e3:.4g} ms"
     )
     row = search.best_row
-    search.rows.pop(row)
-    search.row(lay, m, "priced", plan=plan)
-    search.rows.insert(row, search.rows.pop())
+    search.row(lay, m, "priced", plan=plan)  # written last, then moved into the best's place
+    search.rows[row] = search.rows.pop()
     size = search.cache.batch // (lay.replicas * m)
     search.priced = [e for e in search.priced if e[0] != row] + [(row, plan, size)]
     search.best = plan

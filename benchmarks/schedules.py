@@ -3,7 +3,8 @@
 Two parts, side by side in one run:
 
 * **simulated** (no hardware): one model's stages solved once on a preset
-  cluster, then priced under every schedule (``partitioner/schedule_choice``):
+  cluster, then priced under every schedule (``partitioner/schedule_choice``),
+  and re-cut into two stages per device for interleaved 1F1B (``1f1b-v2``):
   step, bubble, the busiest device's memory, and the ratio to 1F1B; and what
   ``schedule="auto"`` (the default) picks. Issue 25's target: resnet50,
   4 stages, M = 4 on ``4xV100`` — a zero-bubble step at least 15 % shorter
@@ -33,22 +34,39 @@ import distributed as dist_bench
 
 from crosscut.api import partition
 from crosscut.ir.plan import Plan
+from crosscut.ir.schedule import INTERLEAVED_SCHEDULES
 from crosscut.partitioner.annotate import annotate
+from crosscut.partitioner.interleave import interleave
 from crosscut.partitioner.schedule_choice import PREFERENCE
 
 __all__ = ["main", "priced"]
 
 
-def priced(plan: Plan) -> dict[str, tuple[float, float, int]]:
-    """Schedule -> (step s, bubble, busiest device's bytes) of ``plan``'s stages."""
+def variants(plan: Plan) -> dict[str, Plan]:
+    """``plan``'s stages under every schedule of :data:`PREFERENCE`, and the interleaved
+    re-cuts of them (:data:`INTERLEAVED_SCHEDULES`: two stages per device), each priced."""
     out = {}
     for name in PREFERENCE:
         other = Plan.from_dict(plan.to_dict())
         other.options.schedule = name
-        annotate(other)
-        peak = max(other.predicted.device_peak_bytes.values())
-        out[name] = (other.predicted.step_time_s, other.predicted.bubble_fraction, peak)
+        out[name] = annotate(other)
+    for name in INTERLEAVED_SCHEDULES:
+        recut = interleave(plan, name)
+        if recut is not None:
+            out[name] = recut
     return out
+
+
+def priced(plan: Plan) -> dict[str, tuple[float, float, int]]:
+    """Schedule -> (step s, bubble, busiest device's bytes) of :func:`variants`."""
+    return {
+        name: (
+            p.predicted.step_time_s,
+            p.predicted.bubble_fraction,
+            max(p.predicted.device_peak_bytes.values()),
+        )
+        for name, p in variants(plan).items()
+    }
 
 
 def _table(plan: Plan, rows: dict[str, tuple[float, float, int]], cap: int) -> None:
@@ -78,29 +96,35 @@ def main(argv: list[str] | None = None) -> int:
     model = dist_bench.build(ns.model)
     x, _ = dist_bench.data(ns.batch, ns.size, ns.model)
     devices: str | list[str] = ["cpu", "cpu"] if ns.measure else ns.cluster
+    # the pipeline solved once under 1F1B, then priced under every schedule; and what
+    # "auto" (the default) chooses for the same request
+    base = partition(model, devices, x, microbatches=ns.microbatches, replicas=1,
+                     require_all_devices=True, cost=ns.cost, schedule="1f1b")  # fmt: skip
     auto = partition(model, devices, x, microbatches=ns.microbatches, replicas=1,
                      require_all_devices=True, cost=ns.cost)  # fmt: skip
-    rows = priced(auto)
+    plans = variants(base)
+    rows = priced(base)
     cap = min(d.mem_cap for d in auto.cluster.devices)
     where = "2 CPU ranks" if ns.measure else ns.cluster
-    print(f"{ns.model}, batch {ns.batch} at {ns.size}px, {auto.num_stages} stages, "
+    print(f"{ns.model}, batch {ns.batch} at {ns.size}px, {base.num_stages} stages, "
           f"M={ns.microbatches}, {where}, {ns.cost} costs (simulated):")  # fmt: skip
-    _table(auto, rows, cap)
-    print(f"auto chose {auto.options.schedule}: {auto.solver.notes[-1]}")
+    _table(base, rows, cap)
+    note = next((n for n in auto.solver.notes if n.startswith("schedule ")), "")
+    print(f"auto chose {auto.options.schedule} ({auto.num_stages} stages): {note}")
     if not ns.measure:
         best_zb = min(rows[n][0] for n in ("zb-h1", "zb-h2") if rows[n][2] <= cap)
         print(f"best zero-bubble step / 1f1b step = {best_zb / rows['1f1b'][0]:.3f}")
+        inter = [rows[n][0] for n in INTERLEAVED_SCHEDULES if n in rows and rows[n][2] <= cap]
+        if inter:
+            print(f"best interleaved step / 1f1b step = {min(inter) / rows['1f1b'][0]:.3f}")
         return 0
     torch.set_num_threads(1)
     times: dict[str, list[float]] = {n: [] for n in rows}
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
         for name in rows:
-            p = Plan.from_dict(auto.to_dict())
-            p.options.schedule = name
-            annotate(p)
             paths[name] = Path(tmp) / f"{name}.json"
-            p.save(str(paths[name]))
+            plans[name].save(str(paths[name]))
         for r in range(ns.rounds):  # interleaved: a load change hits every schedule alike
             for name in rows:
                 t = dist_bench.pipeline_step_time(ns.model, paths[name], ns)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from crosscut.errors import InputError
 from crosscut.ir.graph import OpGraph
 from crosscut.ir.plan import Plan, PlanOptions
-from crosscut.ir.schedule import AUTO_SCHEDULE, DEFAULT_SCHEDULE
+from crosscut.ir.schedule import AUTO_SCHEDULE, DEFAULT_SCHEDULE, virtual_stages
 from crosscut.options import PlanRequest, cross_options
 from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.schedule_choice import choose_schedule
@@ -163,6 +163,7 @@ def solve_traced(
     from crosscut.partitioner.solvers.settings import SolveSettings
 
     r = request
+    interleaved = virtual_stages(r.schedule) > 1
     # "auto" groups need their shares priced at their own batch (the strategy's traces):
     # a graph given traced has one batch only, so it gets groups only when asked for
     groups, allowed = r.stage_groups(1) if r.cross_shaped is not None else (False, ())
@@ -173,7 +174,8 @@ def solve_traced(
         costs = costs.with_channel_scales(channel_scales(graph, cluster, widths))
     options = PlanOptions(
         objective=r.objective,
-        schedule=DEFAULT_SCHEDULE if r.schedule == AUTO_SCHEDULE else r.schedule,
+        # an interleaved schedule re-cuts a pipeline solved under 1F1B (partitioner/interleave.py)
+        schedule=DEFAULT_SCHEDULE if r.schedule == AUTO_SCHEDULE or interleaved else r.schedule,
         microbatches=r.microbatches or 1,
         overlap_comm=r.overlap_comm,
         optimizer=r.optimizer,
@@ -199,4 +201,29 @@ def solve_traced(
         input_shapes=input_shapes or [],
         recompute=r.recompute,
     )
-    return choose_schedule(plan) if r.schedule == AUTO_SCHEDULE else plan
+    if interleaved:
+        return _interleaved(plan, r.schedule)
+    # torchrun's ranks run one stage each: no interleaved re-cut for them (fill_devices)
+    return choose_schedule(plan, not r.fill_devices) if r.schedule == AUTO_SCHEDULE else plan
+
+
+def _interleaved(plan: Plan, schedule: str) -> Plan:
+    """``plan`` re-cut for the interleaved ``schedule`` the caller fixed; a clear error if none.
+
+    A one-stage plan (data parallel, or the whole model fits one device best)
+    has no pipeline to interleave: it keeps 1F1B and says so."""
+    from crosscut.errors import PartitionError
+    from crosscut.partitioner.interleave import interleave
+
+    if plan.num_stages == 1:
+        plan.solver.notes.append(f"schedule {schedule} asked for; one stage runs 1f1b")
+        return plan
+    out = interleave(plan, schedule)
+    if out is None:
+        raise PartitionError(
+            f"schedule {schedule!r} needs {virtual_stages(schedule)} stages per device that fit "
+            "the memory caps, cut from single-device stages",
+            value={"stages": plan.num_stages, "nodes": len(plan.assignment)},
+            remedy="use schedule 'auto' or '1f1b', or devices with more memory",
+        )
+    return out

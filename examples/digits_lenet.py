@@ -108,7 +108,7 @@ def run(
     epochs: int = 5, batch: int = 32, devices: int = 2, precision: str = "fp32"
 ) -> tuple[float, float, int]:
     """Test accuracy of (single device fp32, crosscut on ``devices`` CPU devices in
-    ``precision``), and the number of stages."""
+    ``precision``), and the number of devices the plan runs on."""
     torch.manual_seed(0)
     data = load_digits()
     base = LeNet()
@@ -123,9 +123,10 @@ def run(
         precision=precision,
     )
     acc_single = train(single, data, epochs, batch, "single device")
-    label = f"crosscut, {compiled.plan.num_stages} stages, {precision}"
+    plan = compiled.plan
+    label = f"crosscut, {plan.num_stages} stages ({plan.options.schedule}), {precision}"
     acc_split = train(compiled, data, epochs, batch, label, scale_loss=precision == "fp16")
-    return acc_single, acc_split, compiled.plan.num_stages
+    return acc_single, acc_split, len(set(compiled.plan.used_devices()))
 
 
 def main() -> None:

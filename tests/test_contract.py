@@ -22,7 +22,15 @@ SCRIPT = Path(__file__).parent / "dist_scripts" / "contract_check.py"
 
 @pytest.mark.parametrize(
     ("k", "m", "schedule"),
-    [(2, 1, "1f1b"), (3, 2, "1f1b"), (3, 2, "gpipe"), (3, 4, "zb-h1"), (2, 4, "zb-h2")],
+    [
+        (2, 1, "1f1b"),
+        (3, 2, "1f1b"),
+        (3, 2, "gpipe"),
+        (3, 4, "zb-h1"),
+        (2, 4, "zb-h2"),
+        (2, 2, "1f1b-v2"),  # 4 stages, 2 per device
+        (2, 1, "1f1b-v2"),
+    ],
 )
 def test_local_runtime_keeps_the_contract(k: int, m: int, schedule: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
@@ -38,6 +46,8 @@ def test_local_runtime_keeps_the_contract(k: int, m: int, schedule: str, tmp_pat
         schedule=schedule,
     )
     assert check_contract(pipe, model, m, tmp_path) is not None
+    if schedule == "1f1b-v2":  # two stages per device, round-robin
+        assert [st.devices[0] for st in pipe.plan.stages] == ["cpu0", "cpu1"] * 2
 
 
 @pytest.mark.distributed
@@ -52,6 +62,8 @@ def test_local_runtime_keeps_the_contract(k: int, m: int, schedule: str, tmp_pat
         (2, "pipeline", "zb-h1"),
         (4, "replicas", "zb-h1"),
         (4, "cross", "zb-h1"),
+        (2, "pipeline", "1f1b-v2"),
+        (4, "replicas", "1f1b-v2"),
     ],
 )
 def test_torchrun_ranks_keep_the_contract(

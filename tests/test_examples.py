@@ -16,8 +16,8 @@ from examples import (
 
 
 def test_digits_lenet_same_accuracy_on_two_devices() -> None:
-    single, split, stages = digits_lenet.run(epochs=2, batch=32, devices=2)
-    assert stages == 2  # really split across the two devices
+    single, split, used = digits_lenet.run(epochs=2, batch=32, devices=2)
+    assert used == 2  # really split across the two devices
     assert single > 50.0  # it learned something (10 classes: chance is 10%)
     assert abs(single - split) <= 0.5
 
@@ -31,8 +31,8 @@ def test_digits_lenet_in_fp16_matches_fp32_accuracy() -> None:
     no accuracy: at 10 epochs it is within 0.5 points of fp32 or better (after the
     issue-24 costs moved the split: fp16 96.6 % vs fp32 95.7 %).
     """
-    single, half, stages = digits_lenet.run(epochs=10, batch=32, devices=2, precision="fp16")
-    assert stages == 2 and single > 90.0
+    single, half, used = digits_lenet.run(epochs=10, batch=32, devices=2, precision="fp16")
+    assert used == 2 and single > 90.0
     assert half >= single - 0.5, (single, half)
 
 

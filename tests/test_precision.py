@@ -100,7 +100,10 @@ def test_compiled_bf16_equals_eager_under_the_same_autocast(m: int) -> None:
         replicas=1,
     )
     try:
-        assert compiled.plan.options.precision == "bf16" and compiled.plan.num_stages == 2
+        assert (
+            compiled.plan.options.precision == "bf16"
+            and len(set(compiled.plan.used_devices())) == 2
+        )
         with torch.no_grad():
             out = compiled(X)
             with torch.autocast("cpu", dtype=torch.bfloat16):

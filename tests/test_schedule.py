@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -20,6 +21,7 @@ from crosscut.ir.schedule import (
     one_f_one_b,
     parse_schedule,
     validate_schedule,
+    virtual_stages,
     zero_bubble_h1,
 )
 
@@ -76,7 +78,7 @@ def test_rule_violations_name_the_action() -> None:
         validate_schedule(parse_schedule("0: 0F0 0F1\n1: 1F0"), 2, 2, training=False)
     with pytest.raises(ScheduleError, match="not part of this run"):
         validate_schedule(gpipe(2, 2), 2, 2, training=False)
-    with pytest.raises(ScheduleError, match="is on the row of stage 0"):
+    with pytest.raises(ScheduleError, match="1F0 is on row 0; stage 1 runs on row 1"):
         validate_schedule(parse_schedule("0: 1F0\n1: 0F0"), 2, 1, training=False)
 
 
@@ -168,3 +170,90 @@ def test_pending_weights_is_the_built_schedules_peak_between_b_and_w(
                 pending.discard(a.microbatch)
             peak = max(peak, len(pending))
         assert pending_weights(name, s, k, m) == peak
+
+
+@given(st.integers(1, 5), st.integers(2, 4), st.integers(1, 12))
+def test_interleaved_schedules_are_valid_round_robin_and_ordered(w: int, v: int, m: int) -> None:
+    """Every (workers, virtual stages, micro-batches) gives a valid schedule: stage ``s``
+    on row ``s % W``, all of F and B once, no deadlock (validate_schedule), and each
+    stage's backwards in micro-batch order (the order gradients accumulate in eager)."""
+    from crosscut.ir.schedule import interleaved_1f1b, worker_of
+
+    s = w * v
+    built = make_schedule(f"1f1b-v{v}", s, m)
+    assert built == interleaved_1f1b(s, m, v)
+    assert len(built) == w
+    validate_schedule(built, s, m, training=True)
+    for r, row in enumerate(built):
+        assert all(worker_of(built, a.stage) == r for a in row)
+    for k in range(s):
+        row = built[k % w]
+        assert [a.microbatch for a in row if a.stage == k and a.kind == "B"] == list(range(m))
+        assert [a.microbatch for a in row if a.stage == k and a.kind == "F"] == list(range(m))
+
+
+@pytest.mark.parametrize(("w", "m"), [(2, 4), (4, 4), (4, 8), (3, 6)])
+def test_interleaving_shrinks_the_bubble_by_about_its_virtual_stages(w: int, m: int) -> None:
+    """The same work cut into twice the stages, two per worker: the idle time of
+    1F1B, ``(W - 1)(F + B)``, about halves (unit F, two-unit B per worker's share)."""
+    s = 2 * w
+    flat = max(e for _, e in action_times(one_f_one_b(w, m), w).values())
+    inter = make_schedule("1f1b-v2", s, m)
+    half = max(e for _, e in action_times(inter, s, [0.5] * s, [1.0] * s).values())
+    work = 3.0 * m
+    assert flat - work == pytest.approx(3.0 * (w - 1))
+    assert half - work == pytest.approx(3.0 * (w - 1) / 2)
+
+
+def test_interleaved_rules_name_the_problem() -> None:
+    from crosscut.ir.schedule import forward_only, in_flight, interleaved_1f1b
+
+    with pytest.raises(ScheduleError, match=r"whole number \(2 or more\) of stages per worker"):
+        interleaved_1f1b(5, 2, 2)
+    with pytest.raises(ScheduleError, match="1F0 is on row 0; stage 1 runs on row 1"):
+        validate_schedule(parse_schedule("0: 1F0 1B0\n1: 0F0 0B0 2F0 2B0 3F0 3B0"), 4, 1, True)
+    with pytest.raises(ScheduleError, match="2 or more"):
+        interleaved_1f1b(4, 3, 1)
+    # forwards only: the training rows' forwards, one row per worker
+    fwd = forward_only("1f1b-v2", 4, 4)
+    validate_schedule(fwd, 4, 4, training=False)
+    assert len(fwd) == 2
+    # the evaluator's in-flight count is the built schedule's, per stage
+    built = make_schedule("1f1b-v2", 4, 4)
+    assert [in_flight("1f1b-v2", 4, k, 4) for k in range(4)] == [
+        max_inflight(built, k) for k in range(4)
+    ]
+
+
+def test_every_training_schedule_is_accepted_by_the_front_doors(tmp_path: Path) -> None:
+    """The plan schema, the CLI and ``partition`` accept every schedule a plan may name,
+    and a plan under each round-trips its JSON (an interleaved one with its stages
+    round-robin over the devices)."""
+    import torch
+    from torch import nn
+
+    import crosscut
+    from crosscut.cli.commands import build_parser
+    from crosscut.ir.plan import Plan, plan_schema
+    from crosscut.ir.schedule import PIPELINE_SCHEDULES, SCHEDULE_CHOICES
+
+    schema = plan_schema()["properties"]["options"]["properties"]["schedule"]["enum"]
+    assert set(schema) == set(PIPELINE_SCHEDULES)
+    x = torch.randn(8, 3, 8, 8)
+    model = nn.Sequential(
+        *(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.ReLU()) for _ in range(4))
+    )
+    for name in SCHEDULE_CHOICES:
+        args = build_parser().parse_args(
+            ["partition", "m:f", "--devices", "2xV100", "-o", "p.json", "--schedule", name]
+        )
+        assert args.schedule == name
+    for name in PIPELINE_SCHEDULES:
+        plan = crosscut.partition(
+            model, "2xV100", x, schedule=name, microbatches=2, replicas=1,
+            require_all_devices=True,
+        )  # fmt: skip
+        back = Plan.load(plan.save(tmp_path / f"{name}.json"))
+        assert back.options.schedule == name
+        devices = [st.devices[0] for st in back.stages]
+        assert devices == ["gpu0", "gpu1"] * virtual_stages(name), (name, devices)

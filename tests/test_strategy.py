@@ -240,10 +240,14 @@ def test_stages_replicated_to_their_own_degrees_by_default() -> None:
     classifier the reverse. By default ("auto": batch-split groups, their shares priced at
     their own batch) the search gives the convolutions batch-split groups (a stage's own
     data parallelism) and the classifier few devices, and lists the shape of each stage;
-    asking for batch groups explicitly plans the same; ``cross_shaped=False`` forbids them."""
+    asking for batch groups explicitly plans the same; ``cross_shaped=False`` forbids them.
+    The schedule is fixed at 1F1B: with "auto" an interleaved pipeline (two stages per
+    device, no groups) wins here, checked at the end."""
     model = torchvision.models.alexnet(weights=None)
-    plan = crosscut.partition(model, "8xK20c", _meta(256))
-    asked = crosscut.partition(model, "8xK20c", _meta(256), cross_shaped=True, splits=("batch",))
+    plan = crosscut.partition(model, "8xK20c", _meta(256), schedule="1f1b")
+    asked = crosscut.partition(
+        model, "8xK20c", _meta(256), cross_shaped=True, splits=("batch",), schedule="1f1b"
+    )
     assert asked.predicted.step_time_s == plan.predicted.step_time_s
     widths = [len(st.devices) for st in plan.stages]
     assert max(widths) > 1 and len(set(widths)) > 1, strategy_line(plan)
@@ -255,10 +259,12 @@ def test_stages_replicated_to_their_own_degrees_by_default() -> None:
     chosen = next(a for a in plan.strategy.alternatives if a.outcome == "chosen")
     assert chosen.widths == widths and "stages on " + "+".join(map(str, widths)) in chosen.label()
     assert "groups " in strategy_line(plan)
-    none = crosscut.partition(model, "8xK20c", _meta(256), cross_shaped=False)
+    none = crosscut.partition(model, "8xK20c", _meta(256), cross_shaped=False, schedule="1f1b")
     assert all(len(st.devices) == 1 for st in none.stages)
     assert all(not a.widths for a in none.strategy.alternatives)
     assert none.predicted.step_time_s > plan.predicted.step_time_s
+    default = crosscut.partition(model, "8xK20c", _meta(256))
+    assert default.predicted.step_time_s <= plan.predicted.step_time_s
 
 
 def test_group_shares_are_priced_at_their_own_batch() -> None:
@@ -270,7 +276,8 @@ def test_group_shares_are_priced_at_their_own_batch() -> None:
     from tests.plan_factory import reprice
 
     model = torchvision.models.alexnet(weights=None)
-    plan = crosscut.partition(model, "8xK20c", _meta(256))
+    # a fixed schedule: under "auto" an interleaved pipeline without groups wins here
+    plan = crosscut.partition(model, "8xK20c", _meta(256), schedule="1f1b")
     micro = plan.model.batch_size // plan.options.microbatches
     grouped = [st for st in plan.stages if len(st.devices) > 1]
     assert grouped, strategy_line(plan)

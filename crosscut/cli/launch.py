@@ -160,9 +160,13 @@ def run_main(argv: Sequence[str]) -> int:
             ns.port = free_port(ns.host)
         if ns.node_rank == 0:
             check_port_free(ns.port, ns.host)
-        # one process per plan device of each replica: a channel/batch group has one per member
+        # one process per plan device of each replica: a channel/batch group has one per member;
+        # an interleaved plan's stages share devices, round-robin (one rank runs V stages)
+        from crosscut.ir.schedule import workers
+
         ranks = sum(
-            len(st.devices) if st.split in ("channel", "batch") else 1 for st in plan.stages
+            len(st.devices) if st.split in ("channel", "batch") else 1
+            for st in plan.stages[: workers(plan.options.schedule, plan.num_stages)]
         )
         own_logs = ns.log_dir is None
         if own_logs:

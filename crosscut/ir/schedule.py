@@ -1,13 +1,22 @@
 """Pipeline schedules as plain data.
 
-A schedule is one list of :class:`Action` per stage: the order in which that
-stage's worker runs forwards (``F``) and backwards (``B``) of micro-batches,
+A schedule is one list of :class:`Action` per worker: the order in which that
+worker runs forwards (``F``) and backwards (``B``) of micro-batches,
 and, in a zero-bubble schedule, the backward split in two: ``B`` computes only
 the gradients the stage sends upstream (on the critical path) and ``W`` the
 weight gradients later, where the stage would otherwise idle.
 Keeping it as data (torch pipelining's ``_Action`` habit) means the runtime,
 the partitioner's memory model and its simulator all read the same object, and
 a schedule can be printed, diffed, stored in a plan and parsed back.
+
+Workers and stages: in every schedule but the interleaved ones a worker runs
+one stage, and row ``k`` is stage ``k``'s. An interleaved schedule
+(``"1f1b-v2"``, ``"1f1b-v3"``, ...: :func:`interleaved_1f1b`) gives each of
+``W`` workers ``V`` smaller stages ("virtual stages", Narayanan et al. 2021),
+placed round-robin: stage ``s`` runs on worker ``s % W``, so row ``r`` holds
+the actions of stages ``r, r + W, r + 2W, ...`` in the one order that worker
+runs them. The rule is the same for both: stage ``s`` is on row
+``s % len(schedule)`` (:func:`worker_of`).
 
 This module imports no torch on purpose: the partitioner's simulator imports
 it, and it must stay importable without a device stack.
@@ -16,12 +25,10 @@ Text forms
     one action   ``"2F0"``  = stage 2, forward, micro-batch 0
     a schedule   one line per stage: ``"0: 0F0 0F1 0B0 0B1"``
 
-Dependency model (used by :func:`validate_schedule` and :func:`action_times`):
-``F(s, m)`` needs ``F(s-1, m)``; ``B(s, m)`` needs ``F(s, m)`` and
-``B(s+1, m)`` (the last stage's backward starts from its own forward, where the
-loss is computed); ``W(s, m)`` needs ``B(s, m)``. Skip connections that jump
-over stages only add edges that this chain already implies, so a schedule
-valid here is valid for any plan.
+The vocabulary (:class:`Action`, :data:`Schedule`) and the rules every
+schedule obeys (:func:`validate_schedule`, :func:`action_times`, the dependency
+model) live in :mod:`crosscut.ir.schedule_rules` and are re-exported here; the
+interleaved builder in :mod:`crosscut.ir.interleaved`.
 """
 
 from __future__ import annotations
@@ -29,14 +36,25 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
-from crosscut.errors import InputError
+from crosscut.ir.interleaved import interleaved_1f1b
+from crosscut.ir.schedule_rules import (
+    Action,
+    Schedule,
+    ScheduleError,
+    action_times,
+    check_sizes,
+    format_schedule,
+    parse_schedule,
+    splits_backward,
+    validate_schedule,
+    worker_of,
+)
 
 __all__ = [
     "AUTO_SCHEDULE",
     "DEFAULT_SCHEDULE",
+    "INTERLEAVED_SCHEDULES",
     "PIPELINE_SCHEDULES",
     "SCHEDULES",
     "SCHEDULE_CHOICES",
@@ -45,9 +63,11 @@ __all__ = [
     "ScheduleError",
     "action_times",
     "format_schedule",
+    "forward_only",
     "gpipe",
     "in_flight",
     "inference",
+    "interleaved_1f1b",
     "least_in_flight",
     "make_schedule",
     "max_inflight",
@@ -56,58 +76,19 @@ __all__ = [
     "pending_weights",
     "splits_backward",
     "validate_schedule",
+    "virtual_stages",
+    "worker_of",
+    "workers",
     "zero_bubble_h1",
     "zero_bubble_h2",
 ]
 
-Kind = Literal["F", "B", "W"]
-_ACTION_RE = re.compile(r"^\s*(\d+)([FBW])(\d+)\s*$")
-_KINDS: dict[str, Kind] = {"F": "F", "B": "B", "W": "W"}
-
-
-class ScheduleError(InputError):
-    """A schedule breaks a rule (duplicate, missing, out of order, deadlock)."""
-
-
-@dataclass(frozen=True, order=True)
-class Action:
-    """One unit of work: stage ``stage`` runs ``kind`` on micro-batch ``microbatch``."""
-
-    stage: int
-    kind: Kind
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """Inverse of ``str(action)``: ``Action.parse("2F0") == Action(2, "F", 0)``."""
-        m = _ACTION_RE.match(text)
-        if m is None:
-            raise ScheduleError(
-                "an action is written <stage><F|B|W><microbatch>",
-                value=text,
-                remedy="write e.g. '2F0' for stage 2, forward, micro-batch 0",
-            )
-        return cls(int(m.group(1)), _KINDS[m.group(2)], int(m.group(3)))
-
-
-Schedule = list[list[Action]]
-
-
-def _check_sizes(num_stages: int, microbatches: int) -> None:
-    if num_stages < 1 or microbatches < 1:
-        raise ScheduleError(
-            "a schedule needs at least one stage and one micro-batch",
-            value={"num_stages": num_stages, "microbatches": microbatches},
-            remedy="pass positive integers",
-        )
+_INTERLEAVED_RE = re.compile(r"^1f1b-v(\d+)$")
 
 
 def inference(num_stages: int, microbatches: int) -> Schedule:
     """Forwards only, each stage in micro-batch order."""
-    _check_sizes(num_stages, microbatches)
+    check_sizes(num_stages, microbatches)
     return [[Action(s, "F", m) for m in range(microbatches)] for s in range(num_stages)]
 
 
@@ -117,7 +98,7 @@ def gpipe(num_stages: int, microbatches: int) -> Schedule:
     Simple and bubble-heavy; every micro-batch's activations stay alive until
     its backward, so :func:`max_inflight` is ``microbatches`` on every stage.
     """
-    _check_sizes(num_stages, microbatches)
+    check_sizes(num_stages, microbatches)
     return [
         [Action(s, "F", m) for m in range(microbatches)]
         + [Action(s, "B", m) for m in range(microbatches)]
@@ -132,7 +113,7 @@ def one_f_one_b(num_stages: int, microbatches: int) -> Schedule:
     ``min(M, S-k)`` micro-batches are in flight on it: the later a stage, the
     less activation memory it holds. Same bubble as GPipe, far less memory.
     """
-    _check_sizes(num_stages, microbatches)
+    check_sizes(num_stages, microbatches)
     schedule: Schedule = []
     for k in range(num_stages):
         warm = min(num_stages - k - 1, microbatches)
@@ -184,7 +165,7 @@ def _zero_bubble(num_stages: int, microbatches: int, bound: Sequence[int]) -> Sc
     order that runs to completion once cannot deadlock when actions take
     longer or shorter).
     """
-    _check_sizes(num_stages, microbatches)
+    check_sizes(num_stages, microbatches)
     cap = [min(microbatches, b) for b in bound]
     rows: Schedule = [[] for _ in range(num_stages)]
     done: dict[Action, int] = {}  # end time of every action placed
@@ -221,6 +202,33 @@ def _zero_bubble(num_stages: int, microbatches: int, bound: Sequence[int]) -> Sc
     return rows
 
 
+def forward_only(name: str, num_stages: int, microbatches: int) -> Schedule:
+    """The forwards of the schedule ``name`` runs, rows per worker as in training.
+
+    Inference keeps the training schedule's workers, so a runtime has one
+    worker layout for both modes: one stage per row (:func:`inference`), or an
+    interleaved worker's forwards in the order its training row runs them
+    (forwards wait only for forwards, so the projection runs to completion).
+    """
+    if virtual_stages(name) < 2:
+        return inference(num_stages, microbatches)
+    return [
+        [a for a in row if a.kind == "F"]
+        for row in interleaved_1f1b(num_stages, microbatches, virtual_stages(name))
+    ]
+
+
+def virtual_stages(name: str) -> int:
+    """Stages per worker the schedule called ``name`` runs: ``V`` for ``"1f1b-vV"``, else 1."""
+    found = _INTERLEAVED_RE.match(name.lower())
+    return int(found.group(1)) if found else 1
+
+
+def workers(name: str, num_stages: int) -> int:
+    """Workers (devices, or device groups) a ``num_stages``-stage plan under ``name`` uses."""
+    return max(1, num_stages // virtual_stages(name))
+
+
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
@@ -230,8 +238,12 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
 }
 
 
+#: the interleaved schedules the planner tries and the fuzzer draws (any ``"1f1b-vV"``,
+#: V >= 2, is accepted by name)
+INTERLEAVED_SCHEDULES = ("1f1b-v2",)
+
 #: the training schedules a plan may name (``"inference"`` is chosen by mode, never named)
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", *INTERLEAVED_SCHEDULES)
 
 #: the schedule a plan or a runtime uses when none is given: the plan format and both
 #: runtimes (one value, so a plan replays as it was priced), and what the planner solves under
@@ -250,11 +262,13 @@ def in_flight(name: str, num_stages: int, stage: int, microbatches: int) -> int:
     schedule (``tests/test_schedule.py`` checks they agree), so the evaluator
     and the solver can price every candidate cut without building schedules:
     GPipe (and inference) keep every micro-batch, 1F1B and ZB-H1 ``min(M, S - k)``;
-    ZB-H2's counts are read off its built schedule (cached).
+    ZB-H2's and the interleaved schedules' counts are read off the built schedule
+    (cached). A worker of an interleaved schedule holds the sum over its stages
+    (the evaluator adds the stages of a device up), which bounds its true peak.
     """
     if name in ("1f1b", "zb-h1"):  # zb-h1 holds a micro-batch from its F to its W
         return max(1, min(microbatches, num_stages - stage))
-    if name == "zb-h2":
+    if name == "zb-h2" or virtual_stages(name) > 1:
         return _built_in_flight(name, num_stages, microbatches)[stage]
     return microbatches
 
@@ -297,14 +311,16 @@ def least_in_flight(name: str, microbatches: int) -> int:
 
 
 def make_schedule(name: str, num_stages: int, microbatches: int) -> Schedule:
-    """The schedule called ``name`` (one of :data:`SCHEDULES`)."""
+    """The schedule called ``name`` (one of :data:`SCHEDULES`, or ``"1f1b-vV"``)."""
+    if virtual_stages(name) > 1:
+        return interleaved_1f1b(num_stages, microbatches, virtual_stages(name))
     try:
         fn = SCHEDULES[name.lower()]
     except KeyError:
         raise ScheduleError(
             "the schedule name must be known",
             value=name,
-            remedy=f"use one of {sorted(SCHEDULES)}",
+            remedy=f"use one of {sorted(SCHEDULES)}, or 1f1b-vV (V >= 2 stages per worker)",
         ) from None
     return fn(num_stages, microbatches)
 
@@ -319,164 +335,12 @@ def max_inflight(schedule: Schedule, stage: int) -> int:
     """
     release = "W" if splits_backward(schedule) else "B"
     live = peak = 0
-    for a in schedule[stage]:
+    for a in schedule[worker_of(schedule, stage)]:
+        if a.stage != stage:
+            continue
         if a.kind == "F":
             live += 1
         elif a.kind == release:
             live -= 1
         peak = max(peak, live)
     return peak
-
-
-def splits_backward(schedule: Schedule) -> bool:
-    """Whether ``schedule`` runs each backward as a ``B`` and a later ``W``."""
-    return any(a.kind == "W" for row in schedule for a in row)
-
-
-def format_schedule(schedule: Schedule) -> str:
-    """One line per stage, ``"0: 0F0 0F1 0B0 0B1"``; :func:`parse_schedule` inverts it."""
-    return "\n".join(f"{s}:" + "".join(f" {a}" for a in row) for s, row in enumerate(schedule))
-
-
-def parse_schedule(text: str) -> Schedule:
-    """Inverse of :func:`format_schedule`; stage lines must be 0, 1, 2, ... in order."""
-    schedule: Schedule = []
-    for lineno, line in enumerate(ln for ln in text.strip().splitlines() if ln.strip()):
-        head, sep, rest = line.partition(":")
-        if not sep or not head.strip().isdigit() or int(head) != lineno:
-            raise ScheduleError(
-                "each schedule line starts with its stage number and a colon, in order",
-                value=line,
-                remedy=f"start line {lineno} with '{lineno}:'",
-            )
-        schedule.append([Action.parse(tok) for tok in rest.split()])
-    return schedule
-
-
-def _deps(a: Action, num_stages: int) -> list[Action]:
-    """The actions ``a`` waits for, by the chain dependency model in the module doc."""
-    if a.kind == "F":
-        return [Action(a.stage - 1, "F", a.microbatch)] if a.stage > 0 else []
-    if a.kind == "W":
-        return [Action(a.stage, "B", a.microbatch)]
-    deps = [Action(a.stage, "F", a.microbatch)]
-    if a.stage < num_stages - 1:
-        deps.append(Action(a.stage + 1, "B", a.microbatch))
-    return deps
-
-
-def validate_schedule(
-    schedule: Schedule, num_stages: int, microbatches: int, training: bool
-) -> None:
-    """Raise :class:`ScheduleError` naming the first offending action, else return.
-
-    Rules: one row per stage and each action on its own stage's row; every
-    required action exactly once (``F`` for every micro-batch, plus ``B`` when
-    training, and no ``B`` otherwise; a split backward has a ``W`` for every
-    ``B``, or none at all); on a stage ``F(m)`` precedes ``B(m)``, which
-    precedes ``W(m)``; and the whole thing runs to completion (no deadlock)
-    under the dependency model, checked by :func:`action_times` with unit times.
-    """
-    _check_sizes(num_stages, microbatches)
-    if len(schedule) != num_stages:
-        raise ScheduleError(
-            "a schedule has one row per stage",
-            value={"rows": len(schedule), "num_stages": num_stages},
-        )
-    kinds: tuple[Kind, ...] = ("F", "B") if training else ("F",)
-    if training and splits_backward(schedule):
-        kinds = ("F", "B", "W")
-    seen: set[Action] = set()
-    for s, row in enumerate(schedule):
-        for a in row:
-            if a.stage != s:
-                raise ScheduleError(f"action {a} is on the row of stage {s}", value=str(a))
-            if a.kind not in kinds or not 0 <= a.microbatch < microbatches:
-                raise ScheduleError(
-                    f"action {a} is not part of this run",
-                    value=str(a),
-                    remedy=f"kinds {kinds}, micro-batches 0..{microbatches - 1}",
-                )
-            if a in seen:
-                raise ScheduleError(f"action {a} appears more than once", value=str(a))
-            if a.kind == "B" and Action(s, "F", a.microbatch) not in seen:
-                raise ScheduleError(
-                    f"action {a} runs before its forward {s}F{a.microbatch} on stage {s}",
-                    value=str(a),
-                    remedy="put every forward before the backward of the same micro-batch",
-                )
-            if a.kind == "W" and Action(s, "B", a.microbatch) not in seen:
-                raise ScheduleError(
-                    f"action {a} runs before its input-gradient pass {s}B{a.microbatch}",
-                    value=str(a),
-                    remedy="put every W after the B of the same micro-batch on its stage",
-                )
-            seen.add(a)
-    for s in range(num_stages):
-        for kind in kinds:
-            for m in range(microbatches):
-                if Action(s, kind, m) not in seen:
-                    raise ScheduleError(f"action {s}{kind}{m} is missing", value=f"{s}{kind}{m}")
-    action_times(schedule, num_stages)
-
-
-def action_times(
-    schedule: Schedule,
-    num_stages: int,
-    forward_cost: Sequence[float] | None = None,
-    backward_cost: Sequence[float] | None = None,
-    weight_cost: Sequence[float] | None = None,
-) -> dict[Action, tuple[float, float]]:
-    """Start and end time of every action when each stage runs its row in order.
-
-    ``forward_cost[s]`` / ``backward_cost[s]`` default to 1 and 2 (a backward
-    costs about two forwards); in a split backward ``B`` takes
-    ``backward_cost[s] - weight_cost[s]`` and ``W`` ``weight_cost[s]``
-    (default: half of the backward each). An action starts when its stage is free and its
-    dependencies have ended. If no stage can make progress before all actions
-    ran, the schedule deadlocks: :class:`ScheduleError` names the blocked
-    actions and what each waits for.
-    """
-    fwd = list(forward_cost) if forward_cost is not None else [1.0] * num_stages
-    bwd = list(backward_cost) if backward_cost is not None else [2.0] * num_stages
-    wgt = [0.0] * num_stages
-    if splits_backward(schedule):
-        wgt = list(weight_cost) if weight_cost is not None else [b / 2.0 for b in bwd]
-    cost = {"F": fwd, "B": [b - w for b, w in zip(bwd, wgt)], "W": wgt}
-    present = {a for row in schedule for a in row}
-    times: dict[Action, tuple[float, float]] = {}
-    pos = [0] * len(schedule)
-    free = [0.0] * len(schedule)
-    total = sum(len(row) for row in schedule)
-    while len(times) < total:
-        progressed = False
-        for s, row in enumerate(schedule):
-            while pos[s] < len(row):
-                a = row[pos[s]]
-                deps = [d for d in _deps(a, num_stages) if d in present]
-                if any(d not in times for d in deps):
-                    break
-                start = max([free[s], *(times[d][1] for d in deps)])
-                end = start + cost[a.kind][s]
-                times[a] = (start, end)
-                free[s] = end
-                pos[s] += 1
-                progressed = True
-        if not progressed:
-            blocked = {
-                str(row[pos[s]]): [
-                    str(d)
-                    for d in _deps(row[pos[s]], num_stages)
-                    if d in present and d not in times
-                ]
-                for s, row in enumerate(schedule)
-                if pos[s] < len(row)
-            }
-            first = next(iter(blocked))
-            raise ScheduleError(
-                f"the schedule deadlocks: action {first} waits for {blocked[first]}, "
-                "which can never run first",
-                value=blocked,
-                remedy="reorder the rows so each stage's next action's dependencies can finish",
-            )
-    return times

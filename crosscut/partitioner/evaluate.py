@@ -56,6 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from crosscut.ir.problem import PartitionProblem, StageGroup
+from crosscut.ir.schedule import virtual_stages, workers
 from crosscut.partitioner.group_costs import (
     batch_split_exports,
     collective_time,
@@ -404,7 +405,11 @@ def check(
                     f"stage {k} is split by batch but hands on {name!r}, which is not a "
                     "tensor with the batch as dim 0 (each share would compute its own)"
                 )
-    if groups is None and len(set(stage_device)) != len(stage_device):
+    if (
+        groups is None
+        and len(set(stage_device)) != len(stage_device)
+        and not _round_robin(problem.schedule, stage_device)
+    ):
         errors.append(f"stage_device {stage_device} uses a device twice")
     if any(not 0 <= d < problem.num_devices for d in stage_device):
         errors.append(
@@ -419,6 +424,17 @@ def check(
                 f"device {problem.devices[d]!r} needs {need} bytes, cap {problem.mem_cap[d]}"
             )
     return errors
+
+
+def _round_robin(schedule: str, stage_device: list[int]) -> bool:
+    """Whether an interleaved ``schedule`` places the stages round-robin over distinct devices."""
+    w = workers(schedule, len(stage_device))
+    return (
+        virtual_stages(schedule) > 1
+        and len(stage_device) % w == 0
+        and len(set(stage_device[:w])) == w
+        and all(d == stage_device[k % w] for k, d in enumerate(stage_device))
+    )
 
 
 def renumber(stage_of: list[int], stage_device: list[int]) -> tuple[list[int], list[int]]:

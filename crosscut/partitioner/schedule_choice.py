@@ -9,6 +9,11 @@ device), keeping the quickest that fits every device's memory cap. On a tie
 the earlier of :data:`PREFERENCE` wins: fewer moving parts. A plan of one
 stage, or an inference plan, has no bubble to close and keeps 1F1B.
 
+An interleaved schedule (``"1f1b-v2"``) changes the stages themselves: each
+device gets two, round-robin. The planner re-cuts the solved pipeline for it
+(:mod:`crosscut.partitioner.interleave`), prices the re-cut the same way and
+keeps it only when it is the quickest that fits.
+
 Each schedule's step is written to the plan's solver notes, so a user sees
 what the choice rejected and by how much (``crosscut partition`` prints them).
 """
@@ -16,8 +21,9 @@ what the choice rejected and by how much (``crosscut partition`` prints them).
 from __future__ import annotations
 
 from crosscut.ir.plan import Plan
-from crosscut.ir.schedule import DEFAULT_SCHEDULE
+from crosscut.ir.schedule import DEFAULT_SCHEDULE, INTERLEAVED_SCHEDULES
 from crosscut.partitioner.annotate import annotate
+from crosscut.partitioner.interleave import interleave as interleave_plan
 
 __all__ = ["PREFERENCE", "choose_schedule"]
 
@@ -30,8 +36,16 @@ def _fits(plan: Plan) -> bool:
     return all(b <= caps.get(d, b) for d, b in plan.predicted.device_peak_bytes.items())
 
 
-def choose_schedule(plan: Plan) -> Plan:
-    """Set ``plan``'s schedule to the quickest of :data:`PREFERENCE` that fits; returns it."""
+def choose_schedule(plan: Plan, interleave: bool = True) -> Plan:
+    """The quickest of :data:`PREFERENCE` that fits, on ``plan``'s stages, or an interleaved re-cut.
+
+    ``plan`` is set to the quickest schedule of :data:`PREFERENCE` and returned,
+    unless ``interleave`` and a re-cut of its stages under one of
+    :data:`~crosscut.ir.schedule.INTERLEAVED_SCHEDULES`
+    (:func:`~crosscut.partitioner.interleave.interleave`) is quicker still and
+    fits: then that new plan is returned. ``interleave=False`` where the plan
+    will run under torchrun, whose ranks run one stage each.
+    """
     if plan.model.mode != "train" or plan.num_stages == 1:
         if plan.options.schedule != DEFAULT_SCHEDULE:
             plan.options.schedule = DEFAULT_SCHEDULE
@@ -42,10 +56,20 @@ def choose_schedule(plan: Plan) -> Plan:
         plan.options.schedule = name
         annotate(plan)
         priced.append((name, plan.predicted.step_time_s, _fits(plan)))
+    recut: dict[str, Plan] = {}
+    if interleave and all(len(st.devices) == 1 for st in plan.stages):
+        for name in INTERLEAVED_SCHEDULES:
+            cand = interleave_plan(plan, name)
+            if cand is not None:
+                recut[name] = cand
+                priced.append((name, cand.predicted.step_time_s, _fits(cand)))
     fitting = [(step, i, name) for i, (name, step, ok) in enumerate(priced) if ok]
     _, _, best = min(fitting) if fitting else (0.0, 0, DEFAULT_SCHEDULE)
-    plan.options.schedule = best
-    annotate(plan)
+    if best in recut:
+        plan = recut[best]
+    else:
+        plan.options.schedule = best
+        annotate(plan)
     rest = "; ".join(
         f"{name} {step * 1e3:.4g} ms" + ("" if ok else " (over a memory cap)")
         for name, step, ok in priced

@@ -2,8 +2,10 @@
 
 The solver optimises a steady-state bottleneck; a user wants to know the time of
 one training step, how much of it is bubble, and which device does what when.
-This module replays the plan's schedule (``crosscut.ir.schedule``: GPipe, 1F1B or
-forward-only) action by action on one timeline per device:
+This module replays the plan's schedule (``crosscut.ir.schedule``: GPipe, 1F1B,
+zero-bubble, interleaved or forward-only) action by action on one timeline per
+device, each worker's row in its order (an interleaved worker's row mixes its
+stages' actions):
 
 * ``F(k, m)`` takes the stage's forward compute plus its one-way transfer time
   (or their max with ``overlap_comm``), and starts once the device is free and
@@ -156,11 +158,7 @@ def simulate(plan: Plan) -> Simulation:
     fwd, bwd = stage_durations(plan, ev)
     mult = 2 if plan.model.mode == "train" else 1
     comm = [c / mult for c in ev.stage_comm]  # one direction's transfers, per action
-    senders: list[set[int]] = [set() for _ in range(plan.num_stages)]
-    receivers: list[set[int]] = [set() for _ in range(plan.num_stages)]
-    for _, j, k, _t in ev.transfers:
-        senders[k].add(j)
-        receivers[j].add(k)
+    senders, receivers = _links(plan.num_stages, ev)
     queues = _actions(plan)
     wgt = [0.0] * plan.num_stages
     if sched.splits_backward(queues):  # only then: the compute part of each backward
@@ -171,14 +169,15 @@ def simulate(plan: Plan) -> Simulation:
             bwd[k] -= moved
     done: dict[tuple[int, str, int], float] = {}
     free = {d.name: 0.0 for d in plan.cluster.devices}  # co-located stages share devices
-    head = [0] * plan.num_stages
+    head = [0] * len(queues)  # one queue per worker (row): its stages' actions in order
     events: list[Event] = []
     remaining = sum(len(q) for q in queues)
     while remaining:
         progressed = False
-        for k, queue in enumerate(queues):
-            while head[k] < len(queue):
-                a = queue[head[k]]
+        for r, queue in enumerate(queues):
+            while head[r] < len(queue):
+                a = queue[head[r]]
+                k = a.stage
                 deps = _deps(a, senders, receivers)
                 if any(d not in done for d in deps):
                     break
@@ -197,11 +196,11 @@ def simulate(plan: Plan) -> Simulation:
                     if wire > 0:
                         t0 = start if plan.options.overlap_comm else max(start, end - wire)
                         events.append(Event(dev, k, "T", a.microbatch, t0, min(end, t0 + wire)))
-                head[k] += 1
+                head[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = [str(q[head[k]]) for k, q in enumerate(queues) if head[k] < len(q)]
+            stuck = [str(q[head[r]]) for r, q in enumerate(queues) if head[r] < len(q)]
             raise PlanError(
                 "a schedule must not deadlock: every action's inputs come from earlier actions",
                 value=stuck,
@@ -266,6 +265,11 @@ def _step_tail(plan: Plan, events: list[Event]) -> tuple[float, float, float]:
     exposed = update = 0.0
     end_all = step
     split = any(e.kind == "W" for e in events)
+    # an interleaved rank reduces all its stages after its whole row, one after another
+    shared = sched.virtual_stages(plan.options.schedule) > 1
+    free: dict[str, float] = {}
+    for e in events:
+        free[e.device] = max(free.get(e.device, 0.0), e.end)
     for k, stage in enumerate(plan.stages):
         last = [e for e in events if e.stage == k and e.kind == ("W" if split else "B")]
         if not last:
@@ -279,7 +283,11 @@ def _step_tail(plan: Plan, events: list[Event]) -> tuple[float, float, float]:
             )
             # overlapped with the last backward; after the last W of a split backward
             start = b.end if split else b.start
-            done = max(done, red.positions[k].finish(start, b.end, 0.0 if split else back))
+            if shared:
+                start = free[stage.devices[0]]
+            tail = 0.0 if split or shared else back
+            done = max(done, red.positions[k].finish(start, max(start, b.end), tail))
+            free[stage.devices[0]] = done
             for dev in stage.devices:
                 events.append(Event(dev, -1, "R", k, start, done))
         exposed = max(exposed, done - b.end)
@@ -293,6 +301,16 @@ def _step_tail(plan: Plan, events: list[Event]) -> tuple[float, float, float]:
 
     lead = plan.cluster.devices[plan.cluster.index(plan.stages[0].devices[0])]
     return end_all + step_overhead_s(lead.device), exposed, update
+
+
+def _links(count: int, ev: Evaluation) -> tuple[list[set[int]], list[set[int]]]:
+    """Per stage: the stages that send to it, and the stages it sends to."""
+    senders: list[set[int]] = [set() for _ in range(count)]
+    receivers: list[set[int]] = [set() for _ in range(count)]
+    for _, j, k, _t in ev.transfers:
+        senders[k].add(j)
+        receivers[j].add(k)
+    return senders, receivers
 
 
 def _deps(

@@ -13,6 +13,7 @@ from typing import Any
 
 from crosscut.errors import PlanError
 from crosscut.ir.plan import Plan
+from crosscut.ir.schedule import virtual_stages, workers
 from crosscut.partitioner.build import assigned_names, plan_groups, plan_to_problem
 
 __all__ = ["plan_problems", "validate_plan"]
@@ -64,6 +65,9 @@ def _structure_problems(plan: Plan) -> list[str]:
         out.append(f"cluster device names must be unique: {dev_names}")
     used: dict[str, int] = {}
     training = plan.model.mode == "train"
+    interleaved = virtual_stages(plan.options.schedule) > 1
+    if interleaved:
+        out += _interleaved_problems(plan)
     for i, stage in enumerate(plan.stages):
         if stage.recompute and not training:
             # nothing is kept for backward in inference, so there is nothing to recompute
@@ -78,7 +82,7 @@ def _structure_problems(plan: Plan) -> list[str]:
         for d in stage.devices:
             if d not in dev_names:
                 out.append(f"stage {i} runs on {d!r}, which is not in the cluster {dev_names}")
-            elif d in used and not shared:
+            elif d in used and not shared and not interleaved:
                 out.append(
                     f"device {d!r} runs stages {used[d]} and {i}; a device runs one stage, "
                     "unless consecutive stages share the very same group of 2+ devices"
@@ -94,6 +98,31 @@ def _structure_problems(plan: Plan) -> list[str]:
     for name, k in plan.assignment.items():
         if not 0 <= k < len(plan.stages):
             out.append(f"node {name!r} is on stage {k}, but the plan has {len(plan.stages)}")
+    return out
+
+
+def _interleaved_problems(plan: Plan) -> list[str]:
+    """An interleaved plan's rule: ``W`` distinct devices, stage ``k`` on stage ``k % W``'s."""
+    name, count = plan.options.schedule, plan.num_stages
+    virtual = virtual_stages(name)
+    if plan.model.mode != "train":
+        return [f"schedule {name!r} is a training schedule; an inference plan uses '1f1b'"]
+    if count % virtual or count < 2 * virtual:
+        return [
+            f"schedule {name!r} runs {virtual} stages per device: the plan's {count} stages "
+            f"must be a multiple of {virtual}, on 2 or more devices"
+        ]
+    w = workers(name, count)
+    first = [st.devices for st in plan.stages[:w]]
+    out: list[str] = []
+    if any(len(d) != 1 for d in first) or len({d[0] for d in first}) != w:
+        out.append(f"an interleaved plan's first {w} stages run on {w} distinct single devices")
+    for k, st in enumerate(plan.stages[w:], start=w):
+        if st.devices != plan.stages[k % w].devices:
+            out.append(
+                f"stage {k} runs on {st.devices}; under {name!r} it runs on stage "
+                f"{k % w}'s device {plan.stages[k % w].devices} (round-robin)"
+            )
     return out
 
 

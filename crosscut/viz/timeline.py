@@ -3,8 +3,11 @@
 One row per device, one box per forward (light) or backward (dark) action in
 the device's colour (the colour means "this device" in every picture of the
 report), labelled with its micro-batch ("F3", "B3"), so the bubbles of the
-schedule show as the grey gaps between boxes. The transfer part of an action
-(the simulator's ``"T"`` events) runs as a thin red lane under its device.
+schedule show as the grey gaps between boxes. A device running several
+stages (an interleaved schedule) draws each one's boxes apart: class
+``vstage-j`` for its ``j``-th stage, the later ones lighter and outlined.
+The transfer part of an action (the simulator's ``"T"`` events) runs as a
+thin red lane under its device.
 The drawing takes any object shaped like
 ``crosscut.partitioner.simulate.Simulation`` (see :class:`SimulationLike`), so
 tests and other simulators can draw without importing the partitioner.
@@ -108,10 +111,38 @@ def _rows(plan: Plan, sim: SimulationLike) -> dict[str, list[EventLike]]:
     return {d: rows[d] for d in sorted(rows, key=lambda d: order.index(d) if d in order else 99)}
 
 
+def _box(
+    e: EventLike, at: tuple[float, float, float, float], fill: str, v: int, tip: str
+) -> list[str]:
+    """One F/B/W action's box at ``at`` (x, row top, width, height), labelled when wide
+    enough; ``v``: its stage's place on a device running several (-1: the only one)."""
+    x0, y, w, h = at
+    # a later virtual stage of the device: its own class, lighter, outlined dark
+    edge = 'stroke="#fff" stroke-width="0.5"'
+    if v > 0:
+        fill, edge = lighten(fill, 0.35), 'stroke="#333" stroke-width="1"'
+    vclass = f" vstage-{v}" if v >= 0 else ""
+    out = [
+        f'<rect class="ev ev-{html.escape(e.kind)}{vclass}" x="{x0:.1f}" y="{y + 2}" '
+        f'width="{w:.1f}" height="{h}" fill="{fill}" {edge}><title>{tip}</title></rect>'
+    ]
+    label = f"{html.escape(e.kind)}{e.microbatch}"
+    if w > 7 * len(label) + 4:
+        out.append(
+            f'<text x="{x0 + w / 2:.1f}" y="{y + (h + 4) / 2 + 4:.1f}" text-anchor="middle" '
+            f'fill="{_text_on(fill)}" pointer-events="none">{label}</text>'
+        )
+    return out
+
+
 def timeline_svg(plan: Plan, sim: SimulationLike, *, width: int = 1200) -> str:
     """An SVG Gantt chart of ``sim``: rows = devices, x = time in ms."""
     rows = _rows(plan, sim)
     colors = device_colors(plan)
+    # a device running several stages (an interleaved schedule): each one's boxes apart
+    hosted: dict[str, list[int]] = {}
+    for st in plan.stages:
+        hosted.setdefault(st.devices[0], []).append(st.index)
     span = max([sim.step_time_s, *(e.end for e in sim.events)], default=0.0) or 1e-9
     left, right, top, row_h, lane = 130, 20, 28, 30, 7
     plot = width - left - right
@@ -167,18 +198,9 @@ def timeline_svg(plan: Plan, sim: SimulationLike, *, width: int = 1200) -> str:
                     f'height="{row_h - 4}" fill="#9aa3ab"><title>{tip}</title></rect>'
                 )
                 continue
+            mine = hosted.get(dev, [])
+            v = mine.index(e.stage) if len(mine) > 1 and e.stage in mine else -1
             fill = action_color(colors.get(dev, "#bab0ac"), e.kind)
-            parts.append(
-                f'<rect class="ev ev-{html.escape(e.kind)}" x="{x0:.1f}" y="{y + 2}" '
-                f'width="{w:.1f}" height="{row_h - 4}" fill="{fill}" stroke="#fff" '
-                f'stroke-width="0.5"><title>{tip}</title></rect>'
-            )
-            label = f"{html.escape(e.kind)}{e.microbatch}"
-            if w > 7 * len(label) + 4:
-                color = _text_on(fill)
-                parts.append(
-                    f'<text x="{x0 + w / 2:.1f}" y="{y + row_h / 2 + 4:.1f}" '
-                    f'text-anchor="middle" fill="{color}" pointer-events="none">{label}</text>'
-                )
+            parts += _box(e, (x0, y, w, row_h - 4), fill, v, tip)
     parts.append("</svg>")
     return "".join(parts)

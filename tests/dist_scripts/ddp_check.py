@@ -71,7 +71,7 @@ def record(pipe: cd.DistributedPipeline, log: list[Any]) -> None:
         return default_hooks.allreduce_hook(state, bucket)
 
     red.ddp.register_comm_hook(red.group, hook)  # the state: the group to reduce over
-    backward = pipe._engine.backward
+    backward = pipe._here.engines[pipe.stage_index].backward
 
     def logged(a: Any, io: Any, autograd: Any = None) -> None:
         landed[0] = 0
@@ -79,7 +79,7 @@ def record(pipe: cd.DistributedPipeline, log: list[Any]) -> None:
         backward(a, io, autograd)
         log.append(("end", a.microbatch, landed[0]))
 
-    pipe._engine.backward = logged  # type: ignore[method-assign]
+    pipe._here.engines[pipe.stage_index].backward = logged  # type: ignore[method-assign]
 
 
 def step(pipe: cd.DistributedPipeline, schedule: str, initial: dict[str, Any]) -> dict[str, Any]:
@@ -117,7 +117,7 @@ def lose_a_replica(rank: int, die: int, timeout: float) -> int:
         require_all_devices=True,
     )
     if rank == die:
-        backward = pipe._engine.backward
+        backward = pipe._here.engines[pipe.stage_index].backward
 
         def dying(a: Any, io: Any, autograd: Any = None) -> None:
             if autograd is not None:
@@ -125,7 +125,7 @@ def lose_a_replica(rank: int, die: int, timeout: float) -> int:
                 os._exit(1)
             backward(a, io, autograd)
 
-        pipe._engine.backward = dying  # type: ignore[method-assign]
+        pipe._here.engines[pipe.stage_index].backward = dying  # type: ignore[method-assign]
     pipe.train_step(*batch(), loss_fn)
     return 0
 

@@ -82,6 +82,7 @@ class PendingRecv:
     what: str
     tensors: list[torch.Tensor]
     works: list[Any] = field(default_factory=list)
+    loop_tags: list[int] = field(default_factory=list)  # a message from this rank to itself
 
 
 class Messenger:
@@ -90,6 +91,11 @@ class Messenger:
     Sends are not waited on at once (gloo completes a send only once the peer
     has posted the matching receive); they are kept, with their tensors alive,
     until :meth:`drain` or :meth:`flush`.
+
+    A message to this rank itself (an interleaved schedule's value from stage
+    ``s`` to stage ``s + W``, both on this rank) never reaches the backend,
+    which refuses a send to oneself: it is kept by tag until its receive is
+    waited on, which the schedule's order puts after the send.
     """
 
     def __init__(self, rank: int, timeout_s: float, describe_self: str) -> None:
@@ -98,6 +104,7 @@ class Messenger:
         self.timeout = timedelta(seconds=timeout_s)
         self.me = describe_self
         self._sends: list[tuple[Any, torch.Tensor, int, str]] = []
+        self._loop: dict[int, torch.Tensor] = {}  # tag -> a message to this rank itself
 
     # ---- failures ------------------------------------------------------------------
     def _store(self) -> Any:
@@ -153,6 +160,8 @@ class Messenger:
         default group); a device group's own messages use the group's, so
         their tags can never meet the pipeline's.
         """
+        if peer == self.rank and group is None:
+            return PendingRecv(value, peer, what, [], loop_tags=list(tags))
         pending = PendingRecv(value, peer, what, [torch.empty_like(t) for t in templates])
         try:
             for buf, tag in zip(pending.tensors, tags):
@@ -163,6 +172,16 @@ class Messenger:
 
     def wait_recv(self, pending: PendingRecv) -> list[torch.Tensor]:
         """Wait for every request of ``pending``; a failure names its peer."""
+        if pending.loop_tags:
+            missing = [t for t in pending.loop_tags if t not in self._loop]
+            if missing:
+                raise DistributedError(
+                    f"{self.me} waited for {pending.what} from itself before sending it",
+                    value={"tags": missing},
+                    remedy="the schedule runs a reader before its producer on one rank; "
+                    "validate it with crosscut.ir.schedule.validate_schedule",
+                )
+            return [self._loop.pop(t) for t in pending.loop_tags]
         for w in pending.works:
             try:
                 w.wait(timeout=self.timeout)
@@ -174,6 +193,9 @@ class Messenger:
     def send(self, tensor: torch.Tensor, peer: int, tag: int, what: str, group: Any = None) -> None:
         """Post an isend of ``tensor`` (made contiguous, kept alive until flushed)."""
         t = tensor.detach().contiguous()
+        if peer == self.rank and group is None:  # to itself: a copy, as the wire would make
+            self._loop[tag] = t.clone()
+            return
         try:
             work = dist.isend(t, dst=peer, tag=tag, group=group)
         except RuntimeError as exc:

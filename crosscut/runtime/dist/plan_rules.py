@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from crosscut.errors import DistributedError, InputError
+from crosscut.ir.schedule import virtual_stages
 
 __all__ = [
     "check_bn_mode",
@@ -34,10 +35,24 @@ def group_widths(plan: Any) -> list[int]:
 def check_one_stage_per_device(plan: Any) -> None:
     """Ranks are devices: a plan whose stages share a device (a co-located tail) is refused.
 
+    An interleaved plan's stages share devices by design (``V`` per device,
+    round-robin): one rank runs them all, in its schedule row's order.
+
     Why: the rank layout gives every (stage, member) its own process and device;
     two stages on one device would need two ranks on one GPU, which NCCL does
     not allow, and the solver priced them as taking turns on one device.
     """
+    if virtual_stages(str(getattr(plan.options, "schedule", ""))) > 1:
+        # interleaved: stage s on stage (s % W)'s device, one rank running all of them
+        # (the plan's own validation holds the round-robin rule)
+        grouped = [st.index for st in plan.stages if len(st.devices) != 1]
+        if grouped:
+            raise DistributedError(
+                "an interleaved plan runs one device per stage",
+                value={"grouped stages": grouped},
+                remedy="re-partition with schedule 'auto' or a named non-interleaved one",
+            )
+        return
     seen: dict[str, int] = {}
     for st in plan.stages:
         for dev in st.devices:

@@ -3,9 +3,10 @@
 Layout (Mariana's worker groups × workers): ``R`` replicas of an ``S``-stage
 pipeline, ``rank = replica × S + stage`` — or, for a cross-shaped plan,
 ``rank = replica × W + offset[stage] + member`` with ``W`` the plan's devices
-(:class:`~crosscut.runtime.dist.world.RankLayout`). Each rank builds the same
-:class:`~crosscut.ir.program.StagedProgram` from the same plan, keeps only
-its own stage module and runs its row of the GPipe or 1F1B schedule:
+(:class:`~crosscut.runtime.dist.world.RankLayout`); under an interleaved
+schedule a rank runs ``V`` stages (:mod:`crosscut.runtime.dist.rank_stages`).
+Each rank builds the same :class:`~crosscut.ir.program.StagedProgram` from the
+same plan, keeps only its own stage modules and runs its row of the schedule:
 
 * ``F``: receive the stage's inputs (each from the stage that produces it —
   skip connections come straight from their producer, never relayed), run the
@@ -13,7 +14,7 @@ its own stage module and runs its row of the GPipe or 1F1B schedule:
   also computes ``loss_fn(output, targets) / M``.
 * ``B``: receive the gradient of each exported value from each consumer, sum
   them, backpropagate through the stage's saved graph, send the gradient of
-  each received input back to its producer.
+  each received input back to its producer (``W``: the weight gradients later).
 
 What each action posts, sends and rebuilds (buffers, tags, pytree leaves, this
 replica's micro-batches of the global batch) is :mod:`crosscut.runtime.dist.stage_io`;
@@ -22,31 +23,24 @@ the once-per-step batch-norm commit is :mod:`crosscut.runtime.dist.bn_commit`.
 
 Each rank's gradients are averaged over its ``R`` replicas on a per-position
 process group: by DDP's reducer during the stage's last backward of the step
-(:mod:`crosscut.runtime.dist.overlap`), or, with ``overlap_allreduce=False`` and on
-cross-shaped stages, by one flattened all-reduce after the schedule.
+(:mod:`crosscut.runtime.dist.overlap`), or, with ``overlap_allreduce=False``, on
+cross-shaped stages and interleaved ranks, by one flattened all-reduce after
+the schedule.
 
 **Cross-shaped stages** (a stage on a device group split by channel or by
 batch) get one rank per device of the group. Member 0, the leader, is the
-stage for the rest of the pipeline: it exchanges whole values with other
-stages' leaders exactly as a one-device stage does, so routes and tags
-between stages do not change. The other members run the same schedule row
-(the same F and B actions per micro-batch) and talk only to their group, in
-the group's own process group: :mod:`crosscut.runtime.dist.group_members` cuts the
-width-split stage into each member's share (only its channel shards, or a
-replica over its share of the batch) and holds the group's collectives,
-:mod:`crosscut.runtime.dist.group_comm` carries the messages (tagged sends and
-receives on a token chain, deadlock-free whatever order autograd picks).
-After the schedule a batch-split group sums its members' parameter gradients
-(every member holds the same parameters, and the loss sees the whole batch)
-and copies the leader's buffers to the others, so the members stay
-identical after an optimizer step; a channel-split member owns its shards.
+stage for the rest of the pipeline (routes and tags between stages do not
+change); the other members run the same schedule row and talk only to their
+group (:mod:`crosscut.runtime.dist.group_members` cuts each member's share,
+:mod:`crosscut.runtime.dist.group_comm` carries the messages). After the
+schedule a batch-split group sums its members' parameter gradients and copies
+the leader's buffers to the others; a channel-split member owns its shards.
 
-**Shapes and tags are static**: both ends of a transfer read shapes and
-dtypes from the same micro-batch trace (so receivers post before senders
-finish; the global batch must be exactly ``R × M × micro-batch``, checked),
-and tags come from (edge, micro-batch, leaf, direction). **Every wait has a
-timeout** (``timeout_s``); a failure is a :class:`~crosscut.errors.DistributedError`
-naming the lost rank and what this rank waited for (:mod:`crosscut.runtime.dist.p2p`).
+**Shapes and tags are static** (from the same micro-batch trace on both ends;
+the global batch must be exactly ``R × M × micro-batch``, checked). **Every
+wait has a timeout** (``timeout_s``); a failure is a
+:class:`~crosscut.errors.DistributedError` naming the lost rank and what this
+rank waited for (:mod:`crosscut.runtime.dist.p2p`).
 """
 
 from __future__ import annotations
@@ -61,9 +55,14 @@ from torch import fx, nn
 
 from crosscut.codegen.split import build_stages
 from crosscut.codegen.state_writes import check_state_writes
-from crosscut.errors import InputError
 from crosscut.ir.program import INPUT, StagedProgram
-from crosscut.ir.schedule import make_schedule, splits_backward, validate_schedule
+from crosscut.ir.schedule import (
+    forward_only,
+    make_schedule,
+    splits_backward,
+    validate_schedule,
+    virtual_stages,
+)
 from crosscut.options import RunOptions
 from crosscut.partitioner.recompute_choice import recompute_flags_for
 from crosscut.precision import autocast
@@ -83,6 +82,11 @@ from crosscut.runtime.dist.plan_rules import (
     check_recompute,
     group_widths,
 )
+from crosscut.runtime.dist.rank_stages import (
+    RankStages,
+    check_same_cut,
+    stages_module,
+)
 from crosscut.runtime.dist.stage_io import StageIO
 from crosscut.runtime.dist.state_files import RankState
 from crosscut.runtime.dist.wire_dtypes import WireDtypes
@@ -97,7 +101,7 @@ from crosscut.runtime.dist.world import (
     make_position_groups,
     plan_hash,
 )
-from crosscut.runtime.engine import StageEngine
+from crosscut.runtime.engine import RunStage, StageEngine
 from crosscut.runtime.output_merge import OutputMerge, check_outputs
 from crosscut.runtime.recomputing import recompute_flags, recomputing, written_inputs
 from crosscut.runtime.rng import RandomScope
@@ -149,6 +153,9 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         self.replicas = int(replicas)
         self.microbatches = int(microbatches or plan.options.microbatches)
         self.schedule_name = schedule or plan.options.schedule
+        # an interleaved plan runs V stages per rank: s, s + W, s + 2W, ... (ir/interleaved.py)
+        self.virtual = virtual_stages(str(plan.options.schedule))
+        check_same_cut(self.schedule_name, str(plan.options.schedule))
         self.timeout_s = float(run.timeout_s if run.timeout_s is not None else 300.0)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._take_role()
@@ -164,17 +171,15 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         self._group: GroupRole | None = None
         # forward/backward of one micro-batch, shared with the local runtime (runtime/engine.py);
         # a recomputing stage keeps only its inputs (runtime/recomputing.py)
-        again = recompute_flags(recompute, self.num_stages, bn_mode)[self.stage_index]
-        check_recompute(again, self.stage_index, self.width, self.split)
-        writes = written_inputs(program.stages[self.stage_index])
-        replay = recomputing(self.stage, lambda: self._rng, writes) if again else None
-        self._engine = StageEngine.for_stage(
-            program, self.stage_index, self.microbatches, run=replay or self._call_stage
-        )
+        self._here = self._stages_here(program, recompute, bn_mode)
+        self._io = self._here.ios[self.stage_index]
         if self.width > 1:
             self._join_group(gm, program)
         self.stage = self.stage.to(self.device)
-        self._rng = RandomScope([self.stage])  # plan-independent draws (runtime/rng.py)
+        # plan-independent draws (runtime/rng.py), hooked on each stage module this rank runs
+        self._rng = RandomScope(
+            [self.stage] if self.virtual == 1 else list(self._stage_modules.values())
+        )
         if bn_mode == "step":
             install_step_batchnorm(self.stage)
         if self._group is not None:
@@ -182,15 +187,38 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         self._start_replicas(run.overlap_allreduce)
 
     # ---- start-up ---------------------------------------------------------------------
+    def _stages_here(self, program: StagedProgram, recompute: Any, bn_mode: str) -> RankStages:
+        """The stages this rank runs, each with its messages and engine; a lone stage is
+        called through _call_stage (a group leader's members join there)."""
+        flags = recompute_flags(recompute, self.num_stages, bn_mode)
+        for k in self.my_stages:
+            check_recompute(flags[k], k, self.width, self.split)
+        mods = {k: self.stage for k in self.my_stages} if self.virtual == 1 else self._stage_modules
+
+        def replay(k: int) -> RunStage:
+            return recomputing(mods[k], lambda: self._rng, written_inputs(program.stages[k]))
+
+        def plain(k: int) -> RunStage:
+            return self._call_stage if self.virtual == 1 else StageEngine.plain(mods[k])
+
+        io = StageIO(self.routes, self._msg, self.stage_index, self.rank_of, self.device,
+                     self.micro_batch, self.replica, self.replicas, self.microbatches)  # fmt: skip
+        return RankStages.build(program, io, self.my_stages, flags, plain, replay)
+
     def _take_role(self) -> None:
         """This rank's place in the layout; every rank checks that all run the same plan."""
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.plan_hash = plan_hash(self.plan)
         widths = group_widths(self.plan)
+        # ranks are workers: an interleaved plan's W first stages' devices (plan_rules.py)
+        self.workers = len(widths) // self.virtual
+        widths = widths[: self.workers]
         check_world(self.world_size, widths, self.replicas)
         self.rank_layout = RankLayout(tuple(widths), self.replicas)
         self.replica, self.stage_index, self.member = self.rank_layout.role(self.rank)
+        # the stages this rank runs: its own, and under an interleaved schedule every W-th
+        self.my_stages = [self.stage_index + j * self.workers for j in range(self.virtual)]
         self.position = self.rank % self.rank_layout.per_replica
         self.width = widths[self.stage_index]
         self.split = self.plan.stages[self.stage_index].split if self.width > 1 else "none"
@@ -200,7 +228,8 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
 
     def _whoami(self) -> str:
         """This rank as its errors name it: stage, replica and place in its group."""
-        me = f"rank {self.rank} (stage {self.stage_index}, replica {self.replica}"
+        stages = f"stage{'s' if self.virtual > 1 else ''} {', '.join(map(str, self.my_stages))}"
+        me = f"rank {self.rank} ({stages}, replica {self.replica}"
         if self.width > 1:
             me += f", member {self.member} of its {self.width}-device {self.split}-split group"
         return me + ")"
@@ -241,8 +270,10 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             group = self._position_groups[self.position]
             broadcast_from_first(tensors, group, ranks, self._msg)
             # DDP's reducer during the stage's last backward (runtime/dist/overlap.py); a
-            # cross-shaped group sums its shares first, after the schedule
-            if overlap_allreduce and self._group is None and ReplicaReducer.wanted(self.stage):
+            # cross-shaped group sums its shares first, an interleaved rank (several stages,
+            # several last backwards) all of them: after the schedule
+            alone = self._group is None and self.virtual == 1
+            if overlap_allreduce and alone and ReplicaReducer.wanted(self.stage):
                 self._reducer = ReplicaReducer(self.stage, group, ranks, self._msg)
 
     def _build(self, model: nn.Module, gm: fx.GraphModule) -> StagedProgram:
@@ -258,11 +289,9 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             groups=groups if self.width > 1 else None,
             batch_stage=BatchSplitStage,
         )
-        me = program.stages[self.stage_index]
-        self.stage: nn.Module = me.module
+        self._stage_modules = {k: program.stages[k].module for k in self.my_stages}
+        self.stage, self._param_keys = stages_module(program, self.my_stages)
         self._inputs = [list(st.inputs) for st in program.stages]
-        self._outputs = list(me.outputs)
-        self._param_keys = dict(me.param_keys)
         self._shard_sources = {
             k: v for k, v in program.shard_sources.items() if v[0] == self.stage_index
         }
@@ -285,22 +314,12 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             if (self._placeholders and "val" in nodes[self._placeholders[0]].meta)
             else 0
         )
+        # one row per rank (worker): its stage's, or its stages' interleaved
         self._schedules = {
             "train": make_schedule(self.schedule_name, s_count, self.microbatches),
-            "infer": make_schedule("inference", s_count, self.microbatches),
+            "infer": forward_only(self.schedule_name, s_count, self.microbatches),
         }
         validate_schedule(self._schedules["train"], s_count, self.microbatches, training=True)
-        self._io = StageIO(
-            routes=self.routes,
-            msg=self._msg,
-            stage=self.stage_index,
-            rank_of=self.rank_of,
-            device=self.device,
-            micro_batch=self.micro_batch,
-            replica=self.replica,
-            replicas=self.replicas,
-            microbatches=self.microbatches,
-        )
         return program
 
     def _keep_member(self, member: nn.Module) -> None:
@@ -314,6 +333,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
 
     def use_schedule(self, name: str) -> None:
         """Switch the training schedule (every rank must switch alike, between steps)."""
+        check_same_cut(name, str(self.plan.options.schedule))
         rows = make_schedule(name, self.num_stages, self.microbatches)
         validate_schedule(rows, self.num_stages, self.microbatches, training=True)
         self.schedule_name = name
@@ -322,7 +342,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
     # ---- helpers --------------------------------------------------------------------
     def rank_of(self, stage: int) -> int:
         """The global rank running ``stage`` (its group's leader) in this rank's replica."""
-        return self.rank_layout.rank(self.replica, stage)
+        return self.rank_layout.rank(self.replica, stage % self.workers)
 
     # ---- execution ------------------------------------------------------------------
     def _run(
@@ -334,55 +354,43 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
     ) -> tuple[list[torch.Tensor], list[Any]]:
         check_mode(self.mode_lock, self.training)
         # this thread runs the schedule: the caller's autocast holds; the messages follow it
-        self._io.dtypes = self._wire.for_state(ThreadState.capture([self.device.type]))
+        self._here.set_dtypes(self._wire.for_state(ThreadState.capture([self.device.type])))
         if self._group is not None and self.member > 0:
             self._group.follow(self.stage, self._schedules[kind][self.stage_index], kind == "train")
             return [], []
-        s, last = self.stage_index, self.num_stages - 1
-        reads_input = any(src == INPUT for _, src in self._inputs[s]) or (
-            s == last and any(src == INPUT for src in self._output_sources.values())
+        s, last = self.stage_index, self.num_stages - 1  # s: this rank's row (worker)
+        has_last = last in self.my_stages
+        reads_input = any(src == INPUT for k in self.my_stages for _, src in self._inputs[k]) or (
+            has_last and any(src == INPUT for src in self._output_sources.values())
         )
-        mbs = self._io.split_batch(inputs, "inputs")
-        if reads_input and mbs is None:
-            raise InputError(
-                f"stage {s} reads the model's inputs, so rank {self.rank} needs them",
-                remedy="pass the same global batch on every rank",
-            )
-        tgts = self._io.split_batch(targets, "targets") if kind == "train" and s == last else None
-        if kind == "train" and s == last and (tgts is None or loss_fn is None):
-            raise InputError(
-                "the last stage computes the loss: it needs targets and loss_fn",
-                remedy="pass targets and loss_fn on every rank",
-            )
-        training = kind == "train"
-        engine = self._engine
+        training = kind == "train"  # the loss needs targets and loss_fn on the last's rank
+        needs = (reads_input, training and has_last)
+        mbs, tgts = self._here.batches(inputs, targets if loss_fn else None, needs, self.rank)
         losses: list[torch.Tensor] = []
         results: list[Any] = []
+        where = self._placeholders.index
 
         def model_input(m: int) -> Callable[[str], Any]:
-            def get(name: str) -> Any:
-                assert mbs is not None
-                return mbs[m][self._placeholders.index(name)]
-
-            return get
+            return lambda name: mbs[m][where(name)] if mbs is not None else None
 
         row = self._schedules[kind][s]
         # the last backward reduces the replicas' gradients as it runs; a split backward
         # reduces them after the schedule (its weight gradients come in many W calls)
-        engine.split = splits_backward(self._schedules[kind])
+        self._here.set_split(splits_backward(self._schedules[kind]))
         last_b = max((i for i, a in enumerate(row) if a.kind == "B"), default=-1)
         try:
-            for i, a in enumerate(self._io.start(row)):
+            for i, a in enumerate(self._here.start(row)):
+                engine, io = self._here.engines[a.stage], self._here.ios[a.stage]
                 if a.kind == "W":
                     engine.weight(a)
                 elif a.kind == "B":
                     armed = self._reducer if i == last_b and not engine.split else None
-                    engine.backward(a, self._io, armed.backward if armed is not None else None)
+                    engine.backward(a, io, armed.backward if armed is not None else None)
                 else:
                     m = a.microbatch
                     out, loss = engine.forward(
                         a,
-                        self._io,
+                        io,
                         model_input(m),
                         training=training,
                         target=tgts[m][0] if tgts is not None else None,
@@ -390,11 +398,11 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
                     )
                     if loss is not None:
                         losses.append(loss)
-                    if s == last and not training:
+                    if a.stage == last and not training:
                         results.append(out)
                 self._msg.drain()
         finally:
-            engine.saved.clear()
+            self._here.clear()
         self._msg.flush()
         return losses, results
 
@@ -446,7 +454,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         self._allreduce_grads()
         if self._group is not None:
             self._group.sync_buffers(self.stage)
-        if self.stage_index != self.num_stages - 1 or self.member > 0:
+        if self.num_stages - 1 not in self.my_stages or self.member > 0:
             return None
         total = torch.stack([x.detach() for x in losses]).sum()
         if self.replicas > 1:
@@ -474,7 +482,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             _, results = self._bn.run(self.stage, lambda: self._run("infer", inputs, None, None))
         if self._group is not None:
             self._group.sync_buffers(self.stage)
-        if self.stage_index != self.num_stages - 1 or self.member > 0:
+        if self.num_stages - 1 not in self.my_stages or self.member > 0:
             return None
         merged = self._merge.merge(results, self.device, [self.micro_batch] * len(results))
         return inference_only(merged)  # a backward through it is refused by name (contract.py)
@@ -482,18 +490,11 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
     # ---- description (state under the original keys: checkpoint.RankState) -----------
     def layout(self) -> dict[str, Any]:
         """Plain-data description of this rank: for logs and for checkpoint manifests."""
-        return {
-            "rank": self.rank,
+        plain = ("rank", "replica", "member", "width", "split", "position", "replicas")
+        return {n: getattr(self, n) for n in (*plain, "world_size", "plan_hash")} | {
             "stage": self.stage_index,
-            "replica": self.replica,
-            "member": self.member,
-            "width": self.width,
-            "split": self.split,
-            "position": self.position,
+            "stages_here": list(self.my_stages),
             "group_widths": list(self.rank_layout.widths),
             "stages": self.num_stages,
-            "replicas": self.replicas,
-            "world_size": self.world_size,
-            "plan_hash": self.plan_hash,
             "edges": [(e.value, e.src, e.dst) for e in self.edges],
         }

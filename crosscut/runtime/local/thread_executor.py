@@ -1,7 +1,9 @@
-"""Local pipelined executor: one worker thread per stage, autograd across devices.
+"""Local pipelined executor: one worker thread per stage (or device), autograd across devices.
 
 Thread model (Mariana binds one CPU thread per GPU): every stage — a logical
-device — has one persistent worker thread fed by a queue. A call hands each
+device — has one persistent worker thread fed by a queue; under an interleaved
+schedule (``"1f1b-v2"``) a device runs several stages, and its one thread runs
+their actions in the order of its schedule row (``ir/schedule.py``). A call hands each
 worker its row of the schedule; the worker runs its actions in order, waiting
 for the values (forward) or gradients (backward) it needs from other workers.
 On CUDA each worker has a compute stream and a copy stream; a producer records
@@ -67,7 +69,7 @@ from crosscut.ir.schedule import (
     Action,
     Schedule,
     action_times,
-    inference,
+    forward_only,
     make_schedule,
     splits_backward,
     validate_schedule,
@@ -162,7 +164,8 @@ class LocalExecutor:
         n = len(program.stages)
         self.train_schedule: Schedule = make_schedule(schedule, n, microbatches)
         validate_schedule(self.train_schedule, n, microbatches, training=schedule != "inference")
-        self.forward_schedule: Schedule = inference(n, microbatches)
+        # one worker (thread) per row: per stage, or per device of an interleaved schedule
+        self.forward_schedule: Schedule = forward_only(schedule, n, microbatches)
         self.output_device = program.stages[-1].device
         self.merge = OutputMerge(program.output_template, output_merge)
         self._workers: list[DeviceThread] | None = None
@@ -184,8 +187,16 @@ class LocalExecutor:
     # ---- workers ------------------------------------------------------------------
     def _ensure_workers(self) -> list[DeviceThread]:
         if self._workers is None:
-            self._workers = [DeviceThread(s.name, s.device) for s in self.program.stages]
+            self._workers = [
+                DeviceThread(s.name, s.device)
+                for s in self.program.stages[: len(self.train_schedule)]
+            ]
         return self._workers
+
+    def _worker(self, stage: int) -> DeviceThread:
+        """The thread that runs ``stage``: its own, or its device's (interleaved: ``s % W``)."""
+        workers = self._ensure_workers()
+        return workers[stage % len(workers)]
 
     def close(self) -> None:
         """Stop the worker threads, and the stages' share threads (daemons: optional)."""
@@ -204,7 +215,7 @@ class LocalExecutor:
         and autograd nodes are numbered on one thread as in eager mode, so the
         backward accumulates fan-out gradients in eager order (bit-exact).
         """
-        times = action_times(rows, len(rows))
+        times = action_times(rows, len(self.program.stages))
         for a in sorted(times, key=lambda a: (times[a][0], a.stage)):
             try:
                 do(a)
@@ -223,7 +234,7 @@ class LocalExecutor:
         # the caller's grad/inference/autocast state, entered by every worker (thread_state.py)
         state = ThreadState.capture(s.device.type for s in self.program.stages)
 
-        def job(row: list[Action], worker: DeviceThread, stage: int) -> Callable[[], None]:
+        def job(row: list[Action], worker: DeviceThread, first: int) -> Callable[[], None]:
             def body() -> None:
                 action: Action | None = None
                 try:
@@ -239,6 +250,7 @@ class LocalExecutor:
                 except _Abort:
                     return
                 except BaseException as exc:
+                    stage = action.stage if action is not None else first
                     run.fail(f"{self.program.stages[stage].name} at action {action}", exc)
 
             return body
@@ -262,7 +274,7 @@ class LocalExecutor:
     def _move(self, value: Any, event: Any, stage: int, detach: bool) -> Any:
         """Bring a value to ``stage``'s device; as a detached leaf when ``detach``."""
         dev = self.program.stages[stage].device
-        worker = self._ensure_workers()[stage]
+        worker = self._worker(stage)
 
         def one(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
@@ -286,7 +298,7 @@ class LocalExecutor:
         return pytree.tree_map(one, value)
 
     def _event(self, stage: int) -> Any:
-        worker = self._ensure_workers()[stage]
+        worker = self._worker(stage)
         if worker.compute is None:
             return None
         ev = torch.cuda.Event()  # type: ignore[no-untyped-call]

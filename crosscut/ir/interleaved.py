@@ -1,0 +1,120 @@
+"""Interleaved 1F1B: several smaller stages per worker, round-robin (``"1f1b-vV"``).
+
+Kept out of :mod:`crosscut.ir.schedule` (which dispatches to it by name) for
+size; it builds rows from the same vocabulary and checks them with the same
+rules (:mod:`crosscut.ir.schedule_rules`).
+"""
+
+from __future__ import annotations
+
+from crosscut.ir.schedule_rules import (
+    Action,
+    Schedule,
+    ScheduleError,
+    action_times,
+    check_sizes,
+    deps,
+)
+
+__all__ = ["interleaved_1f1b"]
+
+
+def interleaved_1f1b(num_stages: int, microbatches: int, virtual: int = 2) -> Schedule:
+    """Interleaved 1F1B: ``W = num_stages / virtual`` workers, ``virtual`` stages each.
+
+    Stage ``s`` runs on worker ``s % W`` (round-robin), so a micro-batch visits
+    every worker ``virtual`` times on its way through, each visit ``1/virtual``
+    of the work: the warm-up and cool-down, where 1F1B idles, shrink by that
+    factor. Worker ``r`` runs its forwards in groups of ``W`` micro-batches,
+    each group through its stages in order (its backwards in the reverse stage
+    order); it starts with ``2 (W - r - 1) + (virtual - 1) W`` forwards, then
+    alternates one forward and one backward, then drains the backwards
+    (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+    Clusters Using Megatron-LM", 2021). Where that fixed order deadlocks (a
+    last group of fewer than ``W`` micro-batches), the rows come from
+    replaying a rule instead (:func:`_replayed`). The price: more transfers
+    (every stage boundary crosses workers) and more micro-batches in flight
+    per worker. Every stage still runs its micro-batches' forwards and
+    backwards in micro-batch order, so gradients accumulate as under 1F1B.
+    """
+    check_sizes(num_stages, microbatches)
+    if virtual < 2 or num_stages % virtual:
+        raise ScheduleError(
+            "an interleaved schedule needs a whole number (2 or more) of stages per worker",
+            value={"num_stages": num_stages, "virtual": virtual},
+            remedy=f"use a multiple of {max(2, virtual)} stages, or schedule '1f1b'",
+        )
+    w = num_stages // virtual
+    total = microbatches * virtual
+    fwd = [_order(r, w, virtual, microbatches, backward=False) for r in range(w)]
+    bwd = [_order(r, w, virtual, microbatches, backward=True) for r in range(w)]
+    warm = [min(total, 2 * (w - r - 1) + (virtual - 1) * w) for r in range(w)]
+    static: Schedule = []
+    for r in range(w):
+        row = [Action(s, "F", m) for s, m in fwd[r][: warm[r]]]
+        for i in range(total - warm[r]):
+            row.append(Action(fwd[r][warm[r] + i][0], "F", fwd[r][warm[r] + i][1]))
+            row.append(Action(bwd[r][i][0], "B", bwd[r][i][1]))
+        row.extend(Action(s, "B", m) for s, m in bwd[r][total - warm[r] :])
+        static.append(row)
+    try:
+        action_times(static, num_stages)
+        return static
+    except ScheduleError:
+        return _replayed(num_stages, fwd, bwd, [k + 1 for k in warm])
+
+
+def _order(
+    r: int, w: int, virtual: int, microbatches: int, backward: bool
+) -> list[tuple[int, int]]:
+    """Worker ``r``'s (stage, micro-batch) pairs: groups of ``w`` micro-batches, each
+    group through the worker's stages in order (reversed for the backwards)."""
+    out: list[tuple[int, int]] = []
+    for first in range(0, microbatches, w):
+        group = range(first, min(microbatches, first + w))
+        chunks = range(virtual - 1, -1, -1) if backward else range(virtual)
+        out.extend((v * w + r, m) for v in chunks for m in group)
+    return out
+
+
+def _replayed(
+    num_stages: int,
+    fwd: list[list[tuple[int, int]]],
+    bwd: list[list[tuple[int, int]]],
+    cap: list[int],
+) -> Schedule:
+    """Rows from replaying a rule with ``F = 1``, ``B = 2`` (a backward is about two forwards).
+
+    A free worker runs its next backward if its gradient has arrived, else its
+    next forward if fewer than ``cap`` are in flight on it and its input has
+    arrived. The rows are then fixed data, valid for any durations (an order
+    that ran to completion once cannot deadlock when actions take longer).
+    """
+    w, total = len(fwd), len(fwd[0])
+    rows: Schedule = [[] for _ in range(w)]
+    ends: dict[Action, int] = {}
+    nf, nb, busy = [0] * w, [0] * w, [0] * w
+    t = 0
+    while len(ends) < 2 * total * w:
+        placed: list[tuple[int, Action, int]] = []
+        for r in range(w):
+            if busy[r] > t:
+                continue
+            if nb[r] < total:
+                a = Action(bwd[r][nb[r]][0], "B", bwd[r][nb[r]][1])
+                if all(ends.get(d, t + 1) <= t for d in deps(a, num_stages)):
+                    placed.append((r, a, 2))
+                    nb[r] += 1
+                    continue
+            if nf[r] < total and nf[r] - nb[r] < cap[r]:
+                a = Action(fwd[r][nf[r]][0], "F", fwd[r][nf[r]][1])
+                if all(ends.get(d, t + 1) <= t for d in deps(a, num_stages)):
+                    placed.append((r, a, 1))
+                    nf[r] += 1
+        for r, a, dur in placed:
+            rows[r].append(a)
+            ends[a] = busy[r] = t + dur
+        t += 1
+        if t > 8 * (total * w + num_stages) + 16:  # a bound no valid replay reaches
+            raise ScheduleError("the interleaved schedule did not complete", value=num_stages)
+    return rows

@@ -1,0 +1,167 @@
+"""Re-cut a solved pipeline into interleaved stages: ``V`` smaller stages per device.
+
+An interleaved schedule (``"1f1b-v2"``: :func:`crosscut.ir.schedule.interleaved_1f1b`)
+gives each of a pipeline's ``S`` devices ``V`` stages, placed round-robin:
+stage ``k`` of ``S × V`` runs on the device of the solved plan's stage
+``k % S``. A micro-batch then visits every device ``V`` times, a ``1/V`` slice
+of the work each time, and the warm-up and cool-down bubble shrinks by about
+``V``, at the price of ``V``× the stage boundaries (transfers) and more
+micro-batches in flight per device.
+
+Why a re-cut and not a CP-SAT solve: the partition model prices one stage per
+device (or co-located groups), and the bottleneck it minimises is the device
+load, which interleaving does not change. So the planner keeps the CP-SAT
+plan's device path and cuts the topological node order into ``S × V``
+contiguous chunks (contiguous chunks of a topological order never send a value
+backwards), first at the cumulative-time targets that give every device the
+same share at its speed, then moving one cut at a time while the evaluator's
+bottleneck (device load with transfers) falls and every memory cap holds. It
+is a heuristic and the plan says so in its solver notes; the simulator prices
+the result under the schedule, and :mod:`~crosscut.partitioner.schedule_choice`
+keeps it only when its step is the shortest that fits.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import numpy as np
+
+from crosscut.errors import PartitionError
+from crosscut.ir.plan import Plan, PlanStage
+from crosscut.ir.schedule import virtual_stages
+from crosscut.partitioner.annotate import annotate
+from crosscut.partitioner.build import plan_to_problem
+from crosscut.partitioner.evaluate import check, evaluate
+from crosscut.partitioner.replicas import check_replica_exports
+from crosscut.partitioner.solvers.baselines import allowed_cuts
+
+__all__ = ["interleave"]
+
+# cut moves tried at most (each one evaluate() call, linear in the graph)
+_MAX_MOVES = 400
+
+
+def interleave(plan: Plan, schedule: str) -> Plan | None:
+    """``plan`` re-cut into ``S × V`` round-robin stages for ``schedule`` (``"1f1b-vV"``).
+
+    ``None`` when there is nothing to interleave (inference, one stage, a
+    stage on a device group, fewer nodes than stages), no re-cut fits the
+    memory caps, or replicas could not join what a new cut hands on. The
+    returned plan is a new object, annotated (priced and simulated); ``plan``
+    is not changed.
+    """
+    virtual = virtual_stages(schedule)
+    if (
+        virtual < 2
+        or plan.model.mode != "train"
+        or plan.num_stages < 2
+        or any(len(st.devices) != 1 for st in plan.stages)
+    ):
+        return None
+    path = [plan.cluster.index(st.devices[0]) for st in plan.stages]
+    count = len(path) * virtual
+    out = copy.deepcopy(plan)
+    out.options.schedule = schedule
+    # the per-stage recompute flags do not survive a re-cut: all or none
+    every = all(st.recompute for st in plan.stages)
+    out.options.recompute = every
+    problem, _, _ = plan_to_problem(out)
+    if problem.n < count:
+        return None
+    order = [path[k % len(path)] for k in range(count)]
+    cuts = _balanced_cuts(problem.compute, order, allowed_cuts(problem))
+    if cuts is None:
+        return None
+
+    def price(c: list[int]) -> tuple[bool, float]:
+        stage_of = _stage_of(problem.n, c)
+        fits = not check(problem, stage_of, order)
+        return fits, evaluate(problem, stage_of, order).bottleneck
+
+    cuts = _refine(cuts, price, allowed_cuts(problem))
+    fits, _ = price(cuts)
+    if not fits:
+        return None
+    stage_of = _stage_of(problem.n, cuts)
+    names = [d.name for d in plan.cluster.devices]
+    out.assignment = {problem.names[v]: k for v, k in enumerate(stage_of)}
+    out.stages = [
+        PlanStage(index=k, devices=[names[d]], recompute=every) for k, d in enumerate(order)
+    ]
+    out.solver.notes = [n for n in out.solver.notes if not n.startswith("interleaved ")]
+    out.solver.notes.append(
+        f"interleaved {schedule}: the solved {len(path)}-stage pipeline re-cut into {count} "
+        f"stages, {virtual} per device round-robin, by time balance (a heuristic, not a "
+        "CP-SAT solve; the status above is the pipeline's)"
+    )
+    annotate(out)
+    if out.replication.replicas > 1:
+        try:  # replicas join what a stage hands on: only batch-major values may cross a cut
+            check_replica_exports(out)
+        except PartitionError:
+            return None
+    return out
+
+
+def _stage_of(n: int, cuts: list[int]) -> list[int]:
+    bounds = [0, *cuts, n]
+    stage_of = [0] * n
+    for k in range(len(bounds) - 1):
+        for v in range(bounds[k], bounds[k + 1]):
+            stage_of[v] = k
+    return stage_of
+
+
+def _balanced_cuts(
+    compute: list[list[float]], order: list[int], ok: list[bool]
+) -> list[int] | None:
+    """Cut positions giving chunk ``k`` a share of the time proportional to its device's speed."""
+    comp = np.asarray(compute, dtype=float)
+    n = comp.shape[0]
+    ref = comp.min(axis=1)
+    speed = [float(ref.sum() / max(comp[:, d].sum(), 1e-30)) for d in order]
+    prefix = np.concatenate([[0.0], np.cumsum(ref)])
+    cum = np.cumsum(speed) / sum(speed)
+    cuts: list[int] = []
+    for c in cum[:-1]:
+        target = float(np.searchsorted(prefix, prefix[-1] * c))
+        lo = cuts[-1] + 1 if cuts else 1
+        cands = [i for i in range(lo, n) if ok[i]]
+        if not cands:
+            return None
+        cuts.append(min(cands, key=lambda i: (abs(i - target), i)))
+    left = len(order) - 1 - len(cuts)
+    return cuts if left == 0 and cuts[-1] < n else None
+
+
+def _refine(
+    cuts: list[int], price: Callable[[list[int]], tuple[bool, float]], ok: list[bool]
+) -> list[int]:
+    """Move one cut at a time to a neighbouring allowed position while the price falls."""
+    best_fit, best = price(cuts)
+    n = len(ok) - 1
+    moves = 0
+    improved = True
+    while improved and moves < _MAX_MOVES:
+        improved = False
+        for i in range(len(cuts)):
+            lo = cuts[i - 1] + 1 if i > 0 else 1
+            hi = cuts[i + 1] - 1 if i + 1 < len(cuts) else n - 1
+            for step in (-1, 1):
+                j = cuts[i] + step
+                while lo <= j <= hi and not ok[j]:
+                    j += step
+                if not lo <= j <= hi:
+                    continue
+                trial = [*cuts[:i], j, *cuts[i + 1 :]]
+                fit, value = price(trial)
+                moves += 1
+                # a fitting cut beats one over a cap; then the lower bottleneck
+                if (fit, -value) > (best_fit, -best):
+                    cuts, best_fit, best, improved = trial, fit, value, True
+                    break
+            if moves >= _MAX_MOVES:
+                break
+    return cuts

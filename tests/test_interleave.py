@@ -1,0 +1,125 @@
+"""Interleaved 1F1B in the planner: the re-cut, its price, and the choice."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torchvision
+
+import crosscut
+from crosscut.ir.plan import Plan
+from crosscut.partitioner.interleave import interleave
+from crosscut.partitioner.schedule_choice import choose_schedule
+from crosscut.partitioner.simulate import simulate
+from crosscut.partitioner.validate import plan_problems
+
+
+def _pipeline(cluster: str, micro: int = 4, replicas: int = 1) -> Plan:
+    x = torch.randn(32 * replicas, 3, 64, 64)
+    model = torchvision.models.resnet18(num_classes=10)
+    return crosscut.partition(
+        model, cluster, x, schedule="1f1b", microbatches=micro, replicas=replicas,
+        require_all_devices=True, time_limit=5,
+    )  # fmt: skip
+
+
+def test_a_recut_is_round_robin_contiguous_and_valid() -> None:
+    """S stages become 2S on the same devices, stage k on the device of stage k % S; each
+    stage is a contiguous run of the node order (so no value flows backwards); the plan
+    passes its own validation and says it is a heuristic re-cut."""
+    plan = _pipeline("4xV100")
+    assert plan.num_stages == 4
+    out = interleave(plan, "1f1b-v2")
+    assert out is not None and out is not plan and plan.options.schedule == "1f1b"
+    assert out.options.schedule == "1f1b-v2" and out.num_stages == 8
+    path = [st.devices for st in plan.stages]
+    assert [st.devices for st in out.stages] == path + path
+    assert plan_problems(out) == []
+    order = [n.name for n in out.nodes if n.name in out.assignment]
+    stages = [out.assignment[n] for n in order]
+    assert stages == sorted(stages) and set(stages) == set(range(8))
+    assert any("heuristic" in n for n in out.solver.notes)
+
+
+def test_a_recut_halves_the_bubble_of_a_balanced_pipeline() -> None:
+    """The point of interleaving: with M = S the 1F1B bubble (S - 1)/(M + S - 1) is large;
+    two stages per device shrink it, and the step with it, though every boundary is
+    a transfer now."""
+    plan = _pipeline("4xV100")
+    out = interleave(plan, "1f1b-v2")
+    assert out is not None
+    assert out.predicted.bubble_fraction < plan.predicted.bubble_fraction - 0.05
+    assert out.predicted.step_time_s < plan.predicted.step_time_s
+    # each device's compute is the same work, cut differently: within 15 %
+    load = {d: 0.0 for d in ("gpu0", "gpu1", "gpu2", "gpu3")}
+    for st in out.stages:
+        load[st.devices[0]] += st.compute_s
+    assert max(load.values()) < 1.15 * sum(load.values()) / 4
+
+
+def test_replicas_of_an_interleaved_pipeline_reduce_after_each_row() -> None:
+    """A rank running two stages reduces their gradients after its whole row (both
+    runtimes): the simulator starts each stage's all-reduce no earlier than the last
+    action of its device, and the two stages of a device one after the other."""
+    plan = interleave(_pipeline("2x2xV100", replicas=2), "1f1b-v2")
+    assert plan is not None and plan.replication.replicas == 2
+    sim = simulate(plan)
+    work = [e for e in sim.events if e.kind in ("F", "B", "W")]
+    reduces = sorted((e for e in sim.events if e.kind == "R"), key=lambda e: e.start)
+    assert reduces
+    for r in reduces:
+        dev_end = max(e.end for e in work if e.device == r.device)
+        assert r.start >= dev_end - 1e-12
+    for dev in {r.device for r in reduces}:
+        mine = [r for r in reduces if r.device == dev]
+        assert all(a.end <= b.start + 1e-12 for a, b in itertools.pairwise(mine))
+
+
+def test_the_choice_takes_the_recut_only_where_allowed_and_quicker() -> None:
+    """``choose_schedule`` lists the re-cut with the others in its note, returns it only
+    when it is the quickest that fits, and never under ``interleave=False`` (torchrun's
+    own planning)."""
+    base = _pipeline("4xV100", micro=4)
+    kept = choose_schedule(Plan.from_dict(base.to_dict()), interleave=False)
+    assert kept.options.schedule != "1f1b-v2" and kept.num_stages == 4
+    chosen = choose_schedule(Plan.from_dict(base.to_dict()))
+    note = next(n for n in chosen.solver.notes if n.startswith("schedule "))
+    assert "1f1b-v2" in note
+    recut = interleave(base, "1f1b-v2")
+    assert recut is not None
+    quickest = min(kept.predicted.step_time_s, recut.predicted.step_time_s)
+    assert chosen.predicted.step_time_s == quickest
+    assert (chosen.options.schedule == "1f1b-v2") == (
+        recut.predicted.step_time_s < kept.predicted.step_time_s
+    )
+
+
+def test_nothing_to_interleave_gives_none() -> None:
+    """One stage, an inference plan, or a stage on a device group: no re-cut."""
+    x = torch.randn(8, 3, 32, 32)
+    model = torchvision.models.resnet18(num_classes=10)
+    one = crosscut.partition(model, "1xV100", x, schedule="1f1b", time_limit=5)
+    assert one.num_stages == 1 and interleave(one, "1f1b-v2") is None
+    infer = crosscut.partition(
+        model, "2xV100", x, mode="infer", replicas=1, require_all_devices=True, time_limit=5
+    )
+    assert infer.num_stages == 2 and interleave(infer, "1f1b-v2") is None
+
+
+def test_the_timeline_draws_each_virtual_stage_apart() -> None:
+    """In the report's timeline a device's two stages are told apart: every F/B box of
+    an interleaved device carries ``vstage-0`` or ``vstage-1`` (each as often as the
+    simulator ran that stage's actions), and the tooltip names the stage."""
+    from crosscut.viz.timeline import timeline_svg
+
+    plan = interleave(_pipeline("2xV100"), "1f1b-v2")
+    assert plan is not None and plan.num_stages == 4
+    sim = simulate(plan)
+    svg = timeline_svg(plan, sim)
+    for v in (0, 1):
+        ran = sum(
+            e.kind in "FB" and e.stage in (2 * v, 2 * v + 1) for e in sim.events if e.kind != "T"
+        )
+        assert svg.count(f"vstage-{v}") == ran > 0
+    assert "gpu0 stage 2 forward" in svg

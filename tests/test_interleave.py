@@ -123,3 +123,30 @@ def test_the_timeline_draws_each_virtual_stage_apart() -> None:
         )
         assert svg.count(f"vstage-{v}") == ran > 0
     assert "gpu0 stage 2 forward" in svg
+
+
+def test_broken_interleaved_plans_are_refused_by_name() -> None:
+    """A plan whose stages leave the round-robin, a model too small to cut twice per
+    device, and a rank asked to switch to a schedule of another cut: each refused with
+    the rule and a remedy."""
+    import pytest
+    from torch import nn
+
+    from crosscut.errors import InputError, PartitionError
+    from crosscut.runtime.dist.rank_stages import check_same_cut
+
+    plan = interleave(_pipeline("2xV100"), "1f1b-v2")
+    assert plan is not None
+    plan.stages[2].devices = ["gpu1"]
+    problems = plan_problems(plan)
+    assert any("round-robin" in p and "stage 2" in p for p in problems), problems
+    tiny = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    with pytest.raises(PartitionError, match="stages per device") as err:
+        crosscut.partition(
+            tiny, "2xV100", torch.randn(8, 3, 8, 8), schedule="1f1b-v2", replicas=1,
+            require_all_devices=True, microbatches=2, time_limit=5,
+        )  # fmt: skip
+    assert "1f1b" in str(err.value)
+    with pytest.raises(InputError, match="was cut for 2"):
+        check_same_cut("zb-h2", "1f1b-v2")
+    check_same_cut("1f1b-v2", "1f1b-v2")

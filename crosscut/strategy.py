@@ -269,7 +269,7 @@ def _attempt(
     )
     plan = as_replicas(plan, cluster, lay.replicas)
     if lay.replicas > 1 and request.schedule == AUTO_SCHEDULE:  # with the all-reduce priced
-        plan = choose_schedule(plan, not request.fill_devices)
+        plan = choose_schedule(plan, not request.fill_devices, search.cache.spread(size))
     if lay.replicas > 1:
         check_replica_exports(plan)
     wall = time.monotonic() - t0

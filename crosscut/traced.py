@@ -204,7 +204,10 @@ def solve_traced(
     if interleaved:
         return _interleaved(plan, r.schedule)
     # torchrun's ranks run one stage each: no interleaved re-cut for them (fill_devices)
-    return choose_schedule(plan, not r.fill_devices) if r.schedule == AUTO_SCHEDULE else plan
+    if r.schedule != AUTO_SCHEDULE:
+        return plan
+    noise = float(getattr(costs, "meta", {}).get("spread", 0.0))  # 0: analytic
+    return choose_schedule(plan, not r.fill_devices, noise)
 
 
 def _interleaved(plan: Plan, schedule: str) -> Plan:

@@ -150,3 +150,18 @@ def test_broken_interleaved_plans_are_refused_by_name() -> None:
     with pytest.raises(InputError, match="was cut for 2"):
         check_same_cut("zb-h2", "1f1b-v2")
     check_same_cut("1f1b-v2", "1f1b-v2")
+
+
+def test_a_lead_within_the_profiles_spread_keeps_the_simpler_schedule() -> None:
+    """With profiled costs a step is a measurement: where the quickest schedule's lead
+    over a simpler one is inside the profiles' spread, the simplest within it is kept
+    (1F1B first, the interleaved re-cut last) and the note says why; with no spread
+    (analytic) the quickest wins."""
+    base = _pipeline("4xV100", micro=4)
+    quick = choose_schedule(Plan.from_dict(base.to_dict()), noise=0.0)
+    assert quick.options.schedule != "1f1b"  # a pipeline of 4 with M=4: 1F1B is not quickest
+    loose = choose_schedule(Plan.from_dict(base.to_dict()), noise=1.0)
+    assert loose.options.schedule == "1f1b" and loose.num_stages == 4
+    note = next(n for n in loose.solver.notes if n.startswith("schedule "))
+    assert "within the profiles' spread of 100.0%" in note
+    assert loose.predicted.step_time_s > quick.predicted.step_time_s

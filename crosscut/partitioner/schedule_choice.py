@@ -36,7 +36,7 @@ def _fits(plan: Plan) -> bool:
     return all(b <= caps.get(d, b) for d, b in plan.predicted.device_peak_bytes.items())
 
 
-def choose_schedule(plan: Plan, interleave: bool = True) -> Plan:
+def choose_schedule(plan: Plan, interleave: bool = True, noise: float = 0.0) -> Plan:
     """The quickest of :data:`PREFERENCE` that fits, on ``plan``'s stages, or an interleaved re-cut.
 
     ``plan`` is set to the quickest schedule of :data:`PREFERENCE` and returned,
@@ -44,7 +44,14 @@ def choose_schedule(plan: Plan, interleave: bool = True) -> Plan:
     :data:`~crosscut.ir.schedule.INTERLEAVED_SCHEDULES`
     (:func:`~crosscut.partitioner.interleave.interleave`) is quicker still and
     fits: then that new plan is returned. ``interleave=False`` where the plan
-    will run under torchrun, whose ranks run one stage each.
+    will run under torchrun's own planning.
+
+    ``noise``: the profiles' spread (0 for analytic costs). A profiled step is a
+    measurement; where the quickest schedule leads the simplest one that is
+    within that spread of it (:data:`PREFERENCE` order, the interleaved re-cut
+    last: twice the stages, transfers and actions the model prices least
+    well), the lead is noise and the simpler schedule is kept, as the strategy
+    search does between strategies (``strategy._Search.choose``).
     """
     if plan.model.mode != "train" or plan.num_stages == 1:
         if plan.options.schedule != DEFAULT_SCHEDULE:
@@ -64,7 +71,9 @@ def choose_schedule(plan: Plan, interleave: bool = True) -> Plan:
                 recut[name] = cand
                 priced.append((name, cand.predicted.step_time_s, _fits(cand)))
     fitting = [(step, i, name) for i, (name, step, ok) in enumerate(priced) if ok]
-    _, _, best = min(fitting) if fitting else (0.0, 0, DEFAULT_SCHEDULE)
+    quickest, _, best = min(fitting) if fitting else (0.0, 0, DEFAULT_SCHEDULE)
+    within = [(i, name) for step, i, name in fitting if step <= quickest * (1.0 + noise)]
+    best = min(within)[1] if within else best  # the simplest within the noise
     if best in recut:
         plan = recut[best]
     else:
@@ -76,6 +85,8 @@ def choose_schedule(plan: Plan, interleave: bool = True) -> Plan:
         if name != best
     )
     note = f"schedule {best} ({plan.predicted.step_time_s * 1e3:.4g} ms per step) over {rest}"
+    if plan.predicted.step_time_s > quickest:
+        note += f" (the simplest within the profiles' spread of {noise:.1%})"
     plan.solver.notes = [n for n in plan.solver.notes if not n.startswith("schedule ")]
     plan.solver.notes.append(note)
     return plan

@@ -6,7 +6,9 @@ solves the partition once (under 1F1B, whose memory bound is the tightest a
 zero-bubble schedule keeps too) and then prices the same stages under every
 schedule (``annotate``: the simulator's step, the evaluator's memory per
 device), keeping the quickest that fits every device's memory cap. On a tie
-the earlier of :data:`PREFERENCE` wins: fewer moving parts. A plan of one
+the earlier of :data:`PREFERENCE` wins: fewer moving parts; with profiled
+costs, so does a simpler schedule within the profiles' spread of the
+quickest (a lead that size is the measurement's noise). A plan of one
 stage, or an inference plan, has no bubble to close and keeps 1F1B.
 
 An interleaved schedule (``"1f1b-v2"``) changes the stages themselves: each

@@ -35,7 +35,7 @@ from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.build import plan_to_problem
 from crosscut.partitioner.evaluate import check, evaluate
 from crosscut.partitioner.replicas import check_replica_exports
-from crosscut.partitioner.solvers.baselines import allowed_cuts
+from crosscut.partitioner.solvers.baselines import allowed_cuts, chunked, snap_cuts
 
 __all__ = ["interleave"]
 
@@ -71,12 +71,12 @@ def interleave(plan: Plan, schedule: str) -> Plan | None:
     if problem.n < count:
         return None
     order = [path[k % len(path)] for k in range(count)]
-    cuts = _balanced_cuts(problem.compute, order, allowed_cuts(problem))
-    if cuts is None:
+    cuts = snap_cuts(problem, _targets(problem.compute, order))
+    if len(cuts) != count - 1:
         return None
 
     def price(c: list[int]) -> tuple[bool, float]:
-        stage_of = _stage_of(problem.n, c)
+        stage_of, _ = chunked(problem, c, order)
         fits = not check(problem, stage_of, order)
         return fits, evaluate(problem, stage_of, order).bottleneck
 
@@ -84,7 +84,7 @@ def interleave(plan: Plan, schedule: str) -> Plan | None:
     fits, _ = price(cuts)
     if not fits:
         return None
-    stage_of = _stage_of(problem.n, cuts)
+    stage_of, _ = chunked(problem, cuts, order)
     names = [d.name for d in plan.cluster.devices]
     out.assignment = {problem.names[v]: k for v, k in enumerate(stage_of)}
     out.stages = [
@@ -105,35 +105,15 @@ def interleave(plan: Plan, schedule: str) -> Plan | None:
     return out
 
 
-def _stage_of(n: int, cuts: list[int]) -> list[int]:
-    bounds = [0, *cuts, n]
-    stage_of = [0] * n
-    for k in range(len(bounds) - 1):
-        for v in range(bounds[k], bounds[k + 1]):
-            stage_of[v] = k
-    return stage_of
-
-
-def _balanced_cuts(
-    compute: list[list[float]], order: list[int], ok: list[bool]
-) -> list[int] | None:
-    """Cut positions giving chunk ``k`` a share of the time proportional to its device's speed."""
+def _targets(compute: list[list[float]], order: list[int]) -> list[float]:
+    """Node positions giving chunk ``k`` a share of the time proportional to its device's
+    speed (as :func:`~crosscut.partitioner.solvers.baselines.time_balanced` aims)."""
     comp = np.asarray(compute, dtype=float)
-    n = comp.shape[0]
     ref = comp.min(axis=1)
     speed = [float(ref.sum() / max(comp[:, d].sum(), 1e-30)) for d in order]
     prefix = np.concatenate([[0.0], np.cumsum(ref)])
     cum = np.cumsum(speed) / sum(speed)
-    cuts: list[int] = []
-    for c in cum[:-1]:
-        target = float(np.searchsorted(prefix, prefix[-1] * c))
-        lo = cuts[-1] + 1 if cuts else 1
-        cands = [i for i in range(lo, n) if ok[i]]
-        if not cands:
-            return None
-        cuts.append(min(cands, key=lambda i: (abs(i - target), i)))
-    left = len(order) - 1 - len(cuts)
-    return cuts if left == 0 and cuts[-1] < n else None
+    return [float(np.searchsorted(prefix, prefix[-1] * c)) for c in cum[:-1]]
 
 
 def _refine(

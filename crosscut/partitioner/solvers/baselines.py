@@ -36,9 +36,11 @@ __all__ = [
     "all_baselines",
     "allowed_cuts",
     "chain_dp",
+    "chunked",
     "device_order",
     "greedy",
     "param_balanced",
+    "snap_cuts",
     "time_balanced",
     "uniform_by_count",
 ]
@@ -102,7 +104,8 @@ def allowed_cuts(problem: PartitionProblem) -> list[bool]:
     return ok
 
 
-def _chunks(problem: PartitionProblem, cuts: list[int], order: list[int]) -> Plan:
+def chunked(problem: PartitionProblem, cuts: list[int], order: list[int]) -> Plan:
+    """The node order cut before each of ``cuts``; chunk ``k`` on device ``order[k]``."""
     bounds = [0, *sorted(set(cuts)), problem.n]
     stage_of = [0] * problem.n
     for k in range(len(bounds) - 1):
@@ -111,7 +114,7 @@ def _chunks(problem: PartitionProblem, cuts: list[int], order: list[int]) -> Pla
     return renumber(stage_of, order[: len(bounds) - 1])
 
 
-def _snap(problem: PartitionProblem, targets: list[float]) -> list[int]:
+def snap_cuts(problem: PartitionProblem, targets: list[float]) -> list[int]:
     """Allowed cut positions nearest to the targets, increasing, no repeats."""
     ok = allowed_cuts(problem)
     cuts: list[int] = []
@@ -132,8 +135,8 @@ def uniform_by_count(
     """Contiguous chunks with (nearly) equal node counts — the naive split."""
     order = order or device_order(problem)
     s = min(num_stages or len(order), problem.n, len(order))
-    cuts = _snap(problem, [problem.n * k / s for k in range(1, s)])
-    return _feasible(problem, _chunks(problem, cuts, order))
+    cuts = snap_cuts(problem, [problem.n * k / s for k in range(1, s)])
+    return _feasible(problem, chunked(problem, cuts, order))
 
 
 def param_balanced(
@@ -145,8 +148,8 @@ def param_balanced(
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(problem.resident, dtype=float))])
     total = float(prefix[-1]) or 1.0
     targets = [float(np.searchsorted(prefix, total * k / s)) for k in range(1, s)]
-    cuts = _snap(problem, targets)
-    return _feasible(problem, _chunks(problem, cuts, order))
+    cuts = snap_cuts(problem, targets)
+    return _feasible(problem, chunked(problem, cuts, order))
 
 
 def time_balanced(problem: PartitionProblem, order: list[int] | None = None) -> Plan | None:
@@ -174,7 +177,7 @@ def time_balanced(problem: PartitionProblem, order: list[int] | None = None) -> 
     for s in counts:
         cum = np.cumsum(speed[:s]) / sum(speed[:s])
         targets = [float(np.searchsorted(prefix, prefix[-1] * c)) for c in cum[:-1]]
-        plan = _feasible(problem, _chunks(problem, _snap(problem, targets), order))
+        plan = _feasible(problem, chunked(problem, snap_cuts(problem, targets), order))
         if plan is None:
             continue
         ev = evaluate(problem, *plan)
@@ -330,7 +333,7 @@ def _chain_dp_plans(
         for k in range(s - 1, 0, -1):
             b = int(args[k][b])
             cuts.append(b)
-        cands.append(_chunks(problem, cuts, order))
+        cands.append(chunked(problem, cuts, order))
     return cands
 
 

@@ -304,8 +304,13 @@ def test_a_profile_records_how_far_its_whole_steps_spread(
     assert table.meta["spread"] >= 0.0
     cached = profile_costs(g, "cpu", repeats=3, warmup=1, cache_dir=tmp_path)
     assert cached.meta["cache_hit"] and cached.meta["spread"] == table.meta["spread"]
-    other = CostTable(table.nodes, "profiled", table.mode, table.optimizer, {"spread": 9.0})
-    assert table.merge(other).meta["spread"] == 9.0 == other.merge(table).meta["spread"]
+    # the noisier profile counts, whichever side it is on (the measured spread can be large
+    # on a loaded machine: the other's is set above it, not to a fixed figure)
+    noisier = table.meta["spread"] + 9.0
+    other = CostTable(table.nodes, "profiled", table.mode, table.optimizer, {"spread": noisier})
+    assert table.merge(other).meta["spread"] == noisier == other.merge(table).meta["spread"]
+    quieter = CostTable(table.nodes, "profiled", table.mode, table.optimizer, {"spread": 0.0})
+    assert table.merge(quieter).meta["spread"] == table.meta["spread"]
 
 
 def test_backward_intervals_tile_the_pass() -> None:

@@ -9,7 +9,8 @@ of the modules they load, so no lazy loader hides an edge.
 The layers, lowest first (a module imports only from its own layer or below):
 
 ==============  ==============================================================
-base            errors, version, fileio, precision: helpers every layer reads
+base            errors, version, fileio, precision, split_backward: helpers
+                every layer reads
 ir              ir/: graph, problem, plan (+ schema), schedule
 frontend        frontend/: fx trace, shapes and FLOPs, aliasing, grad mode
 cost_models     cost_models/: devices, clusters, costs, memory, links
@@ -41,7 +42,16 @@ _PARTITIONER = (
 )
 _API = ("crosscut.planning", "crosscut.distributed", "crosscut.api", "crosscut.verify")
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("crosscut.errors", "crosscut.version", "crosscut.fileio", "crosscut.precision")),
+    (
+        "base",
+        (
+            "crosscut.errors",
+            "crosscut.version",
+            "crosscut.fileio",
+            "crosscut.precision",
+            "crosscut.split_backward",
+        ),
+    ),
     ("ir", ("crosscut.ir",)),
     ("frontend", ("crosscut.frontend",)),
     ("cost_models", ("crosscut.cost_models",)),

@@ -1,6 +1,6 @@
 """A backward split into B (input gradients) and W (weight gradients) equals one backward.
 
-``runtime/split_backward.py`` restarts autograd at the nodes where the two
+``crosscut/split_backward.py`` restarts autograd at the nodes where the two
 parts meet; these tests hold its results to one ``torch.autograd.backward``
 bit for bit, on graphs built to hit each rule (weights through a view, a
 weight used twice, an output of parameters only, no input to differentiate,
@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import crosscut
-from crosscut.runtime.split_backward import backward_input, backward_weight
+from crosscut.split_backward import backward_input, backward_weight
 
 
 class LayerScale(nn.Module):

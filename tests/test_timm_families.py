@@ -83,7 +83,7 @@ FAMILIES = {
 SIZES = {"inception_v3": 96, "inception_v4": 96, "inception_resnet_v2": 96}
 SAMPLED = ["dla", "res2net", "mobilenetv3"]
 # (devices, micro-batches, precision, recompute, schedule): "auto" is the planner's choice;
-# the zero-bubble schedules split each backward into B and W (runtime/split_backward.py)
+# the zero-bubble schedules split each backward into B and W (crosscut/split_backward.py)
 CONFIGS = [(d, m, "fp32", False, "auto") for d in (2, 3) for m in (1, 2, 4)]
 CONFIGS += [(3, 2, "fp32", True, "auto"), (2, 2, "bf16", False, "auto")]
 CONFIGS += [(3, 4, "fp32", False, "zb-h2"), (2, 2, "fp32", True, "zb-h1")]

@@ -38,7 +38,13 @@ from crosscut.cost_models.efficiency import (
     update_bytes_per_param,
 )
 
-__all__ = ["PUBLISHED", "Published", "step_overhead_s", "update_seconds"]
+__all__ = [
+    "PUBLISHED",
+    "Published",
+    "accumulate_seconds",
+    "step_overhead_s",
+    "update_seconds",
+]
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,23 @@ def update_seconds(
     eff = efficiency_of(kind, device)
     moved = param_bytes / 4.0 * update_bytes_per_param(optimizer, precision)
     return moved / (mem_bw * eff.memory) + tensors * launch_s
+
+
+def accumulate_seconds(
+    param_bytes: int, tensors: int, *, kind: str, device: str, mem_bw: float, launch_s: float
+) -> float:
+    """One micro-batch's weight gradients added into those of the micro-batches before it.
+
+    Autograd adds each new gradient into ``.grad`` (read both, write one: three
+    passes over the gradients' bytes) in one kernel per parameter. The first
+    micro-batch of a step writes fresh gradients and pays nothing. Measured on
+    resnet18's last stage on one CPU thread (10.5 M parameters): +6 ms on a 57 ms
+    backward.
+    """
+    if param_bytes <= 0:
+        return 0.0
+    eff = efficiency_of(kind, device)
+    return 3.0 * param_bytes / (mem_bw * eff.memory) + tensors * launch_s
 
 
 def step_overhead_s(device: str) -> float:

@@ -18,6 +18,15 @@ The median over repeats is kept per node and direction. The whole steps'
 times are handed back too (``steps``): how far they spread says how far one
 profile may be from another taken a moment later, which is what the strategy
 search needs to know before it prefers one plan to another by a few per cent.
+
+A zero-bubble schedule runs each backward as two passes (``split_backward.py``):
+``B``, the gradients a stage sends upstream, and ``W``, its weight gradients.
+How a node's backward divides between them is not a fixed half: on a CPU a
+convolution's weight gradient at small spatial size costs twice its data
+gradient, and batch norm runs its reductions in both passes.
+:func:`measure_split` times the two passes as the runtime runs them — the
+same hooks tile ``B``; each of ``W``'s restarts is charged to the operator
+owning its parameters.
 """
 
 from __future__ import annotations
@@ -30,7 +39,9 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["measure_in_context"]
+from crosscut.split_backward import backward_input, weight_steps
+
+__all__ = ["measure_in_context", "measure_split"]
 
 _SKIP = ("placeholder", "get_attr", "output")
 
@@ -130,3 +141,62 @@ def measure_in_context(
             fwd[name].append(timer.fwd.get(name, 0.0))
             bwd[name].append(back.get(name, 0.0))
     return {n: (statistics.median(fwd[n]), statistics.median(bwd[n])) for n in names}
+
+
+def _param_owners(gm: fx.GraphModule) -> dict[int, str]:
+    """id of each parameter -> the node that uses it: its module's call, or the first
+    user of the ``get_attr`` that reads it."""
+    owners: dict[int, str] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            for p in gm.get_submodule(str(n.target)).parameters():
+                owners.setdefault(id(p), n.name)
+        elif n.op == "get_attr" and n.users:
+            obj: Any = gm
+            for part in str(n.target).split("."):
+                obj = getattr(obj, part)
+            if isinstance(obj, torch.Tensor):
+                owners.setdefault(id(obj), next(iter(n.users)).name)
+    return owners
+
+
+def measure_split(
+    gm: fx.GraphModule, inputs: list[torch.Tensor], dev: torch.device, warmup: int, repeats: int
+) -> dict[str, tuple[float, float]]:
+    """(``B`` s, ``W`` s) of every compute node when its backward is split, medians over
+    ``repeats`` steps; a node with no parameters has all its backward in ``B``.
+
+    The inputs get gradients as a middle stage's received values do, so every
+    convolution computes its data gradient in ``B`` and its weight gradient in ``W``.
+    """
+    names = [n.name for n in gm.graph.nodes if n.op not in _SKIP]
+    owners = _param_owners(gm)
+    b_all: dict[str, list[float]] = defaultdict(list)
+    w_all: dict[str, list[float]] = defaultdict(list)
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    wanted = [t for t in leaves if t.requires_grad]
+    for i in range(warmup + repeats):
+        timer = _Timer(gm, dev, hooks=True)
+        gm.zero_grad(set_to_none=True)
+        for t in wanted:
+            t.grad = None
+        with torch.enable_grad():
+            loss = _loss(timer.run(*leaves))
+            if loss is None:
+                return {}
+            pending = backward_input([loss], [None], wanted)
+            _sync(dev)
+            back = _backward_times(timer.stamps, time.perf_counter())
+            wgt: dict[str, float] = defaultdict(float)
+            for params, run in weight_steps(pending):
+                t0 = time.perf_counter()
+                run()
+                _sync(dev)
+                owner = next((owners[id(p)] for p in params if id(p) in owners), "")
+                wgt[owner] += time.perf_counter() - t0
+        if i < warmup:
+            continue
+        for name in names:
+            b_all[name].append(back.get(name, 0.0))
+            w_all[name].append(wgt.get(name, 0.0))
+    return {n: (statistics.median(b_all[n]), statistics.median(w_all[n])) for n in names}

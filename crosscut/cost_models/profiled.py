@@ -36,18 +36,31 @@ from typing import Any
 import torch
 import torch.fx
 
-from crosscut.cost_models.context import measure_in_context
+from crosscut.cost_models.context import measure_in_context, measure_split
+from crosscut.cost_models.efficiency import efficiency_of
 from crosscut.cost_models.memory import activation_bytes, is_alias, resident_bytes
-from crosscut.cost_models.table import CostTable, NodeCost
+from crosscut.cost_models.table import MAX_SPLIT, CostTable, NodeCost
 from crosscut.errors import CostModelError
 from crosscut.ir.graph import OpGraph
 from crosscut.precision import autocast
 
-__all__ = ["DRIFT", "cache_key", "device_kind", "profile_costs", "step_spread"]
+__all__ = [
+    "CACHE_FORMAT",
+    "DRIFT",
+    "cache_key",
+    "device_kind",
+    "profile_costs",
+    "step_spread",
+    "stream_rate",
+]
 
 #: How far a re-timed step may move from a cached profile's before the cache is
 #: stale, unless the steps' own spread is larger (:func:`_still_holds`).
 DRIFT = 0.10
+
+#: in the cache file's name: a profile written before a change to what a profile
+#: holds (v2: the split backward's B and W) is taken again, not read without it
+CACHE_FORMAT = "v2"
 
 _DTYPES = {
     "float32": torch.float32,
@@ -240,15 +253,38 @@ def _measure_context(
     repeats: int,
     steps: list[float] | None = None,
 ) -> dict[str, tuple[float, float]]:
+    gm, inputs = _runnable(graph, dev)
+    return measure_in_context(gm, inputs, dev, graph.mode == "train", warmup, repeats, steps)
+
+
+def _runnable(graph: OpGraph, dev: torch.device) -> tuple[torch.fx.GraphModule, list[Any]]:
+    """A copy of the traced module on ``dev`` in the graph's mode, and random inputs."""
     gm: torch.fx.GraphModule = copy.deepcopy(graph.gm).to(dev)
-    training = graph.mode == "train"
-    gm.train(training)
+    gm.train(graph.mode == "train")
     inputs = [
         _placeholder(op.shapes[0] if op.shapes else [], op.dtype, dev)
         for op in graph.nodes
         if op.op == "placeholder"
     ]
-    return measure_in_context(gm, inputs, dev, training, warmup, repeats, steps)
+    return gm, inputs
+
+
+def _split_fractions(
+    graph: OpGraph, dev: torch.device, warmup: int, repeats: int, times: dict[str, Any]
+) -> dict[str, tuple[float, float]]:
+    """(B, W) of each node with parameters as fractions of its backward in ``times``,
+    from the split backward timed as the runtime runs it (context.measure_split); half
+    the repeats: a ratio needs less than an absolute time."""
+    gm, inputs = _runnable(graph, dev)
+    passes = measure_split(gm, inputs, dev, min(warmup, 1), max(1, (repeats + 1) // 2))
+    out: dict[str, tuple[float, float]] = {}
+    for n in graph.nodes:
+        full = times.get(n.name, (0.0, 0.0))[1]
+        if n.param_bytes <= 0 or full <= 0 or n.name not in passes:
+            continue
+        b, w = passes[n.name]
+        out[n.name] = (min(b / full, MAX_SPLIT), min(w / full, MAX_SPLIT))
+    return out
 
 
 def step_spread(steps: list[float]) -> float:
@@ -331,7 +367,7 @@ def profile_costs(
         raise CostModelError("repeats >= 1 and warmup >= 0", value=(repeats, warmup))
     dev = torch.device(device)
     kind = kind or device_kind(dev)
-    stem = f"{cache_key(graph, kind, dev)}-{method}"
+    stem = f"{cache_key(graph, kind, dev)}-{method}-{CACHE_FORMAT}"
     path = Path(cache_dir) / f"{stem}.json" if cache_dir is not None else None
     cached = _load_cache(path, graph) if path is not None else None
     if cached is not None and method == "context" and not _still_holds(cached, graph, dev, path):
@@ -362,10 +398,15 @@ def _measured(
             times = _measure_context(graph, dev, warmup, repeats, steps)
         else:
             times = _measure(graph, dev, warmup, repeats)
+        training = graph.mode == "train" and method == "context"
+        split = _split_fractions(graph, dev, warmup, repeats, times) if training else {}
+    rate = stream_rate(dev) / efficiency_of(kind, str(dev)).memory
     return CostTable(
         nodes={
             n.name: NodeCost(
-                {kind: times.get(n.name, (0.0, 0.0))[0]}, {kind: times.get(n.name, (0.0, 0.0))[1]}
+                {kind: times.get(n.name, (0.0, 0.0))[0]},
+                {kind: times.get(n.name, (0.0, 0.0))[1]},
+                split={kind: split[n.name]} if n.name in split else {},
             )
             for n in graph.nodes
         },
@@ -386,8 +427,29 @@ def _measured(
             "steps": steps,
             "cache_hit": False,
             "priced": _priced(kind, str(dev), method, graph.precision),
+            # the peak memory rate that this machine's achieved streaming rate implies:
+            # what the simulator prices a pass over the gradients at (update, accumulation)
+            "mem_bw": {kind: rate},
         },
     )
+
+
+def stream_rate(dev: torch.device, mib: int = 64, repeats: int = 5) -> float:
+    """Bytes per second of ``a += b`` over two ``mib`` MiB fp32 tensors on ``dev`` (read
+    two, write one), the median of ``repeats`` after one warm-up: the rate of the passes
+    over gradients and parameters that a step makes besides its operators."""
+    n = mib * 2**20 // 4
+    a = torch.zeros(n, device=dev)
+    b = torch.ones(n, device=dev)
+    times: list[float] = []
+    for i in range(repeats + 1):
+        _sync(dev)
+        t0 = time.perf_counter()
+        a.add_(b)
+        _sync(dev)
+        if i > 0:
+            times.append(time.perf_counter() - t0)
+    return 3.0 * n * 4 / max(statistics.median(times), 1e-9)
 
 
 def _still_holds(cached: CostTable, graph: OpGraph, dev: torch.device, path: Path | None) -> bool:

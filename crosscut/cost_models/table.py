@@ -38,6 +38,10 @@ class NodeCost:
     # channel-split width (a string) -> kind -> how much more than 1/w of the node's time
     # one of w channel shards takes (analytic.channel_scales); absent: priced linearly
     channel_scale: dict[str, dict[str, float]] = field(default_factory=dict)
+    # kind -> (B, W): the two passes of a split backward (zero-bubble schedules) as
+    # fractions of ``bwd``, measured (context.measure_split); they may sum past 1, as the
+    # passes repeat work. Absent: simulate.backward_split prices the split by rule
+    split: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,6 +79,16 @@ class CostTable:
 
     def bwd_s(self, name: str, kind: str) -> float:
         return self._time(self._get(name).bwd, name, kind)
+
+    def bwd_split(self, name: str, kind: str) -> tuple[float, float] | None:
+        """(B, W) fractions of ``name``'s backward on ``kind`` when split; None: not measured."""
+        return self._get(name).split.get(kind)
+
+    def memory_rate(self, kind: str) -> float | None:
+        """The memory rate (bytes/s, a peak) measured where ``kind`` was profiled; None:
+        not measured (analytic tables take the preset's)."""
+        rate = self.meta.get("mem_bw", {}).get(kind)
+        return float(rate) if rate else None
 
     def resident_bytes(self, name: str) -> int:
         return self._get(name).resident
@@ -164,11 +178,14 @@ class CostTable:
                 c.activation,
                 c.share_scale,
                 c.channel_scale,
+                {**c.split, **o.split},
             )
         source = self.source if self.source == other.source else "mixed"
         meta = {**self.meta, **other.meta}
         if "priced" in self.meta or "priced" in other.meta:  # per kind: the other's kinds win
             meta["priced"] = {**self.meta.get("priced", {}), **other.meta.get("priced", {})}
+        if "mem_bw" in self.meta or "mem_bw" in other.meta:  # per kind, as "priced"
+            meta["mem_bw"] = {**self.meta.get("mem_bw", {}), **other.meta.get("mem_bw", {})}
         if "spread" in self.meta or "spread" in other.meta:  # the noisier profile counts
             meta["spread"] = max(self.meta.get("spread", 0.0), other.meta.get("spread", 0.0))
         return CostTable(out, source, self.mode, self.optimizer, meta)
@@ -195,6 +212,7 @@ class CostTable:
                     activation=int(v["activation"]),
                     share_scale=_scales(v.get("share_scale", {})),
                     channel_scale=_scales(v.get("channel_scale", {})),
+                    split=_pairs(v.get("split", {})),
                 )
                 for k, v in data["nodes"].items()
             }
@@ -235,8 +253,17 @@ def _scales(data: Any) -> dict[str, dict[str, float]]:
     return {str(n): {str(a): float(b) for a, b in by.items()} for n, by in data.items()}
 
 
+def _pairs(data: Any) -> dict[str, tuple[float, float]]:
+    """A ``split`` mapping (kind -> [B, W]) read back from JSON."""
+    return {str(k): (float(b), float(w)) for k, (b, w) in data.items()}
+
+
 MAX_OP_SECONDS = 3600.0
 """No single operator of one micro-batch takes an hour: a larger time is corruption."""
+
+
+MAX_SPLIT = 10.0
+"""No pass of a split backward takes ten times the whole backward."""
 
 
 def _check_times(nodes: dict[str, NodeCost]) -> None:
@@ -252,6 +279,14 @@ def _check_times(nodes: dict[str, NodeCost]) -> None:
                         remedy="delete the file and profile again (the cache was corrupted or "
                         "edited)",
                     )
+        for kind, pair in c.split.items():
+            if not all(math.isfinite(f) and 0.0 <= f <= MAX_SPLIT for f in pair):
+                raise CostModelError(
+                    f"node {name!r} has backward split {pair} on {kind}: each pass is a "
+                    f"fraction of the backward between 0 and {MAX_SPLIT}",
+                    value=pair,
+                    remedy="delete the file and profile again (the cache was corrupted or edited)",
+                )
         if c.resident < 0 or c.activation < 0:
             raise CostModelError(
                 f"node {name!r} has negative bytes", value=(c.resident, c.activation)

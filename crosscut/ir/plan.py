@@ -106,6 +106,9 @@ class PlanNode:
     # channel-split width (as a string) -> device kind -> how much more than 1/w of time_s
     # one of w channel shards takes (launch overhead, lower occupancy; analytic.channel_scales)
     channel_scale: dict[str, dict[str, float]] = field(default_factory=dict)
+    # kind -> [B, W]: a split backward's passes as fractions of bwd_s, where profiled
+    # (may sum past 1); absent: priced by rule (partitioner/simulate.py, backward_split)
+    bwd_split: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -37,6 +37,8 @@ class CostLookup(Protocol):
 
     def fwd_s(self, name: str, kind: str) -> float: ...
     def bwd_s(self, name: str, kind: str) -> float: ...
+    def bwd_split(self, name: str, kind: str) -> tuple[float, float] | None: ...
+    def memory_rate(self, kind: str) -> float | None: ...
     def resident_bytes(self, name: str) -> int: ...
     def activation_bytes(self, name: str) -> int: ...
     def batch_scale(self, name: str) -> dict[str, dict[str, float]]: ...
@@ -51,6 +53,7 @@ def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[
         fwd = {k: 0.0 if n.is_io else costs.fwd_s(n.name, k) for k in sorted(set(kinds))}
         bwd = {k: 0.0 if n.is_io or not training else costs.bwd_s(n.name, k) for k in fwd}
         shard, channels = shard_kind(graph, n)
+        split = {k: costs.bwd_split(n.name, k) for k in bwd} if training and not n.is_io else {}
         out.append(
             PlanNode(
                 name=n.name,
@@ -63,6 +66,7 @@ def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[
                 activation_bytes=0 if n.is_io else int(costs.activation_bytes(n.name)),
                 time_s={k: fwd[k] + bwd[k] for k in fwd},
                 bwd_s=bwd if training else {},
+                bwd_split={k: list(p) for k, p in split.items() if p is not None},
                 module_path=n.module_path,
                 param_bytes=0 if n.is_io else int(n.param_bytes),
                 shard=shard,

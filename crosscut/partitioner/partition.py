@@ -46,8 +46,13 @@ from crosscut.partitioner.solvers.cross import solve_cross
 __all__ = ["partition_graph", "plan_cluster"]
 
 
-def plan_cluster(cluster: Any) -> PlanCluster:
-    """The plan's copy of a ``crosscut.cost_models.cluster.Cluster`` (plain data)."""
+def plan_cluster(cluster: Any, costs: CostLookup | None = None) -> PlanCluster:
+    """The plan's copy of a ``crosscut.cost_models.cluster.Cluster`` (plain data).
+
+    A device kind that ``costs`` profiled takes the memory rate measured there:
+    the update and gradient accumulation the simulator prices run at it."""
+    rates = {d.kind: costs.memory_rate(d.kind) if costs is not None else None
+             for d in cluster.devices}  # fmt: skip
     return PlanCluster(
         devices=[
             PlanDevice(
@@ -56,7 +61,7 @@ def plan_cluster(cluster: Any) -> PlanCluster:
                 device=d.device,
                 mem_cap=int(d.mem_cap),
                 peak_flops=float(d.peak("float32")),
-                mem_bw=float(d.mem_bw),
+                mem_bw=float(rates[d.kind] or d.mem_bw),
             )
             for d in cluster.devices
         ],
@@ -90,10 +95,27 @@ def _coarse_nodes(
                 activation_bytes=sum(g.activation_bytes for g in group),
                 time_s={k: sum(g.time_s[k] for g in group) for k in kinds},
                 bwd_s={k: sum(g.bwd_s.get(k, 0.0) for g in group) for k in kinds},
+                bwd_split=_group_split(group, kinds),
                 # conservative: a member's value may be what leaves the coarse node
                 batch_major=all(g.batch_major for g in group),
             )
         )
+    return out
+
+
+def _group_split(group: list[PlanNode], kinds: Any) -> dict[str, list[float]]:
+    """A coarse node's split backward: its members' B and W seconds over their backward
+    (a member without a measured split keeps its whole backward in B); empty where no
+    member was measured on a kind."""
+    out: dict[str, list[float]] = {}
+    for k in kinds:
+        if not any(k in g.bwd_split for g in group):
+            continue
+        total = sum(g.bwd_s.get(k, 0.0) for g in group)
+        b = sum(g.bwd_s.get(k, 0.0) * g.bwd_split.get(k, [1.0, 0.0])[0] for g in group)
+        w = sum(g.bwd_s.get(k, 0.0) * g.bwd_split.get(k, [1.0, 0.0])[1] for g in group)
+        if total > 0:
+            out[k] = [b / total, w / total]
     return out
 
 
@@ -268,7 +290,7 @@ def _partition_once(
     """One solve, with the recomputation setting in ``options``, by ``settings.deadline``."""
     assert settings.deadline is not None  # partition_graph always passes one
     work = settings.deadline.before(FINAL_RESERVE * settings.deadline.seconds)
-    pc = plan_cluster(cluster)
+    pc = plan_cluster(cluster, costs)
     fine = plan_nodes(graph, costs, [d.kind for d in pc.devices])
     solved = _solve(
         graph, fine, pc, options, dataclasses.replace(settings, deadline=work), use_coarsening

@@ -16,6 +16,10 @@ stages' actions):
   ``W(k, m)``, after ``B(k, m)``, the weight-gradient part
   (:func:`backward_split`); the replicas' all-reduce then starts after the
   stage's last ``W`` (the torchrun runtime reduces after the schedule);
+* the action that fills a stage's weight gradients (``W`` where the backward
+  is split, else ``B``) takes longer for every micro-batch after the step's
+  first: autograd adds the new gradients into ``.grad`` (a pass over them at
+  the device's memory rate, ``calibration.accumulate_seconds``);
 * an action also waits until every device of its stage is free: co-located
   stages (one device group, two stages) take turns on their devices.
 
@@ -118,30 +122,41 @@ def backward_split(plan: Plan, k: int, backward_s: float, receives: bool) -> tup
     """(moved, W): the seconds of stage ``k``'s backward compute ``backward_s`` that leave
     ``B`` for ``W``, and ``W``'s seconds, when the backward is split.
 
-    What ``runtime/split_backward.py`` does, priced per node: a convolution's or
-    a matmul's backward is a data gradient in ``B`` and a weight gradient of the
-    same size in ``W`` (half each); another node with parameters (batch norm,
-    a learned scale) runs whole in ``B`` and again for its weights in ``W``,
-    whose reductions it repeats (half its backward: measured on resnet50 on
-    CPU, ``B + W`` = 1.18 x one backward, docs/BENCHMARKS.md). A stage that
-    receives nothing to differentiate (the first) sends nothing upstream: all
-    of its backward is ``W``. A group's stage (several devices) is not split.
+    What ``crosscut/split_backward.py`` does, priced per node. Where the costs
+    were profiled, a node carries the two passes as measured (``bwd_split``:
+    on a CPU, resnet18's convolutions run ``B`` at ~0.5 and ``W`` at ~0.9 of one
+    backward, so ``B + W`` is ~1.4 of it: docs/BENCHMARKS.md). Otherwise by
+    rule: a convolution's or a matmul's backward is a data gradient in ``B`` and
+    a weight gradient of the same size in ``W`` (half each); another node with
+    parameters (batch norm, a learned scale) runs whole in ``B`` and again for
+    its weights in ``W``, whose reductions it repeats (half its backward). A
+    stage that receives nothing to differentiate (the first) sends nothing
+    upstream: all of its backward is ``W``. A group's stage (several devices)
+    is not split. ``moved`` is negative where ``B`` is measured longer than the
+    whole backward.
     """
     if len(plan.stages[k].devices) > 1:
         return 0.0, 0.0
     if not receives:
         return backward_s, backward_s
     kind = next(d.kind for d in plan.cluster.devices if d.name == plan.stages[k].devices[0])
-    moved = extra = 0.0
+    moved = wgt = 0.0
     for n in plan.nodes:
-        if plan.assignment.get(n.name) != k or n.param_bytes <= 0:
+        if plan.assignment.get(n.name) != k:
             continue
-        if any(t in n.kind for t in _MATMUL_KINDS):
-            moved += 0.5 * n.bwd_s.get(kind, 0.0)
+        full = n.bwd_s.get(kind, 0.0)
+        measured = n.bwd_split.get(kind)
+        if measured is not None:
+            moved += (1.0 - measured[0]) * full
+            wgt += measured[1] * full
+        elif n.param_bytes <= 0:
+            continue
+        elif any(t in n.kind for t in _MATMUL_KINDS):
+            moved += 0.5 * full
+            wgt += 0.5 * full
         else:
-            extra += 0.5 * n.bwd_s.get(kind, 0.0)
-    moved = min(moved, backward_s)
-    return moved, moved + extra
+            wgt += 0.5 * full
+    return min(moved, backward_s), wgt
 
 
 def _actions(plan: Plan) -> list[list[sched.Action]]:
@@ -151,15 +166,12 @@ def _actions(plan: Plan) -> list[list[sched.Action]]:
     return sched.make_schedule(plan.options.schedule, s, m)
 
 
-def simulate(plan: Plan) -> Simulation:
-    """Replay ``plan``'s schedule; see the module docstring for the rules."""
-    problem, stage_of, stage_device = plan_to_problem(plan)
-    ev = evaluate(problem, stage_of, stage_device, plan_groups(plan))
+def _action_durations(
+    plan: Plan, ev: Evaluation, queues: list[list[sched.Action]], senders: list[set[int]]
+) -> tuple[list[float], list[float], list[float]]:
+    """Seconds of one F, B and W action per stage; W is 0 unless the schedule splits
+    the backward, and then B keeps only what the stage before waits for."""
     fwd, bwd = stage_durations(plan, ev)
-    mult = 2 if plan.model.mode == "train" else 1
-    comm = [c / mult for c in ev.stage_comm]  # one direction's transfers, per action
-    senders, receivers = _links(plan.num_stages, ev)
-    queues = _actions(plan)
     wgt = [0.0] * plan.num_stages
     if sched.splits_backward(queues):  # only then: the compute part of each backward
         fwd_compute = _forward_compute(plan, ev)
@@ -167,6 +179,24 @@ def simulate(plan: Plan) -> Simulation:
         for k in range(plan.num_stages):
             moved, wgt[k] = backward_split(plan, k, bwd_compute[k], bool(senders[k]))
             bwd[k] -= moved
+    return fwd, bwd, wgt
+
+
+def simulate(plan: Plan) -> Simulation:
+    """Replay ``plan``'s schedule; see the module docstring for the rules."""
+    problem, stage_of, stage_device = plan_to_problem(plan)
+    ev = evaluate(problem, stage_of, stage_device, plan_groups(plan))
+    mult = 2 if plan.model.mode == "train" else 1
+    comm = [c / mult for c in ev.stage_comm]  # one direction's transfers, per action
+    senders, receivers = _links(plan.num_stages, ev)
+    queues = _actions(plan)
+    fwd, bwd, wgt = _action_durations(plan, ev, queues, senders)
+    # the action that fills .grad: W where the backward is split, else B; every one
+    # after a stage's first adds into the gradients before it
+    fills = ["W" if w > 0 else "B" for w in wgt]
+    training = plan.model.mode == "train"
+    accum = [_stage_accumulate(plan, k) if training else 0.0 for k in range(plan.num_stages)]
+    filled = [False] * plan.num_stages
     done: dict[tuple[int, str, int], float] = {}
     free = {d.name: 0.0 for d in plan.cluster.devices}  # co-located stages share devices
     head = [0] * len(queues)  # one queue per worker (row): its stages' actions in order
@@ -184,6 +214,9 @@ def simulate(plan: Plan) -> Simulation:
                 devs = plan.stages[k].devices
                 start = max([*(free[x] for x in devs), *(done[d] for d in deps)])
                 end = start + {"F": fwd[k], "B": bwd[k], "W": wgt[k]}[a.kind]
+                if a.kind == fills[k]:
+                    end += accum[k] if filled[k] else 0.0
+                    filled[k] = True
                 done[(k, a.kind, a.microbatch)] = end
                 wire = (
                     comm[k]
@@ -232,21 +265,39 @@ def simulate(plan: Plan) -> Simulation:
 
 def _stage_update(plan: Plan, k: int) -> float:
     """Seconds of stage ``k``'s optimizer update on its leading device."""
+    return _gradient_pass(plan, k, accumulate=False)
+
+
+def _stage_accumulate(plan: Plan, k: int) -> float:
+    """Seconds stage ``k`` spends adding one micro-batch's weight gradients to ``.grad``."""
+    return _gradient_pass(plan, k, accumulate=True)
+
+
+def _gradient_pass(plan: Plan, k: int, accumulate: bool) -> float:
+    """A pass over stage ``k``'s gradients at its leading device's memory rate."""
     # imported here: the cost models' package loads torch, and the simulator (which
     # the drawings use) must not (tests/test_viz.py)
-    from crosscut.cost_models.calibration import update_seconds
+    from crosscut.cost_models.calibration import accumulate_seconds, update_seconds
     from crosscut.cost_models.devices import PRESETS
 
     dev = plan.cluster.devices[plan.cluster.index(plan.stages[k].devices[0])]
     params = [n.param_bytes for n in plan.nodes if plan.assignment.get(n.name) == k]
     preset = PRESETS.get(dev.kind)
+    mem_bw = dev.mem_bw or (preset.mem_bw if preset else 1e11)
+    launch_s = preset.launch_overhead_s if preset else 5e-6
+    tensors = sum(1 for b in params if b > 0)
+    if accumulate:
+        return accumulate_seconds(
+            sum(params), tensors, kind=dev.kind, device=dev.device, mem_bw=mem_bw,
+            launch_s=launch_s,
+        )  # fmt: skip
     return update_seconds(
         sum(params),
-        sum(1 for b in params if b > 0),
+        tensors,
         kind=dev.kind,
         device=dev.device,
-        mem_bw=dev.mem_bw or (preset.mem_bw if preset else 1e11),
-        launch_s=preset.launch_overhead_s if preset else 5e-6,
+        mem_bw=mem_bw,
+        launch_s=launch_s,
         optimizer=plan.options.optimizer,
         precision=plan.options.precision,
     )

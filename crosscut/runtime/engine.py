@@ -56,7 +56,7 @@ from torch.utils import _pytree as pytree
 
 from crosscut.ir.program import INPUT, StagedProgram, ValueRef, map_structure
 from crosscut.ir.schedule import Action
-from crosscut.runtime.split_backward import WeightPass, backward_input, backward_weight
+from crosscut.split_backward import WeightPass, backward_input, backward_weight
 
 __all__ = [
     "Autograd",
@@ -274,7 +274,7 @@ class StageEngine:
         step arms DDP's reducer on exactly these roots (runtime/dist/overlap.py).
         With :attr:`split`, only the gradients of the received values are
         computed here and the weight gradients wait for :meth:`weight`
-        (runtime/split_backward.py); a cross-shaped group's stage (a token:
+        (crosscut/split_backward.py); a cross-shaped group's stage (a token:
         its members' messages run in its backward) still runs all of it here.
         """
         saved = self.saved[a.microbatch] if self.split else self.saved.pop(a.microbatch)

@@ -35,14 +35,14 @@ nothing to send: ``B`` is empty and ``W`` runs its whole backward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["WeightPass", "backward_input", "backward_weight"]
+__all__ = ["WeightPass", "backward_input", "backward_weight", "weight_steps"]
 
 
 @dataclass
@@ -184,15 +184,32 @@ def backward_input(
     return WeightPass(items=items)
 
 
-def backward_weight(pending: WeightPass) -> None:
-    """``W``: the weight gradients ``B`` left, from the gradients it recorded."""
+def weight_steps(pending: WeightPass) -> list[tuple[list[torch.Tensor], Callable[[], None]]]:
+    """``W`` as its separate autograd calls, each with the parameter leaves it fills.
+
+    :func:`backward_weight` runs them in order; the profiler
+    (``cost_models/context.py``) times each and charges it to the operator that
+    owns those parameters."""
     if pending.whole is not None:
-        roots, grads = pending.whole
-        torch.autograd.backward(roots, grads)
-        return
+        roots, whole = pending.whole
+        return [([], lambda: torch.autograd.backward(roots, whole))]
+    steps: list[tuple[list[torch.Tensor], Callable[[], None]]] = []
     for item in pending.items:
         slots = [(i, g) for i, g in enumerate(item.grads) if g is not None]
         if not item.leaves or not slots:
             continue  # no gradient reached this node in B: eager gives its leaves none either
         edges = [GradientEdge(item.node, i) for i, _ in slots]
-        torch.autograd.backward(edges, [g for _, g in slots], inputs=item.leaves)
+        given: list[torch.Tensor | None] = [g for _, g in slots]
+
+        def run(edges: list[GradientEdge] = edges, grads: list[torch.Tensor | None] = given,
+                leaves: list[torch.Tensor] = item.leaves) -> None:  # fmt: skip
+            torch.autograd.backward(edges, grads, inputs=leaves)
+
+        steps.append((item.leaves, run))
+    return steps
+
+
+def backward_weight(pending: WeightPass) -> None:
+    """``W``: the weight gradients ``B`` left, from the gradients it recorded."""
+    for _, run in weight_steps(pending):
+        run()

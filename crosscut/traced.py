@@ -223,10 +223,13 @@ def _interleaved(plan: Plan, schedule: str) -> Plan:
         return plan
     out = interleave(plan, schedule)
     if out is None:
+        v = virtual_stages(schedule)
         raise PartitionError(
-            f"schedule {schedule!r} needs {virtual_stages(schedule)} stages per device that fit "
-            "the memory caps, cut from single-device stages",
+            f"schedule {schedule!r} needs {v} stages per device ({v} x {plan.num_stages} in "
+            "all), cut from single-device stages, each with nodes of its own, that fit the "
+            "memory caps",
             value={"stages": plan.num_stages, "nodes": len(plan.assignment)},
-            remedy="use schedule 'auto' or '1f1b', or devices with more memory",
+            remedy="use schedule 'auto', '1f1b', or fewer stages per device (1f1b-v2); "
+            "or devices with more memory",
         )
     return out

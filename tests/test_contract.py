@@ -30,6 +30,8 @@ SCRIPT = Path(__file__).parent / "dist_scripts" / "contract_check.py"
         (2, 4, "zb-h2"),
         (2, 2, "1f1b-v2"),  # 4 stages, 2 per device
         (2, 1, "1f1b-v2"),
+        (2, 1, "1f1b-v3"),  # 6 stages, 3 per device; M not a multiple of the devices
+        (2, 4, "1f1b-v4"),
     ],
 )
 def test_local_runtime_keeps_the_contract(k: int, m: int, schedule: str, tmp_path: Path) -> None:
@@ -46,8 +48,9 @@ def test_local_runtime_keeps_the_contract(k: int, m: int, schedule: str, tmp_pat
         schedule=schedule,
     )
     assert check_contract(pipe, model, m, tmp_path) is not None
-    if schedule == "1f1b-v2":  # two stages per device, round-robin
-        assert [st.devices[0] for st in pipe.plan.stages] == ["cpu0", "cpu1"] * 2
+    if schedule.startswith("1f1b-v"):  # V stages per device, round-robin
+        v = int(schedule.removeprefix("1f1b-v"))
+        assert [st.devices[0] for st in pipe.plan.stages] == [f"cpu{i}" for i in range(k)] * v
 
 
 @pytest.mark.distributed
@@ -64,6 +67,7 @@ def test_local_runtime_keeps_the_contract(k: int, m: int, schedule: str, tmp_pat
         (4, "cross", "zb-h1"),
         (2, "pipeline", "1f1b-v2"),
         (4, "replicas", "1f1b-v2"),
+        (2, "pipeline", "1f1b-v3"),
     ],
 )
 def test_torchrun_ranks_keep_the_contract(

@@ -241,7 +241,7 @@ def test_every_training_schedule_is_accepted_by_the_front_doors(tmp_path: Path) 
     assert set(schema) == set(PIPELINE_SCHEDULES)
     x = torch.randn(8, 3, 8, 8)
     model = nn.Sequential(
-        *(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.ReLU()) for _ in range(4))
+        *(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.ReLU()) for _ in range(8))
     )
     for name in SCHEDULE_CHOICES:
         args = build_parser().parse_args(

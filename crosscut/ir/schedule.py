@@ -240,7 +240,7 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
 
 #: the interleaved schedules the planner tries and the fuzzer draws (any ``"1f1b-vV"``,
 #: V >= 2, is accepted by name)
-INTERLEAVED_SCHEDULES = ("1f1b-v2",)
+INTERLEAVED_SCHEDULES = ("1f1b-v2", "1f1b-v3", "1f1b-v4")
 
 #: the training schedules a plan may name (``"inference"`` is chosen by mode, never named)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", *INTERLEAVED_SCHEDULES)

@@ -114,8 +114,8 @@ def test_predictions_within_the_profiles_spread_choose_the_simpler_strategy(
     at 138 ms. With profiles that spread by 60 % (100 %) the planner cannot tell the
     pipeline from the strategies of fewer stages within that spread, so it keeps the
     simplest of them (fewest stages, then fewest micro-batches) and says why; without
-    spread the quickest wins. (Without device groups inside stages: with them a 1+2+1 pipeline is quicker
-    still, which would change the layouts compared, not the rule.)"""
+    spread the quickest wins. (Without device groups inside stages: with them a 1+2+1
+    pipeline is quicker still, which would change the layouts compared, not the rule.)"""
     from crosscut.traced import TraceCache
 
     monkeypatch.setattr(TraceCache, "spread", lambda self, size: spread)
@@ -237,15 +237,15 @@ def test_strategy_round_trips_and_is_drawn(tmp_path: Path) -> None:
 
 
 def test_stages_replicated_to_their_own_degrees_by_default() -> None:
-    """AlexNet on 8 K20c (PCIe), batch 128: its convolutions are many FLOPs and few
-    parameters, its classifier the reverse. (At batch 256 data parallelism now wins: each
-    micro-batch after the first adds the classifier's 234 MB of gradients into ``.grad``,
-    4.5 ms a pass on a K20c, which the grouped pipelines' 8 micro-batches pay seven times.) By default ("auto": batch-split groups, their shares priced at
-    their own batch) the search gives the convolutions batch-split groups (a stage's own
-    data parallelism) and the classifier few devices, and lists the shape of each stage;
-    asking for batch groups explicitly plans the same; ``cross_shaped=False`` forbids them.
-    The schedule is fixed at 1F1B: with "auto" an interleaved pipeline (two stages per
-    device, no groups) wins here, checked at the end."""
+    """AlexNet on 8 K20c (PCIe), batch 128: its convolutions are many FLOPs and few parameters, its
+    classifier the reverse. (At batch 256 data parallelism now wins: each micro-batch after
+    the first adds the classifier's 234 MB of gradients into ``.grad``, 4.5 ms a pass on a
+    K20c, which the grouped pipelines' 8 micro-batches pay seven times.) By default ("auto":
+    batch-split groups, their shares priced at their own batch) the search gives the
+    convolutions batch-split groups (a stage's own data parallelism) and the classifier few
+    devices, and lists the shape of each stage; asking for batch groups explicitly plans the
+    same; ``cross_shaped=False`` forbids them. The schedule is fixed at 1F1B: with "auto" an
+    interleaved pipeline (two stages per device, no groups) wins here, checked at the end."""
     model = torchvision.models.alexnet(weights=None)
     plan = crosscut.partition(model, "8xK20c", _meta(128), schedule="1f1b")
     asked = crosscut.partition(

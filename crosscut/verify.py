@@ -1,8 +1,11 @@
 """Check a plan numerically and measure it: ``crosscut verify`` and ``crosscut bench``.
 
 ``verify_plan`` replays a plan on CPU devices and compares the compiled module
-with eager execution of the same model: the outputs, the loss, and every
-parameter and buffer after one SGD step with learning rate 1 — so the
+with eager execution of the same model: the outputs of one forward, then one
+training step as a user runs it — ``train_step`` against eager running the
+same micro-batches' backwards in order, each loss times ``1/M`` (the contract
+the runtimes keep bit for bit, README "What equals eager") — and every
+parameter and buffer after one SGD step with learning rate 1, so the
 parameter change *is* the gradient, compared under the original
 ``state_dict`` keys without knowing how codegen renamed anything.
 
@@ -169,24 +172,35 @@ def _load(plan: Plan | str | Path) -> Plan:
     return plan if isinstance(plan, Plan) else Plan.load(plan)
 
 
-def _eager_step(model: nn.Module, x: torch.Tensor, micro: int, train: bool) -> tuple[Any, float]:
-    """Eager forward per micro-batch (same BN statistics as the pipeline), one SGD step."""
-    model.train(train)
-    chunks = x.chunk(micro)
-    outs = [model(c) for c in chunks]
-    out = _cat(outs)
-    loss = loss_of(out)
-    if train:
-        _sgd_step(model, loss)
-    return out, float(loss.detach())
+def _outputs(model: nn.Module, x: torch.Tensor, micro: int) -> Any:
+    """Eager forward per micro-batch (the pipeline's batch-norm statistics), no gradients."""
+    with torch.no_grad():
+        return _cat([model(c) for c in x.chunk(micro)])
 
 
-def _sgd_step(model: nn.Module, loss: torch.Tensor) -> None:
-    """One SGD step with learning rate 1: each parameter moves by exactly its gradient."""
+def _eager_train(model: nn.Module, x: torch.Tensor, micro: int) -> float:
+    """What ``train_step`` promises: each micro-batch's loss times ``1/micro``, its
+    backward run in order (gradients accumulating), then one SGD step with learning
+    rate 1, so each parameter moves by exactly its gradient. Returns the mean loss."""
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     opt.zero_grad()
-    torch.autograd.backward(loss)
+    total = torch.zeros(())  # summed as the runtimes sum the micro-batches' losses
+    for c in x.chunk(micro):
+        loss = loss_of(model(c)) * (1.0 / micro)
+        torch.autograd.backward(loss)
+        total = total + loss.detach()
     opt.step()
+    return float(total)
+
+
+def _compiled_train(compiled: Any, x: torch.Tensor) -> float:
+    """``train_step`` with :func:`loss_of` (targets unused), then the same SGD step."""
+    opt = torch.optim.SGD(compiled.parameters(), lr=1.0)
+    opt.zero_grad()
+    targets = torch.zeros(x.shape[0])
+    loss = compiled.train_step(x, targets, lambda out, _targets: loss_of(out))
+    opt.step()
+    return float(loss.detach())
 
 
 def _cat(outs: list[Any]) -> Any:
@@ -235,14 +249,17 @@ def verify_plan(
             "drop_rate=0.0) and verify that plan; the cuts do not depend on the rates",
         ) from exc
     compiled.train(train)
-    with torch.no_grad() if not train else torch.enable_grad():
-        # the replicas' shares of each micro-batch are normalised apart, as chunks are
-        chunks = the_plan.options.microbatches * the_plan.replication.replicas
-        ref_out, ref_loss = _eager_step(ref, x, chunks, train)
+    ref.train(train)
+    # the replicas' shares of each micro-batch are normalised apart, as chunks are
+    chunks = the_plan.options.microbatches * the_plan.replication.replicas
+    ref_out = _outputs(ref, x, chunks)
+    with torch.no_grad():
         out = compiled(x)
-        loss = loss_of(out)
-        if train:
-            _sgd_step(compiled, loss)
+    if train:  # the training contract: train_step against eager's micro-batches in order
+        ref_loss = _eager_train(ref, x, chunks)
+        loss = _compiled_train(compiled, x)
+    else:
+        ref_loss, loss = float(loss_of(ref_out)), float(loss_of(out))
     out_diff = max(
         (
             float((a.detach().cpu().float() - b.detach().float()).abs().max())
@@ -268,7 +285,7 @@ def verify_plan(
     return VerifyReport(
         ok=ok,
         max_output_diff=out_diff,
-        loss_diff=abs(float(loss.detach()) - ref_loss),
+        loss_diff=abs(loss - ref_loss),
         max_state_diff=worst,
         worst_key=worst_key,
         checked_keys=len(ref_state) - len(skip),

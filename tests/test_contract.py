@@ -32,6 +32,8 @@ SCRIPT = Path(__file__).parent / "dist_scripts" / "contract_check.py"
         (2, 1, "1f1b-v2"),
         (2, 1, "1f1b-v3"),  # 6 stages, 3 per device; M not a multiple of the devices
         (2, 4, "1f1b-v4"),
+        (2, 4, "zb-v2"),  # interleaved, each backward split into B and W
+        (2, 1, "zb-v2"),
     ],
 )
 def test_local_runtime_keeps_the_contract(k: int, m: int, schedule: str, tmp_path: Path) -> None:
@@ -48,8 +50,8 @@ def test_local_runtime_keeps_the_contract(k: int, m: int, schedule: str, tmp_pat
         schedule=schedule,
     )
     assert check_contract(pipe, model, m, tmp_path) is not None
-    if schedule.startswith("1f1b-v"):  # V stages per device, round-robin
-        v = int(schedule.removeprefix("1f1b-v"))
+    if "-v" in schedule:  # V stages per device, round-robin
+        v = int(schedule.split("-v")[1])
         assert [st.devices[0] for st in pipe.plan.stages] == [f"cpu{i}" for i in range(k)] * v
 
 
@@ -68,6 +70,8 @@ def test_local_runtime_keeps_the_contract(k: int, m: int, schedule: str, tmp_pat
         (2, "pipeline", "1f1b-v2"),
         (4, "replicas", "1f1b-v2"),
         (2, "pipeline", "1f1b-v3"),
+        (2, "pipeline", "zb-v2"),
+        (4, "replicas", "zb-v2"),
     ],
 )
 def test_torchrun_ranks_keep_the_contract(

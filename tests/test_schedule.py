@@ -15,6 +15,7 @@ from crosscut.ir.schedule import (
     action_times,
     format_schedule,
     gpipe,
+    in_flight,
     inference,
     make_schedule,
     max_inflight,
@@ -190,6 +191,44 @@ def test_interleaved_schedules_are_valid_round_robin_and_ordered(w: int, v: int,
         row = built[k % w]
         assert [a.microbatch for a in row if a.stage == k and a.kind == "B"] == list(range(m))
         assert [a.microbatch for a in row if a.stage == k and a.kind == "F"] == list(range(m))
+
+
+@given(st.integers(1, 4), st.integers(2, 4), st.integers(1, 10))
+def test_interleaved_zero_bubble_keeps_the_interleaved_order_and_memory(
+    w: int, v: int, m: int
+) -> None:
+    """``zb-vV``: interleaved 1F1B's F and B in its order on every row, each B's W later
+    on the same row, every stage's actions in micro-batch order (gradients accumulate as
+    in eager), valid for any durations, and never more micro-batches in flight on a
+    stage than interleaved 1F1B holds (a micro-batch's activations live until its W)."""
+    from crosscut.ir.schedule import interleaved_zero_bubble, splits_backward
+
+    s = w * v
+    built = make_schedule(f"zb-v{v}", s, m)
+    assert built == interleaved_zero_bubble(s, m, v) and splits_backward(built)
+    base = make_schedule(f"1f1b-v{v}", s, m)
+    validate_schedule(built, s, m, training=True)
+    for row, plain in zip(built, base):
+        assert [a for a in row if a.kind != "W"] == plain
+        for a in row:
+            if a.kind == "W":
+                assert row.index(Action(a.stage, "B", a.microbatch)) < row.index(a)
+    for k in range(s):
+        row = built[k % w]
+        for kind in "FBW":
+            assert [a.microbatch for a in row if a.stage == k and a.kind == kind] == list(range(m))
+
+    def peak(row: list[Action], release: str) -> int:  # a worker's micro-batches alive
+        live = top = 0
+        for a in row:
+            live += {"F": 1, release: -1}.get(a.kind, 0)
+            top = max(top, live)
+        return top
+
+    assert [peak(r, "W") for r in built] == [peak(r, "B") for r in base]
+    assert [in_flight(f"zb-v{v}", s, k, m) for k in range(s)] == [
+        max_inflight(built, k) for k in range(s)
+    ]
 
 
 @pytest.mark.parametrize(("w", "m"), [(2, 4), (4, 4), (4, 8), (3, 6)])

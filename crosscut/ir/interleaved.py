@@ -1,4 +1,9 @@
-"""Interleaved 1F1B: several smaller stages per worker, round-robin (``"1f1b-vV"``).
+"""Interleaved schedules: several smaller stages per worker, round-robin.
+
+``"1f1b-vV"``: interleaved 1F1B. ``"zb-vV"``: the same order with each backward
+split into ``B`` and a later ``W`` that fills the worker's idle slots
+(interleaved zero bubble, as torch's ``ScheduleInterleavedZeroBubble``; not the
+V-shaped placement of ZB-V).
 
 Kept out of :mod:`crosscut.ir.schedule` (which dispatches to it by name) for
 size; it builds rows from the same vocabulary and checks them with the same
@@ -16,7 +21,7 @@ from crosscut.ir.schedule_rules import (
     deps,
 )
 
-__all__ = ["interleaved_1f1b"]
+__all__ = ["interleaved_1f1b", "interleaved_zero_bubble"]
 
 
 def interleaved_1f1b(num_stages: int, microbatches: int, virtual: int = 2) -> Schedule:
@@ -118,3 +123,59 @@ def _replayed(
         if t > 8 * (total * w + num_stages) + 16:  # a bound no valid replay reaches
             raise ScheduleError("the interleaved schedule did not complete", value=num_stages)
     return rows
+
+
+def interleaved_zero_bubble(num_stages: int, microbatches: int, virtual: int = 2) -> Schedule:
+    """Interleaved 1F1B with each backward split: ``B`` where 1F1B runs the backward,
+    ``W`` (the weight gradients) where the worker would otherwise wait.
+
+    Built by replaying the interleaved 1F1B rows with unit-time actions: a free
+    worker runs its next ``F``/``B`` in 1F1B's order when its inputs have
+    arrived, else the oldest ``W`` it owes, else idles; the ``W`` left run at
+    the end. A micro-batch keeps its activations until its ``W``, so before a
+    forward that would put more micro-batches in flight on the worker than
+    interleaved 1F1B's peak, the worker first runs an owed ``W`` (ZB-H1's
+    rule: 1F1B's memory). The ``F``/``B`` order is interleaved 1F1B's and
+    nothing waits for a ``W``, so the rows cannot deadlock, and every stage
+    still runs its micro-batches in order.
+    """
+    base = interleaved_1f1b(num_stages, microbatches, virtual)
+    caps = [_peak_in_flight(row) for row in base]
+    rows: Schedule = [[] for _ in base]
+    done: dict[Action, int] = {}
+    head, live = [0] * len(base), [0] * len(base)
+    owed: list[list[Action]] = [[] for _ in base]
+    busy = [0] * len(base)
+    t, total = 0, sum(2 * len(row) - sum(a.kind == "F" for a in row) for row in base)
+    while len(done) < total:
+        for r, row in enumerate(base):
+            if busy[r] > t:
+                continue
+            a = row[head[r]] if head[r] < len(row) else None
+            ready = a is not None and all(done.get(d, t + 1) <= t for d in deps(a, num_stages))
+            full = a is not None and a.kind == "F" and live[r] >= caps[r]
+            if a is not None and ready and not (full and owed[r]):
+                head[r] += 1
+                live[r] += a.kind == "F"
+                if a.kind == "B":
+                    owed[r].append(Action(a.stage, "W", a.microbatch))
+            elif owed[r]:
+                a = owed[r].pop(0)
+                live[r] -= 1
+            else:
+                continue
+            rows[r].append(a)
+            done[a] = busy[r] = t + 1
+        t += 1
+        if t > 8 * total + 16:  # a bound no valid replay reaches
+            raise ScheduleError("the interleaved schedule did not complete", value=num_stages)
+    return rows
+
+
+def _peak_in_flight(row: list[Action]) -> int:
+    """Most micro-batches a worker's row has run forward and not yet backward."""
+    live = peak = 0
+    for a in row:
+        live += 1 if a.kind == "F" else -1
+        peak = max(peak, live)
+    return peak

@@ -37,7 +37,7 @@ import functools
 import re
 from collections.abc import Callable, Sequence
 
-from crosscut.ir.interleaved import interleaved_1f1b
+from crosscut.ir.interleaved import interleaved_1f1b, interleaved_zero_bubble
 from crosscut.ir.schedule_rules import (
     Action,
     Schedule,
@@ -68,6 +68,7 @@ __all__ = [
     "in_flight",
     "inference",
     "interleaved_1f1b",
+    "interleaved_zero_bubble",
     "least_in_flight",
     "make_schedule",
     "max_inflight",
@@ -75,6 +76,7 @@ __all__ = [
     "parse_schedule",
     "pending_weights",
     "splits_backward",
+    "splits_name",
     "validate_schedule",
     "virtual_stages",
     "worker_of",
@@ -83,7 +85,7 @@ __all__ = [
     "zero_bubble_h2",
 ]
 
-_INTERLEAVED_RE = re.compile(r"^1f1b-v(\d+)$")
+_INTERLEAVED_RE = re.compile(r"^(?:1f1b|zb)-v(\d+)$")
 
 
 def inference(num_stages: int, microbatches: int) -> Schedule:
@@ -212,14 +214,15 @@ def forward_only(name: str, num_stages: int, microbatches: int) -> Schedule:
     """
     if virtual_stages(name) < 2:
         return inference(num_stages, microbatches)
-    return [
+    return [  # the zero-bubble variant keeps interleaved 1F1B's forward order
         [a for a in row if a.kind == "F"]
         for row in interleaved_1f1b(num_stages, microbatches, virtual_stages(name))
     ]
 
 
 def virtual_stages(name: str) -> int:
-    """Stages per worker the schedule called ``name`` runs: ``V`` for ``"1f1b-vV"``, else 1."""
+    """Stages per worker the schedule called ``name`` runs: ``V`` for ``"1f1b-vV"`` and
+    ``"zb-vV"``, else 1."""
     found = _INTERLEAVED_RE.match(name.lower())
     return int(found.group(1)) if found else 1
 
@@ -240,7 +243,7 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
 
 #: the interleaved schedules the planner tries and the fuzzer draws (any ``"1f1b-vV"``,
 #: V >= 2, is accepted by name)
-INTERLEAVED_SCHEDULES = ("1f1b-v2", "1f1b-v3", "1f1b-v4")
+INTERLEAVED_SCHEDULES = ("1f1b-v2", "1f1b-v3", "1f1b-v4", "zb-v2")
 
 #: the training schedules a plan may name (``"inference"`` is chosen by mode, never named)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", *INTERLEAVED_SCHEDULES)
@@ -287,7 +290,7 @@ def pending_weights(name: str, num_stages: int, stage: int, microbatches: int) -
     weight node: the gradient of that layer's output), so a split backward keeps
     them for this many micro-batches at once; 0 for a schedule that does not split
     its backward (read off the built schedule, cached)."""
-    if name not in ("zb-h1", "zb-h2"):
+    if not splits_name(name):
         return 0
     return _built_pending(name, num_stages, microbatches)[stage]
 
@@ -296,11 +299,12 @@ def pending_weights(name: str, num_stages: int, stage: int, microbatches: int) -
 def _built_pending(name: str, num_stages: int, microbatches: int) -> tuple[int, ...]:
     built = make_schedule(name, num_stages, microbatches)
     out = []
-    for row in built:
+    for k in range(num_stages):  # an interleaved worker's row holds several stages
         live = peak = 0
-        for a in row:
-            live += {"B": 1, "W": -1}.get(a.kind, 0)
-            peak = max(peak, live)
+        for a in built[worker_of(built, k)]:
+            if a.stage == k:
+                live += {"B": 1, "W": -1}.get(a.kind, 0)
+                peak = max(peak, live)
         out.append(peak)
     return tuple(out)
 
@@ -310,17 +314,23 @@ def least_in_flight(name: str, microbatches: int) -> int:
     return in_flight(name, 1, 0, microbatches)
 
 
+def splits_name(name: str) -> bool:
+    """Whether the schedule called ``name`` splits each backward into ``B`` and ``W``."""
+    return name.lower() in ("zb-h1", "zb-h2") or name.lower().startswith("zb-v")
+
+
 def make_schedule(name: str, num_stages: int, microbatches: int) -> Schedule:
-    """The schedule called ``name`` (one of :data:`SCHEDULES`, or ``"1f1b-vV"``)."""
+    """The schedule called ``name`` (one of :data:`SCHEDULES`, ``"1f1b-vV"`` or ``"zb-vV"``)."""
     if virtual_stages(name) > 1:
-        return interleaved_1f1b(num_stages, microbatches, virtual_stages(name))
+        build = interleaved_zero_bubble if splits_name(name) else interleaved_1f1b
+        return build(num_stages, microbatches, virtual_stages(name))
     try:
         fn = SCHEDULES[name.lower()]
     except KeyError:
         raise ScheduleError(
             "the schedule name must be known",
             value=name,
-            remedy=f"use one of {sorted(SCHEDULES)}, or 1f1b-vV (V >= 2 stages per worker)",
+            remedy=f"use one of {sorted(SCHEDULES)}, or 1f1b-vV / zb-vV (V >= 2 stages per worker)",
         ) from None
     return fn(num_stages, microbatches)
 

@@ -44,7 +44,8 @@ __all__ = ["main", "priced"]
 
 def variants(plan: Plan) -> dict[str, Plan]:
     """``plan``'s stages under every schedule of :data:`PREFERENCE`, and the interleaved
-    re-cuts of them (:data:`INTERLEAVED_SCHEDULES`: two stages per device), each priced."""
+    re-cuts of them (:data:`INTERLEAVED_SCHEDULES`: two to four stages per device, and
+    interleaved zero bubble), each priced."""
     out = {}
     for name in PREFERENCE:
         other = Plan.from_dict(plan.to_dict())

@@ -52,6 +52,7 @@ from crosscut.ir.schedule_rules import (
 )
 
 __all__ = [
+    "AUTO_INTERLEAVED",
     "AUTO_SCHEDULE",
     "DEFAULT_SCHEDULE",
     "INTERLEAVED_SCHEDULES",
@@ -241,9 +242,14 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
 }
 
 
-#: the interleaved schedules the planner tries and the fuzzer draws (any ``"1f1b-vV"``,
-#: V >= 2, is accepted by name)
+#: the interleaved schedules a plan may name and the fuzzer draws (any ``"1f1b-vV"`` or
+#: ``"zb-vV"``, V >= 2, is accepted by a runtime)
 INTERLEAVED_SCHEDULES = ("1f1b-v2", "1f1b-v3", "1f1b-v4", "zb-v2")
+
+#: the interleaved re-cuts ``"auto"`` tries (partitioner/schedule_choice.py): each is a
+#: planning pass over the graph; more stages per device, or the split backward on top,
+#: priced slower on every benchmark request (docs/BENCHMARKS.md), so they are asked by name
+AUTO_INTERLEAVED = ("1f1b-v2",)
 
 #: the training schedules a plan may name (``"inference"`` is chosen by mode, never named)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", *INTERLEAVED_SCHEDULES)

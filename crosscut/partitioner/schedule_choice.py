@@ -23,7 +23,7 @@ what the choice rejected and by how much (``crosscut partition`` prints them).
 from __future__ import annotations
 
 from crosscut.ir.plan import Plan
-from crosscut.ir.schedule import DEFAULT_SCHEDULE, INTERLEAVED_SCHEDULES
+from crosscut.ir.schedule import AUTO_INTERLEAVED, DEFAULT_SCHEDULE
 from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.interleave import interleave as interleave_plan
 
@@ -43,7 +43,7 @@ def choose_schedule(plan: Plan, interleave: bool = True, noise: float = 0.0) -> 
 
     ``plan`` is set to the quickest schedule of :data:`PREFERENCE` and returned,
     unless ``interleave`` and a re-cut of its stages under one of
-    :data:`~crosscut.ir.schedule.INTERLEAVED_SCHEDULES`
+    :data:`~crosscut.ir.schedule.AUTO_INTERLEAVED`
     (:func:`~crosscut.partitioner.interleave.interleave`) is quicker still and
     fits: then that new plan is returned. ``interleave=False`` where the plan
     will run under torchrun's own planning.
@@ -67,7 +67,7 @@ def choose_schedule(plan: Plan, interleave: bool = True, noise: float = 0.0) -> 
         priced.append((name, plan.predicted.step_time_s, _fits(plan)))
     recut: dict[str, Plan] = {}
     if interleave and all(len(st.devices) == 1 for st in plan.stages):
-        for name in INTERLEAVED_SCHEDULES:
+        for name in AUTO_INTERLEAVED:
             cand = interleave_plan(plan, name)
             if cand is not None:
                 recut[name] = cand

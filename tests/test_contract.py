@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import crosscut
+from crosscut.ir.schedule import placement, virtual_stages
 
 sys.path.insert(0, str(Path(__file__).parent))
 from contract import Small, batch, check_contract, eager_loss
@@ -34,6 +35,9 @@ SCRIPT = Path(__file__).parent / "dist_scripts" / "contract_check.py"
         (2, 4, "1f1b-v4"),
         (2, 4, "zb-v2"),  # interleaved, each backward split into B and W
         (2, 1, "zb-v2"),
+        (2, 4, "zbv"),  # two stages per device in a V: 0 and 3 on one, 1 and 2 on the other
+        (2, 1, "zbv"),
+        (3, 2, "zbv"),  # 6 stages on 3 devices, M below the workers
     ],
 )
 def test_local_runtime_keeps_the_contract(k: int, m: int, schedule: str, tmp_path: Path) -> None:
@@ -50,9 +54,9 @@ def test_local_runtime_keeps_the_contract(k: int, m: int, schedule: str, tmp_pat
         schedule=schedule,
     )
     assert check_contract(pipe, model, m, tmp_path) is not None
-    if "-v" in schedule:  # V stages per device, round-robin
-        v = int(schedule.split("-v")[1])
-        assert [st.devices[0] for st in pipe.plan.stages] == [f"cpu{i}" for i in range(k)] * v
+    if virtual_stages(schedule) > 1:  # V stages per device, round-robin or in a V
+        want = [f"cpu{w}" for w in placement(schedule, k * virtual_stages(schedule))]
+        assert [st.devices[0] for st in pipe.plan.stages] == want
 
 
 @pytest.mark.distributed
@@ -72,6 +76,8 @@ def test_local_runtime_keeps_the_contract(k: int, m: int, schedule: str, tmp_pat
         (2, "pipeline", "1f1b-v3"),
         (2, "pipeline", "zb-v2"),
         (4, "replicas", "zb-v2"),
+        (2, "pipeline", "zbv"),
+        (4, "replicas", "zbv"),
     ],
 )
 def test_torchrun_ranks_keep_the_contract(

@@ -42,6 +42,31 @@ def test_a_recut_is_round_robin_contiguous_and_valid() -> None:
     assert any("heuristic" in n for n in out.solver.notes)
 
 
+def test_a_v_shaped_recut_pairs_each_device_s_stages_and_keeps_the_turn_local() -> None:
+    """``zbv``: device ``r`` of ``W`` gets stages ``r`` and ``2W - 1 - r`` (the first and
+    the last on one device, the two middle ones on another), contiguous chunks of the
+    node order, valid; the turn from stage ``W - 1`` to ``W`` crosses no link, so the
+    simulator shows no transfer there; and a plan that breaks the V is refused, naming
+    the device the stage belongs on."""
+    plan = _pipeline("4xV100")
+    out = interleave(plan, "zbv")
+    assert out is not None and out.options.schedule == "zbv" and out.num_stages == 8
+    path = [st.devices for st in plan.stages]
+    assert [st.devices for st in out.stages] == path + path[::-1]
+    assert plan_problems(out) == []
+    assert any("in a V" in n for n in out.solver.notes)
+    order = [n.name for n in out.nodes if n.name in out.assignment]
+    assert [out.assignment[n] for n in order] == sorted(out.assignment[n] for n in order)
+    kinds = {e.kind for e in simulate(out).events}
+    assert {"F", "B", "W"} <= kinds
+    assert out.stages[3].devices == out.stages[4].devices  # the turn, on one device
+    broken = Plan.from_dict(out.to_dict())
+    broken.stages[4].devices, broken.stages[7].devices = path[0], path[3]
+    problems = plan_problems(broken)
+    assert any("stage 4 runs on ['gpu0']; under 'zbv' it runs on stage 3's device" in p
+               for p in problems), problems  # fmt: skip
+
+
 def test_a_recut_halves_the_bubble_of_a_balanced_pipeline() -> None:
     """The point of interleaving: with M = S the 1F1B bubble (S - 1)/(M + S - 1) is large;
     two stages per device shrink it, and the step with it, though every boundary is
@@ -150,6 +175,9 @@ def test_broken_interleaved_plans_are_refused_by_name() -> None:
     with pytest.raises(InputError, match="was cut for 2"):
         check_same_cut("zb-h2", "1f1b-v2")
     check_same_cut("1f1b-v2", "1f1b-v2")
+    check_same_cut("zb-v2", "1f1b-v2")  # the same round-robin cut: a rank may switch
+    with pytest.raises(InputError, match="cut for 2 placed in a V"):
+        check_same_cut("zb-v2", "zbv")  # two per rank too, but placed otherwise
 
 
 def test_a_lead_within_the_profiles_spread_keeps_the_simpler_schedule() -> None:

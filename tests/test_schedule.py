@@ -21,6 +21,7 @@ from crosscut.ir.schedule import (
     max_inflight,
     one_f_one_b,
     parse_schedule,
+    placement,
     validate_schedule,
     virtual_stages,
     zero_bubble_h1,
@@ -231,6 +232,60 @@ def test_interleaved_zero_bubble_keeps_the_interleaved_order_and_memory(
     ]
 
 
+@given(st.integers(2, 6), st.integers(1, 12))
+def test_v_shaped_zero_bubble_is_valid_placed_in_a_v_and_keeps_1f1b_memory(w: int, m: int) -> None:
+    """``zbv``: worker ``r`` runs stages ``r`` and ``2W - 1 - r`` and nothing else; every
+    action once, no deadlock; each stage's F, B and W in micro-batch order (gradients
+    accumulate as in eager) with each W after its B; a worker never holds activations of
+    more than ``W`` micro-batches (1F1B's first stage holds ``W`` micro-batches of
+    twice-as-large stages: the same bytes), which the evaluator's count agrees with."""
+    from crosscut.ir.schedule import forward_only, splits_backward, worker_of
+
+    s = 2 * w
+    built = make_schedule("zbv", s, m)
+    where = placement("zbv", s)
+    assert where == tuple(list(range(w)) + list(range(w - 1, -1, -1)))
+    assert len(built) == w and splits_backward(built)
+    validate_schedule(built, s, m, True, where)
+    validate_schedule(forward_only("zbv", s, m), s, m, False, where)
+    for r, row in enumerate(built):
+        assert {a.stage for a in row} == {r, s - 1 - r}
+        assert all(worker_of(built, a.stage) == r for a in row)
+        for a in row:
+            if a.kind == "W":
+                assert row.index(Action(a.stage, "B", a.microbatch)) < row.index(a)
+        for k in (r, s - 1 - r):
+            for kind in "FBW":
+                assert [a.microbatch for a in row if (a.stage, a.kind) == (k, kind)] == list(
+                    range(m)
+                )
+        alive: dict[int, int] = {}  # micro-batch -> its stages here not yet through W
+        top = 0
+        for a in row:
+            alive[a.microbatch] = alive.get(a.microbatch, 0) + {"F": 1, "W": -1}.get(a.kind, 0)
+            top = max(top, sum(v > 0 for v in alive.values()))
+        assert top <= min(w, m)
+    assert [in_flight("zbv", s, k, m) for k in range(s)] == [
+        max_inflight(built, k) for k in range(s)
+    ]
+
+
+@pytest.mark.parametrize("w", [2, 3, 4, 5])
+@pytest.mark.parametrize("extra", [0, 1, 3, 7])
+def test_v_shaped_zero_bubble_idles_at_most_half_of_1f1b(w: int, extra: int) -> None:
+    """With the same work per worker (two half-size stages, F = B = W = 1 each, against
+    one stage with F = 2, B = 4) and at least as many micro-batches as workers, ZB-V
+    idles at most half of 1F1B's ``(W - 1)(F + B)`` and no more than ZB-H1."""
+    m, s = w + extra, 2 * w
+    work = 6.0 * m
+    zbv = max(e for _, e in action_times(make_schedule("zbv", s, m), s, [1] * s, [2] * s).values())
+    flat = max(e for _, e in action_times(one_f_one_b(w, m), w, [2] * w, [4] * w).values())
+    h1 = max(
+        e for _, e in action_times(zero_bubble_h1(w, m), w, [2] * w, [4] * w, [2] * w).values()
+    )
+    assert zbv - work <= (flat - work) / 2 and zbv <= h1
+
+
 @pytest.mark.parametrize(("w", "m"), [(2, 4), (4, 4), (4, 8), (3, 6)])
 def test_interleaving_shrinks_the_bubble_by_about_its_virtual_stages(w: int, m: int) -> None:
     """The same work cut into twice the stages, two per worker: the idle time of
@@ -253,6 +308,12 @@ def test_interleaved_rules_name_the_problem() -> None:
         validate_schedule(parse_schedule("0: 1F0 1B0\n1: 0F0 0B0 2F0 2B0 3F0 3B0"), 4, 1, True)
     with pytest.raises(ScheduleError, match="2 or more"):
         interleaved_1f1b(4, 3, 1)
+    with pytest.raises(ScheduleError, match="two stages per worker on 2 or more workers"):
+        make_schedule("zbv", 6 - 1, 2)
+    with pytest.raises(
+        ScheduleError, match=r"2F0 is on row 0; stage 2 runs on row 1 \(the schedule's placement"
+    ):
+        validate_schedule(make_schedule("zb-v2", 4, 2), 4, 2, True, placement("zbv", 4))
     # forwards only: the training rows' forwards, one row per worker
     fwd = forward_only("1f1b-v2", 4, 4)
     validate_schedule(fwd, 4, 4, training=False)
@@ -295,4 +356,5 @@ def test_every_training_schedule_is_accepted_by_the_front_doors(tmp_path: Path) 
         back = Plan.load(plan.save(tmp_path / f"{name}.json"))
         assert back.options.schedule == name
         devices = [st.devices[0] for st in back.stages]
-        assert devices == ["gpu0", "gpu1"] * virtual_stages(name), (name, devices)
+        want = [f"gpu{w}" for w in placement(name, 2 * virtual_stages(name))]
+        assert devices == want, (name, devices)

@@ -1,9 +1,11 @@
-"""Interleaved schedules: several smaller stages per worker, round-robin.
+"""Interleaved schedules: several smaller stages per worker, round-robin or V-shaped.
 
 ``"1f1b-vV"``: interleaved 1F1B. ``"zb-vV"``: the same order with each backward
 split into ``B`` and a later ``W`` that fills the worker's idle slots
-(interleaved zero bubble, as torch's ``ScheduleInterleavedZeroBubble``; not the
-V-shaped placement of ZB-V).
+(interleaved zero bubble, as torch's ``ScheduleInterleavedZeroBubble``).
+``"zbv"``: two stages per worker placed in a V (worker ``r`` runs stages ``r``
+and ``2W - 1 - r``), zero bubble (Qi et al.'s ZB-V, as torch's
+``ScheduleZBVZeroBubble``).
 
 Kept out of :mod:`crosscut.ir.schedule` (which dispatches to it by name) for
 size; it builds rows from the same vocabulary and checks them with the same
@@ -21,7 +23,12 @@ from crosscut.ir.schedule_rules import (
     deps,
 )
 
-__all__ = ["interleaved_1f1b", "interleaved_zero_bubble"]
+__all__ = [
+    "interleaved_1f1b",
+    "interleaved_zero_bubble",
+    "v_shape_placement",
+    "v_shape_zero_bubble",
+]
 
 
 def interleaved_1f1b(num_stages: int, microbatches: int, virtual: int = 2) -> Schedule:
@@ -179,3 +186,97 @@ def _peak_in_flight(row: list[Action]) -> int:
         live += 1 if a.kind == "F" else -1
         peak = max(peak, live)
     return peak
+
+
+def v_shape_placement(num_stages: int) -> tuple[int, ...]:
+    """The worker of each stage under ``"zbv"``: ``W = S / 2`` workers, stage ``s`` on
+    worker ``s`` going down and ``2W - 1 - s`` coming back (worker 0 holds the first
+    and the last stage, worker ``W - 1`` the two middle ones)."""
+    w = num_stages // 2
+    return tuple(s if s < w else 2 * w - 1 - s for s in range(num_stages))
+
+
+def v_shape_zero_bubble(num_stages: int, microbatches: int) -> Schedule:
+    """ZB-V: two stages per worker in a V, each backward split into ``B`` and ``W``.
+
+    Placing stage ``s`` and ``2W - 1 - s`` on one worker (:func:`v_shape_placement`)
+    puts the loss on worker 0, where the micro-batch started, and the turn of
+    each pass (stage ``W - 1`` to ``W``, forward and backward) inside worker
+    ``W - 1``: no transfer there, and every worker's two stages take its work
+    in a balanced pair (Qi et al., "Pipeline Parallelism with Controllable
+    Memory", 2024). Built by replaying a rule with unit-time actions: a free
+    worker runs the first that can go of a ``B`` whose gradient has arrived
+    (oldest micro-batch first), a forward of its second stage, a forward of its
+    first stage (admitting a micro-batch) if fewer than ``W`` admitted
+    micro-batches still hold activations on it, and its oldest owed ``W``.
+
+    Memory: a worker holds at most ``W`` micro-batches, each over two stages of
+    ``1/(2W)`` of the model: 1F1B's first-stage peak. Why it cannot deadlock:
+    only admission waits for memory, and every micro-batch older than the
+    oldest unfinished one is finished, so that one's next action is never
+    refused for memory (the replay also checks it ran to completion). Every
+    stage runs its micro-batches in order, so gradients accumulate as under
+    1F1B; the rows are then fixed data, valid for any durations.
+    """
+    check_sizes(num_stages, microbatches)
+    if num_stages % 2 or num_stages < 4:
+        raise ScheduleError(
+            "the V-shaped schedule runs two stages per worker on 2 or more workers",
+            value={"num_stages": num_stages},
+            remedy="use an even stage count of 4 or more, or schedule 'zb-h1'",
+        )
+    where = v_shape_placement(num_stages)
+    w = num_stages // 2
+    mine = [[s for s in (r, num_stages - 1 - r)] for r in range(w)]
+    nxt = {(s, k): 0 for s in range(num_stages) for k in "FBW"}
+    live = [0] * w  # micro-batches admitted on a worker whose activations are not all freed
+    freed: dict[tuple[int, int], int] = {}  # (worker, micro-batch) -> its stages' W run
+    rows: Schedule = [[] for _ in range(w)]
+    done: dict[Action, int] = {}
+    busy = [0] * w
+    t, total = 0, 3 * num_stages * microbatches
+
+    def ready(a: Action) -> bool:
+        return all(done.get(d, t + 1) <= t for d in deps(a, num_stages))
+
+    def candidates(r: int) -> list[Action]:
+        first, second = mine[r]
+        out: list[Action] = []
+        bs = [
+            Action(s, "B", nxt[(s, "B")]) for s in (second, first) if nxt[(s, "B")] < nxt[(s, "F")]
+        ]
+        out.extend(sorted((a for a in bs if ready(a)), key=lambda a: (a.microbatch, -a.stage)))
+        if nxt[(second, "F")] < nxt[(first, "F")]:
+            a = Action(second, "F", nxt[(second, "F")])
+            out.extend([a] if ready(a) else [])
+        if nxt[(first, "F")] < microbatches and live[r] < min(w, microbatches):
+            a = Action(first, "F", nxt[(first, "F")])
+            out.extend([a] if ready(a) else [])
+        ws = [
+            Action(s, "W", nxt[(s, "W")]) for s in (first, second) if nxt[(s, "W")] < nxt[(s, "B")]
+        ]
+        out.extend(sorted(ws, key=lambda a: (a.microbatch, a.stage)))
+        return out
+
+    while len(done) < total:
+        for r in range(w):
+            if busy[r] > t:
+                continue
+            options = candidates(r)
+            if not options:
+                continue
+            a = options[0]
+            nxt[(a.stage, a.kind)] += 1
+            if a.kind == "F" and a.stage == mine[r][0]:
+                live[r] += 1
+            if a.kind == "W":
+                key = (r, a.microbatch)
+                freed[key] = freed.get(key, 0) + 1
+                live[r] -= freed[key] == 2
+            rows[r].append(a)
+            done[a] = busy[r] = t + 1
+        t += 1
+        if t > 4 * total + 16:  # a bound no valid replay reaches
+            raise ScheduleError("the V-shaped schedule did not complete", value=num_stages)
+    assert all(where[a.stage] == r for r, row in enumerate(rows) for a in row)
+    return rows

@@ -15,8 +15,10 @@ one stage, and row ``k`` is stage ``k``'s. An interleaved schedule
 ``W`` workers ``V`` smaller stages ("virtual stages", Narayanan et al. 2021),
 placed round-robin: stage ``s`` runs on worker ``s % W``, so row ``r`` holds
 the actions of stages ``r, r + W, r + 2W, ...`` in the one order that worker
-runs them. The rule is the same for both: stage ``s`` is on row
-``s % len(schedule)`` (:func:`worker_of`).
+runs them. ``"zbv"`` places two stages per worker in a V instead (worker ``r``
+runs stages ``r`` and ``2W - 1 - r``). :func:`placement` gives each stage's
+worker from the schedule's name (what plans and runtimes place devices and
+ranks by); :func:`worker_of` reads it off built rows.
 
 This module imports no torch on purpose: the partitioner's simulator imports
 it, and it must stay importable without a device stack.
@@ -37,7 +39,12 @@ import functools
 import re
 from collections.abc import Callable, Sequence
 
-from crosscut.ir.interleaved import interleaved_1f1b, interleaved_zero_bubble
+from crosscut.ir.interleaved import (
+    interleaved_1f1b,
+    interleaved_zero_bubble,
+    v_shape_placement,
+    v_shape_zero_bubble,
+)
 from crosscut.ir.schedule_rules import (
     Action,
     Schedule,
@@ -59,6 +66,7 @@ __all__ = [
     "PIPELINE_SCHEDULES",
     "SCHEDULES",
     "SCHEDULE_CHOICES",
+    "V_SHAPED",
     "Action",
     "Schedule",
     "ScheduleError",
@@ -76,8 +84,11 @@ __all__ = [
     "one_f_one_b",
     "parse_schedule",
     "pending_weights",
+    "placement",
+    "same_cut",
     "splits_backward",
     "splits_name",
+    "v_shape_zero_bubble",
     "validate_schedule",
     "virtual_stages",
     "worker_of",
@@ -87,6 +98,9 @@ __all__ = [
 ]
 
 _INTERLEAVED_RE = re.compile(r"^(?:1f1b|zb)-v(\d+)$")
+
+#: the V-shaped zero-bubble schedule (two stages per worker, :func:`v_shape_zero_bubble`)
+V_SHAPED = "zbv"
 
 
 def inference(num_stages: int, microbatches: int) -> Schedule:
@@ -215,17 +229,41 @@ def forward_only(name: str, num_stages: int, microbatches: int) -> Schedule:
     """
     if virtual_stages(name) < 2:
         return inference(num_stages, microbatches)
-    return [  # the zero-bubble variant keeps interleaved 1F1B's forward order
-        [a for a in row if a.kind == "F"]
-        for row in interleaved_1f1b(num_stages, microbatches, virtual_stages(name))
+    if name.lower() != V_SHAPED:  # the zero-bubble variant keeps interleaved 1F1B's order
+        name = f"1f1b-v{virtual_stages(name)}"
+    return [
+        [a for a in row if a.kind == "F"] for row in make_schedule(name, num_stages, microbatches)
     ]
 
 
 def virtual_stages(name: str) -> int:
     """Stages per worker the schedule called ``name`` runs: ``V`` for ``"1f1b-vV"`` and
     ``"zb-vV"``, else 1."""
+    if name.lower() == V_SHAPED:
+        return 2
     found = _INTERLEAVED_RE.match(name.lower())
     return int(found.group(1)) if found else 1
+
+
+def placement(name: str, num_stages: int) -> tuple[int, ...]:
+    """The worker (device, rank) of each of a ``num_stages``-stage plan's stages under ``name``.
+
+    One stage per worker for most schedules, ``s % W`` for the round-robin
+    interleaved ones, a V for ``"zbv"`` (:func:`v_shape_placement`). Plans,
+    the partitioner's re-cut and both runtimes place stages by this one
+    function, so a new placement is one branch here."""
+    if name.lower() == V_SHAPED:
+        return v_shape_placement(num_stages)
+    w = workers(name, num_stages)
+    return tuple(s % w for s in range(num_stages))
+
+
+def same_cut(a: str, b: str) -> bool:
+    """Whether schedules ``a`` and ``b`` run a plan's stages on the same workers (a runtime
+    may switch between them without re-partitioning)."""
+    return virtual_stages(a) == virtual_stages(b) and (a.lower() == V_SHAPED) == (
+        b.lower() == V_SHAPED
+    )
 
 
 def workers(name: str, num_stages: int) -> int:
@@ -244,7 +282,7 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
 
 #: the interleaved schedules a plan may name and the fuzzer draws (any ``"1f1b-vV"`` or
 #: ``"zb-vV"``, V >= 2, is accepted by a runtime)
-INTERLEAVED_SCHEDULES = ("1f1b-v2", "1f1b-v3", "1f1b-v4", "zb-v2")
+INTERLEAVED_SCHEDULES = ("1f1b-v2", "1f1b-v3", "1f1b-v4", "zb-v2", V_SHAPED)
 
 #: the interleaved re-cuts ``"auto"`` tries (partitioner/schedule_choice.py): each is a
 #: planning pass over the graph; more stages per device, or the split backward on top,
@@ -322,11 +360,13 @@ def least_in_flight(name: str, microbatches: int) -> int:
 
 def splits_name(name: str) -> bool:
     """Whether the schedule called ``name`` splits each backward into ``B`` and ``W``."""
-    return name.lower() in ("zb-h1", "zb-h2") or name.lower().startswith("zb-v")
+    return name.lower() in ("zb-h1", "zb-h2", V_SHAPED) or name.lower().startswith("zb-v")
 
 
 def make_schedule(name: str, num_stages: int, microbatches: int) -> Schedule:
     """The schedule called ``name`` (one of :data:`SCHEDULES`, ``"1f1b-vV"`` or ``"zb-vV"``)."""
+    if name.lower() == V_SHAPED:
+        return v_shape_zero_bubble(num_stages, microbatches)
     if virtual_stages(name) > 1:
         build = interleaved_zero_bubble if splits_name(name) else interleaved_1f1b
         return build(num_stages, microbatches, virtual_stages(name))
@@ -336,7 +376,8 @@ def make_schedule(name: str, num_stages: int, microbatches: int) -> Schedule:
         raise ScheduleError(
             "the schedule name must be known",
             value=name,
-            remedy=f"use one of {sorted(SCHEDULES)}, or 1f1b-vV / zb-vV (V >= 2 stages per worker)",
+            remedy=f"use one of {sorted(SCHEDULES)}, 1f1b-vV / zb-vV (V >= 2 stages per "
+            "worker) or zbv",
         ) from None
     return fn(num_stages, microbatches)
 

@@ -13,8 +13,8 @@ Dependency model (used by :func:`validate_schedule` and :func:`action_times`):
 ``B(s+1, m)`` (the last stage's backward starts from its own forward, where the
 loss is computed); ``W(s, m)`` needs ``B(s, m)``. Skip connections that jump
 over stages only add edges that this chain already implies, so a schedule
-valid here is valid for any plan. Rows are workers: stage ``s`` runs on row
-``s % len(schedule)`` (:func:`worker_of`).
+valid here is valid for any plan. Rows are workers: every action of a stage
+is on one row, the stage's worker (:func:`worker_of`).
 """
 
 from __future__ import annotations
@@ -87,8 +87,19 @@ def check_sizes(num_stages: int, microbatches: int) -> None:
 
 
 def worker_of(schedule: Schedule, stage: int) -> int:
-    """The row (worker) that runs ``stage``'s actions: round-robin, ``stage % rows``."""
-    return stage % len(schedule)
+    """The row (worker) that runs ``stage``'s actions, read off the rows themselves.
+
+    Row ``stage % rows`` is tried first: one stage per row, and the round-robin
+    interleaved schedules, place stages there; a V-shaped schedule does not
+    (:func:`crosscut.ir.interleaved.v_shape_placement`). A stage with no
+    action on any row raises :class:`ScheduleError`."""
+    guess = stage % len(schedule)
+    if any(a.stage == stage for a in schedule[guess]):
+        return guess
+    for r, row in enumerate(schedule):
+        if any(a.stage == stage for a in row):
+            return r
+    raise ScheduleError(f"stage {stage} has no action on any row", value=stage)
 
 
 def splits_backward(schedule: Schedule) -> bool:
@@ -129,12 +140,17 @@ def deps(a: Action, num_stages: int) -> list[Action]:
 
 
 def validate_schedule(
-    schedule: Schedule, num_stages: int, microbatches: int, training: bool
+    schedule: Schedule,
+    num_stages: int,
+    microbatches: int,
+    training: bool,
+    where: Sequence[int] | None = None,
 ) -> None:
     """Raise :class:`ScheduleError` naming the first offending action, else return.
 
     Rules: one row per worker (a divisor of the stage count) and each action on
-    its stage's worker's row (:func:`worker_of`); every
+    its stage's worker's row: ``where[stage]`` (the schedule's
+    :func:`~crosscut.ir.schedule.placement`), by default ``stage % rows``; every
     required action exactly once (``F`` for every micro-batch, plus ``B`` when
     training, and no ``B`` otherwise; a split backward has a ``W`` for every
     ``B``, or none at all); on a stage ``F(m)`` precedes ``B(m)``, which
@@ -154,10 +170,13 @@ def validate_schedule(
     seen: set[Action] = set()
     for r, row in enumerate(schedule):
         for a in row:
-            if not 0 <= a.stage < num_stages or worker_of(schedule, a.stage) != r:
+            if not 0 <= a.stage < num_stages:
+                raise ScheduleError(f"action {a} names no stage of {num_stages}", value=str(a))
+            want = where[a.stage] if where is not None else a.stage % len(schedule)
+            if want != r:
                 raise ScheduleError(
-                    f"action {a} is on row {r}; stage {a.stage} runs on row "
-                    f"{a.stage % len(schedule)} (stage % rows)",
+                    f"action {a} is on row {r}; stage {a.stage} runs on row {want}"
+                    + (" (stage % rows)" if where is None else " (the schedule's placement)"),
                     value=str(a),
                 )
             s = a.stage

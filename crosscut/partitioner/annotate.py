@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from crosscut.cost_models.subclusters import slowest_link
 from crosscut.ir.plan import Plan, PlanTransfer, Prediction
-from crosscut.ir.schedule import workers
+from crosscut.ir.schedule import placement
 from crosscut.partitioner.build import plan_groups, plan_to_problem
 from crosscut.partitioner.evaluate import evaluate
 from crosscut.partitioner.replicas import reduction
@@ -90,8 +90,8 @@ def in_rank_order(plan: Plan) -> Plan:
     if any(len(st.devices) != 1 for st in plan.stages):
         return plan
     names = [d.name for d in plan.cluster.devices]
-    w = workers(plan.options.schedule, plan.num_stages)  # interleaved: round-robin
-    for k, st in enumerate(plan.stages):
-        st.devices = [names[k % w]]
+    # interleaved: V stages per rank, placed as the schedule runs them
+    for st, worker in zip(plan.stages, placement(plan.options.schedule, plan.num_stages)):
+        st.devices = [names[worker]]
     plan.solver.notes.append("stages moved to the devices of their torchrun ranks, node by node")
     return annotate(plan)

@@ -56,7 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from crosscut.ir.problem import PartitionProblem, StageGroup
-from crosscut.ir.schedule import virtual_stages, workers
+from crosscut.ir.schedule import placement, virtual_stages, workers
 from crosscut.partitioner.group_costs import (
     batch_split_exports,
     collective_time,
@@ -408,7 +408,7 @@ def check(
     if (
         groups is None
         and len(set(stage_device)) != len(stage_device)
-        and not _round_robin(problem.schedule, stage_device)
+        and not _interleaved(problem.schedule, stage_device)
     ):
         errors.append(f"stage_device {stage_device} uses a device twice")
     if any(not 0 <= d < problem.num_devices for d in stage_device):
@@ -426,14 +426,18 @@ def check(
     return errors
 
 
-def _round_robin(schedule: str, stage_device: list[int]) -> bool:
-    """Whether an interleaved ``schedule`` places the stages round-robin over distinct devices."""
+def _interleaved(schedule: str, stage_device: list[int]) -> bool:
+    """Whether an interleaved ``schedule`` places the stages as it runs them
+    (:func:`~crosscut.ir.schedule.placement`) over distinct devices."""
     w = workers(schedule, len(stage_device))
     return (
         virtual_stages(schedule) > 1
         and len(stage_device) % w == 0
         and len(set(stage_device[:w])) == w
-        and all(d == stage_device[k % w] for k, d in enumerate(stage_device))
+        and all(
+            d == stage_device[p]
+            for d, p in zip(stage_device, placement(schedule, len(stage_device)))
+        )
     )
 
 

@@ -3,8 +3,9 @@
 An interleaved schedule (``"1f1b-v2"``: :func:`crosscut.ir.schedule.interleaved_1f1b`)
 gives each of a pipeline's ``S`` devices ``V`` stages, placed round-robin:
 stage ``k`` of ``S × V`` runs on the device of the solved plan's stage
-``k % S``. A micro-batch then visits every device ``V`` times, a ``1/V`` slice
-of the work each time, and the warm-up and cool-down bubble shrinks by about
+``k % S`` (``"zbv"``: in a V, :func:`crosscut.ir.schedule.placement`). A
+micro-batch then visits every device ``V`` times, a ``1/V`` slice of the work
+each time, and the warm-up and cool-down bubble shrinks by about
 ``V``, at the price of ``V``× the stage boundaries (transfers) and more
 micro-batches in flight per device.
 
@@ -30,7 +31,7 @@ import numpy as np
 
 from crosscut.errors import PartitionError
 from crosscut.ir.plan import Plan, PlanStage
-from crosscut.ir.schedule import virtual_stages
+from crosscut.ir.schedule import V_SHAPED, placement, virtual_stages
 from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.build import plan_to_problem
 from crosscut.partitioner.evaluate import check, evaluate
@@ -44,7 +45,8 @@ _MAX_MOVES = 400
 
 
 def interleave(plan: Plan, schedule: str) -> Plan | None:
-    """``plan`` re-cut into ``S × V`` round-robin stages for ``schedule`` (``"1f1b-vV"``).
+    """``plan`` re-cut into ``S × V`` stages for ``schedule`` (``"1f1b-vV"``, ``"zbv"``), placed
+    as :func:`~crosscut.ir.schedule.placement` says.
 
     ``None`` when there is nothing to interleave (inference, one stage, a
     stage on a device group, fewer nodes than stages), no re-cut fits the
@@ -70,7 +72,7 @@ def interleave(plan: Plan, schedule: str) -> Plan | None:
     problem, _, _ = plan_to_problem(out)
     if problem.n < count:
         return None
-    order = [path[k % len(path)] for k in range(count)]
+    order = [path[w] for w in placement(schedule, count)]
     cuts = snap_cuts(problem, _targets(problem.compute, order))
     if len(cuts) != count - 1:
         return None
@@ -93,7 +95,8 @@ def interleave(plan: Plan, schedule: str) -> Plan | None:
     out.solver.notes = [n for n in out.solver.notes if not n.startswith("interleaved ")]
     out.solver.notes.append(
         f"interleaved {schedule}: the solved {len(path)}-stage pipeline re-cut into {count} "
-        f"stages, {virtual} per device round-robin, by time balance (a heuristic, not a "
+        f"stages, {virtual} per device {'in a V' if schedule == V_SHAPED else 'round-robin'}, "
+        "by time balance (a heuristic, not a "
         "CP-SAT solve; the status above is the pipeline's)"
     )
     annotate(out)

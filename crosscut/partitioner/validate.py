@@ -13,7 +13,7 @@ from typing import Any
 
 from crosscut.errors import PlanError
 from crosscut.ir.plan import Plan
-from crosscut.ir.schedule import virtual_stages, workers
+from crosscut.ir.schedule import V_SHAPED, placement, virtual_stages, workers
 from crosscut.partitioner.build import assigned_names, plan_groups, plan_to_problem
 
 __all__ = ["plan_problems", "validate_plan"]
@@ -102,7 +102,8 @@ def _structure_problems(plan: Plan) -> list[str]:
 
 
 def _interleaved_problems(plan: Plan) -> list[str]:
-    """An interleaved plan's rule: ``W`` distinct devices, stage ``k`` on stage ``k % W``'s."""
+    """An interleaved plan's rule: ``W`` distinct devices, stage ``k`` on the device of
+    stage ``placement[k]`` (``k % W`` round-robin; a V for ``"zbv"``)."""
     name, count = plan.options.schedule, plan.num_stages
     virtual = virtual_stages(name)
     if plan.model.mode != "train":
@@ -117,11 +118,13 @@ def _interleaved_problems(plan: Plan) -> list[str]:
     out: list[str] = []
     if any(len(d) != 1 for d in first) or len({d[0] for d in first}) != w:
         out.append(f"an interleaved plan's first {w} stages run on {w} distinct single devices")
+    where = placement(name, count)
     for k, st in enumerate(plan.stages[w:], start=w):
-        if st.devices != plan.stages[k % w].devices:
+        if st.devices != plan.stages[where[k]].devices:
             out.append(
                 f"stage {k} runs on {st.devices}; under {name!r} it runs on stage "
-                f"{k % w}'s device {plan.stages[k % w].devices} (round-robin)"
+                f"{where[k]}'s device {plan.stages[where[k]].devices} "
+                f"({'in a V' if name.lower() == V_SHAPED else 'round-robin'})"
             )
     return out
 

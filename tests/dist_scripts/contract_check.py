@@ -23,6 +23,7 @@ from contract import Small, batch, check_contract
 
 import crosscut
 import crosscut.distributed as cd
+from crosscut.ir.schedule import virtual_stages
 
 
 def replicas_still_reduce(pipe: cd.DistributedPipeline) -> None:
@@ -66,7 +67,7 @@ def main() -> None:
     pipe = crosscut.compile(model, None, x, microbatches=2, plan=plan, schedule=schedule)
     if case == "replicas":
         # DDP's reducer in the last backward; an interleaved rank (two stages) reduces after
-        interleaved = "-v" in schedule  # 1f1b-vV, zb-vV
+        interleaved = virtual_stages(schedule) > 1  # 1f1b-vV, zb-vV, zbv
         assert pipe.replicas == 2 and (pipe._reducer is None) == interleaved
     loss = check_contract(pipe, model, 2, out)  # it ends with .to(float64) and back
     if case == "replicas":

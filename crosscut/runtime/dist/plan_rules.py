@@ -36,15 +36,15 @@ def check_one_stage_per_device(plan: Any) -> None:
     """Ranks are devices: a plan whose stages share a device (a co-located tail) is refused.
 
     An interleaved plan's stages share devices by design (``V`` per device,
-    round-robin): one rank runs them all, in its schedule row's order.
+    round-robin or in a V): one rank runs them all, in its schedule row's order.
 
     Why: the rank layout gives every (stage, member) its own process and device;
     two stages on one device would need two ranks on one GPU, which NCCL does
     not allow, and the solver priced them as taking turns on one device.
     """
     if virtual_stages(str(getattr(plan.options, "schedule", ""))) > 1:
-        # interleaved: stage s on stage (s % W)'s device, one rank running all of them
-        # (the plan's own validation holds the round-robin rule)
+        # interleaved: V stages per device (ir/schedule.placement), one rank running all
+        # of them (the plan's own validation holds the placement)
         grouped = [st.index for st in plan.stages if len(st.devices) != 1]
         if grouped:
             raise DistributedError(

@@ -59,6 +59,7 @@ from crosscut.ir.program import INPUT, StagedProgram
 from crosscut.ir.schedule import (
     forward_only,
     make_schedule,
+    placement,
     splits_backward,
     validate_schedule,
     virtual_stages,
@@ -153,7 +154,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         self.replicas = int(replicas)
         self.microbatches = int(microbatches or plan.options.microbatches)
         self.schedule_name = schedule or plan.options.schedule
-        # an interleaved plan runs V stages per rank: s, s + W, s + 2W, ... (ir/interleaved.py)
+        # an interleaved plan runs V stages per rank, placed by ir/schedule.placement
         self.virtual = virtual_stages(str(plan.options.schedule))
         check_same_cut(self.schedule_name, str(plan.options.schedule))
         self.timeout_s = float(run.timeout_s if run.timeout_s is not None else 300.0)
@@ -217,8 +218,9 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         check_world(self.world_size, widths, self.replicas)
         self.rank_layout = RankLayout(tuple(widths), self.replicas)
         self.replica, self.stage_index, self.member = self.rank_layout.role(self.rank)
-        # the stages this rank runs: its own, and under an interleaved schedule every W-th
-        self.my_stages = [self.stage_index + j * self.workers for j in range(self.virtual)]
+        # the stages this rank runs: its own, or under an interleaved schedule its V
+        self._placement = placement(str(self.plan.options.schedule), self.num_stages)
+        self.my_stages = [k for k, w in enumerate(self._placement) if w == self.stage_index]
         self.position = self.rank % self.rank_layout.per_replica
         self.width = widths[self.stage_index]
         self.split = self.plan.stages[self.stage_index].split if self.width > 1 else "none"
@@ -319,7 +321,8 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             "train": make_schedule(self.schedule_name, s_count, self.microbatches),
             "infer": forward_only(self.schedule_name, s_count, self.microbatches),
         }
-        validate_schedule(self._schedules["train"], s_count, self.microbatches, training=True)
+        where = placement(self.schedule_name, s_count)
+        validate_schedule(self._schedules["train"], s_count, self.microbatches, True, where)
         return program
 
     def _keep_member(self, member: nn.Module) -> None:
@@ -335,14 +338,15 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         """Switch the training schedule (every rank must switch alike, between steps)."""
         check_same_cut(name, str(self.plan.options.schedule))
         rows = make_schedule(name, self.num_stages, self.microbatches)
-        validate_schedule(rows, self.num_stages, self.microbatches, training=True)
+        where = placement(name, self.num_stages)
+        validate_schedule(rows, self.num_stages, self.microbatches, True, where)
         self.schedule_name = name
         self._schedules["train"] = rows
 
     # ---- helpers --------------------------------------------------------------------
     def rank_of(self, stage: int) -> int:
         """The global rank running ``stage`` (its group's leader) in this rank's replica."""
-        return self.rank_layout.rank(self.replica, stage % self.workers)
+        return self.rank_layout.rank(self.replica, self._placement[stage])
 
     # ---- execution ------------------------------------------------------------------
     def _run(

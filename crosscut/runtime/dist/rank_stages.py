@@ -2,12 +2,13 @@
 
 Under every schedule but the interleaved ones a rank runs one stage. Under
 ``"1f1b-vV"`` (:mod:`crosscut.ir.interleaved`) rank ``r`` of a replica's ``W``
-runs stages ``r, r + W, ..., r + (V - 1) W``, in the one order of its schedule
-row. Each stage keeps its own :class:`~crosscut.runtime.dist.stage_io.StageIO`
-(its edges and tags) and :class:`~crosscut.runtime.engine.StageEngine` (its
-saved micro-batches), exactly as a one-stage rank's; what is shared is the
-rank's module (a ``ModuleList`` of the stages, for state and the optimizer)
-and its :class:`~crosscut.runtime.dist.p2p.Messenger`, which keeps a value sent
+runs stages ``r, r + W, ..., r + (V - 1) W`` (under ``"zbv"``: ``r`` and
+``2W - 1 - r``), in the one order of its schedule row. Each stage keeps its
+own :class:`~crosscut.runtime.dist.stage_io.StageIO` (its edges and tags) and
+:class:`~crosscut.runtime.engine.StageEngine` (its saved micro-batches),
+exactly as a one-stage rank's; what is shared is the rank's module (a
+``ModuleList`` of the stages, for state and the optimizer) and its
+:class:`~crosscut.runtime.dist.p2p.Messenger`, which keeps a value sent
 between two of the rank's own stages off the wire. Kept apart from
 :mod:`~crosscut.runtime.dist.rank_executor` so that file reads like one rank's
 step.
@@ -23,7 +24,7 @@ from torch import nn
 
 from crosscut.errors import InputError
 from crosscut.ir.program import StagedProgram
-from crosscut.ir.schedule import Action, virtual_stages
+from crosscut.ir.schedule import Action, same_cut, virtual_stages
 from crosscut.runtime.dist.stage_io import StageIO
 from crosscut.runtime.engine import RunStage, StageEngine
 
@@ -31,11 +32,13 @@ __all__ = ["RankStages", "check_same_cut", "stages_module"]
 
 
 def check_same_cut(schedule: str, plan_schedule: str) -> None:
-    """A schedule a rank runs must need the plan's cut: as many stages per rank."""
-    if virtual_stages(schedule) != virtual_stages(plan_schedule):
+    """A schedule a rank runs must need the plan's cut: as many stages per rank, placed
+    alike (:func:`~crosscut.ir.schedule.same_cut`)."""
+    if not same_cut(schedule, plan_schedule):
         raise InputError(
             f"schedule {schedule!r} runs {virtual_stages(schedule)} stage(s) per rank, but "
-            f"the plan's {plan_schedule!r} was cut for {virtual_stages(plan_schedule)}",
+            f"the plan's {plan_schedule!r} was cut for {virtual_stages(plan_schedule)}"
+            + (" placed in a V" if plan_schedule.lower() == "zbv" else ""),
             value=schedule,
             remedy="use the plan's own schedule, or re-partition for this one",
         )

@@ -71,6 +71,7 @@ from crosscut.ir.schedule import (
     action_times,
     forward_only,
     make_schedule,
+    placement,
     splits_backward,
     validate_schedule,
 )
@@ -163,7 +164,8 @@ class LocalExecutor:
         self.timeout = timeout
         n = len(program.stages)
         self.train_schedule: Schedule = make_schedule(schedule, n, microbatches)
-        validate_schedule(self.train_schedule, n, microbatches, training=schedule != "inference")
+        self._rows = placement(schedule, n)  # stage -> worker (row, thread)
+        validate_schedule(self.train_schedule, n, microbatches, schedule != "inference", self._rows)
         # one worker (thread) per row: per stage, or per device of an interleaved schedule
         self.forward_schedule: Schedule = forward_only(schedule, n, microbatches)
         self.output_device = program.stages[-1].device
@@ -194,9 +196,10 @@ class LocalExecutor:
         return self._workers
 
     def _worker(self, stage: int) -> DeviceThread:
-        """The thread that runs ``stage``: its own, or its device's (interleaved: ``s % W``)."""
+        """The thread that runs ``stage``: its own, or its device's (interleaved: by the
+        schedule's :func:`~crosscut.ir.schedule.placement`)."""
         workers = self._ensure_workers()
-        return workers[stage % len(workers)]
+        return workers[self._rows[stage]]
 
     def close(self) -> None:
         """Stop the worker threads, and the stages' share threads (daemons: optional)."""

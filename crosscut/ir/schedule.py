@@ -286,7 +286,9 @@ INTERLEAVED_SCHEDULES = ("1f1b-v2", "1f1b-v3", "1f1b-v4", "zb-v2", V_SHAPED)
 
 #: the interleaved re-cuts ``"auto"`` tries (partitioner/schedule_choice.py): each is a
 #: planning pass over the graph; more stages per device, or the split backward on top,
-#: priced slower on every benchmark request (docs/BENCHMARKS.md), so they are asked by name
+#: priced slower on every benchmark request (docs/BENCHMARKS.md), so they are asked by name.
+#: ``zbv`` prices below ``1f1b-v2`` on most requests but never below ``zb-h2``, which
+#: ``auto`` tries on the solved stages at no planning cost
 AUTO_INTERLEAVED = ("1f1b-v2",)
 
 #: the training schedules a plan may name (``"inference"`` is chosen by mode, never named)

@@ -110,7 +110,7 @@ HELD_OUT = [p for p in PUBLISHED if not p.fitted]
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "point",
-    [p for p in HELD_OUT if p.precision == "fp32" and p.source != "dle-tf2"],
+    [p for p in HELD_OUT if p.precision == "fp32" and p.source not in ("dle-tf2", "lambda")],
     ids=lambda p: f"{p.model}-{p.kind}-{p.precision}",
 )
 def test_held_out_fp32_points_within_20_percent(point: object) -> None:
@@ -168,6 +168,33 @@ _TF2_OUT = {
 )
 def test_tf2_one_gpu_point(point: object) -> None:
     """TensorFlow2 + XLA's one-GPU EfficientNet rows (held out, TF32 and AMP): within 15 %."""
+    got = bench.predict(point)  # type: ignore[arg-type]
+    assert abs(got / point.images_per_s - 1) <= TOL, got  # type: ignore[attr-defined]
+
+
+_NCHW = (
+    "Lambda's AMP runs keep PyTorch's default NCHW layout: cuDNN transposes to NHWC around "
+    "every tensor-core convolution, which is not priced (the fitted AMP points are NHWC)"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "point",
+    [
+        pytest.param(
+            p,
+            marks=[pytest.mark.xfail(strict=True, reason=_NCHW)] if p.precision == "fp16" else [],
+            id=f"{p.kind}-{p.precision}",
+        )
+        for p in HELD_OUT
+        if p.source == "lambda"
+    ],
+)
+def test_lambda_one_gpu_resnet50_point(point: object) -> None:
+    """An independent source, held out: Lambda's one-GPU ResNet-50 on V100, A100 and H100
+    (the only published H100 training figure found). In fp32 (TF32 on A100 and H100, as
+    PyTorch runs it) within 15 %; in AMP a strict xfail (NCHW, not priced)."""
     got = bench.predict(point)  # type: ignore[arg-type]
     assert abs(got / point.images_per_s - 1) <= TOL, got  # type: ignore[attr-defined]
 

@@ -19,7 +19,17 @@ images (224×224), images per second as published:
   rows of its "Training performance" tables (DGX A100 80 GB, DGX-1 32 GB V100);
 * ``tf-bench``: TensorFlow's "Benchmarks" page (tf_cnn_benchmarks, 2017),
   NVIDIA DGX-1 with P100, fp32, 1 GPU (batch 64 for ResNet-50 and -152,
-  32 for VGG-16; real data).
+  32 for VGG-16; real data);
+* ``lambda``: Lambda's GPU benchmark (github.com/lambdal/deeplearning-benchmark,
+  ``pytorch/pytorch-train-throughput-fp32.csv`` and ``-fp16.csv``): the same
+  DeepLearningExamples ResNet-50 v1.5 script in NGC pytorch:22.09 or later,
+  synthetic data, one GPU; per-GPU batch from its ``pytorch-train-bs-*.csv``
+  (V100 16 GB: 128 and 256; 80 GB GPUs: 640 and 1,280, the H100 SXM5 taking
+  its 80 GB template's). H100 SXM5 is the median of its four one-GPU systems
+  (Lambda 1,753, Dell 1,893, Supermicro 1,893, 1CC 1,898 in TF32; 2,616,
+  2,776, 2,787, 2,791 in AMP). Its AMP runs keep PyTorch's default NCHW
+  layout (V100: 833 images/s, against 1,200 in DeepLearningExamples' own
+  NHWC table), which the cost model does not price: held out, expected to miss.
 
 The step predicted for a point is the single-device training step: forward +
 backward of every node (``analytic_costs``), the optimizer update
@@ -120,6 +130,18 @@ PUBLISHED: list[Published] = [
             ("efficientnet_b0", "V100-32GB", "fp16", 512, 868.0, 224),
             ("efficientnet_b4", "V100-32GB", "fp32", 32, 79.0, 380),
             ("efficientnet_b4", "V100-32GB", "fp16", 64, 211.0, 380),
+        )
+    ),
+    # Lambda's one-GPU ResNet-50 rows (held out): the only published H100 training figures
+    *(
+        Published("resnet50", k, p, b, r, "lambda", False)
+        for k, p, b, r in (
+            ("V100", "fp32", 128, 369.0),
+            ("A100-80GB", "fp32", 640, 1066.0),
+            ("H100", "fp32", 640, 1893.0),
+            ("V100", "fp16", 256, 833.0),
+            ("A100-80GB", "fp16", 1280, 1582.0),
+            ("H100", "fp16", 1280, 2781.5),
         )
     ),
 ]

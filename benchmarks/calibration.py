@@ -41,9 +41,16 @@ def build_model(name: str) -> nn.Module:
 
 
 @lru_cache(maxsize=8)
-def _graph(name: str, batch: int, precision: str, image: int = 224) -> OpGraph:
+def _graph(
+    name: str, batch: int, precision: str, image: int = 224, layout: str = "nhwc"
+) -> OpGraph:
+    """The traced step at the point's batch, precision, image size and layout."""
     x = torch.empty(batch, 3, image, image, device="meta")
-    return trace(build_model(name), x, mode="train", precision=precision)
+    model = build_model(name)
+    if layout == "nhwc":  # as the vendors' tables run it (channels-last)
+        model = model.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    return trace(model, x, mode="train", precision=precision)
 
 
 def single_step_s(graph: OpGraph, kind: str, optimizer: str = "momentum") -> float:
@@ -67,7 +74,7 @@ def single_step_s(graph: OpGraph, kind: str, optimizer: str = "momentum") -> flo
 
 def predict(point: Published) -> float:
     """Predicted images/s of ``point``'s configuration."""
-    graph = _graph(point.model, point.batch, point.precision, point.image)
+    graph = _graph(point.model, point.batch, point.precision, point.image, point.layout)
     return point.batch / single_step_s(graph, point.kind, point.optimizer)
 
 

@@ -101,6 +101,9 @@ class PublishedRun:
     image: int = 224  # input height and width
     optimizer: str = "momentum"  # the update each step includes
     source: str = "paper"  # "paper" (the four large ResNet-50 runs) | "dle-tf2" | "dlperf"
+    # the convolutions' layout: "nhwc" (channels-last, as the vendors' 16-bit runs) or
+    # PyTorch's default "nchw" (16-bit convolutions pay cuDNN's transposes)
+    layout: str = "nhwc"
 
 
 RUNS: list[PublishedRun] = [
@@ -222,6 +225,7 @@ def _dlperf(nodes: int, precision: str, batch: int, rate: float, speedup: float)
         True,
         speedup / (nodes * 8),
         source="dlperf",
+        layout="nchw",  # its scripts pass no --memory-format: PyTorch's default
     )
 
 
@@ -246,8 +250,11 @@ def one_gpu_plan(run: PublishedRun, model: torch.nn.Module | None = None) -> Pla
     """One GPU's training plan at the run's per-GPU batch and precision."""
     kind = Cluster.from_spec(run.cluster).devices[0].kind
     x = torch.empty(run.per_gpu_batch, 3, run.image, run.image, device="meta")
+    net = model or getattr(torchvision.models, run.model)(weights=None)
+    if run.layout == "nhwc":
+        net, x = net.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
     return crosscut.partition(
-        model or getattr(torchvision.models, run.model)(weights=None),
+        net,
         f"1x{kind}",
         x,
         precision=run.precision,

@@ -10,8 +10,10 @@ training reads its input twice (statistics, then normalisation). In-place ops
 their tensor: they move bytes like any other, only pure views
 (``view``, ``flatten``, ...) move none and pay only the dispatch. Under
 autocast every 16-bit op with weights also casts them (fp32 read, 16-bit
-write) forward and casts the weight gradient back. Placeholders, the output
-and ``get_attr`` cost nothing. ``profiled.py`` replaces all of it with
+write) forward and casts the weight gradient back. A tensor-core convolution
+of a model in PyTorch's default NCHW layout also pays cuDNN's transposes to
+NHWC and back (:func:`nchw_transposes`). Placeholders, the output and
+``get_attr`` cost nothing. ``profiled.py`` replaces all of it with
 measurements.
 """
 
@@ -44,6 +46,7 @@ __all__ = [
     "MathFlags",
     "analytic_costs",
     "channel_scales",
+    "nchw_transposes",
     "node_times",
     "priced_rate",
     "rates_summary",
@@ -52,6 +55,9 @@ __all__ = [
 
 BWD_BYTES_FACTOR = 2.0
 BN_FWD_PASSES = 1.5  # training batch norm reads its input twice: (2 reads + 1 write) / 2
+# NCHW tensor-core convolutions: tensors cuDNN transposes to NHWC and back (read + write
+# each), and the transpose kernels, per pass (nchw_transposes)
+NCHW_FWD_KERNELS, NCHW_BWD_KERNELS = 2.0, 3.0
 _HALF = ("float16", "bfloat16")
 
 
@@ -145,6 +151,23 @@ def _compute_rate(
     return mode.peak * max(frac, 1e-6)
 
 
+def nchw_transposes(node: OpNode, part: float = 1.0) -> tuple[float, float]:
+    """(forward, backward) bytes cuDNN moves to run an NCHW convolution on tensor cores.
+
+    Tensor cores take NHWC tiles, so for a model left in PyTorch's default NCHW
+    layout cuDNN transposes around each 16-bit convolution: forward its input
+    and its output (each read and written once); backward the incoming
+    gradient for each of the data- and weight-gradient kernels, the input for
+    the weight gradient, and the input gradient it writes. Priced as that
+    memory traffic (a shard transposes its whole input, ``part`` of its
+    output). Checked against NCHW AMP measurements in docs/BENCHMARKS.md (the
+    ``lambda`` and DLPerf rows): it accounts for the V100's gap, most of the
+    A100's and H100's."""
+    inp = max(0, node.read_bytes - node.param_bytes)
+    out = node.out_bytes * part
+    return 2.0 * (inp + out), 2.0 * (inp + 2.0 * out)
+
+
 def _is_view(node: OpNode) -> bool:
     kind, tgt = _key(node)
     return kind in _VIEW or tgt in _VIEW
@@ -189,23 +212,37 @@ def node_times(
     if node.fwd_flops > 0:
         mode = node_mode(node, spec, flags or MathFlags.from_torch())
         rate = _compute_rate(node, spec, eff, mode, part)
-        fwd = max(node.fwd_flops * part / rate, moved / bw) + cast / bw + kernels * launch
+        t_fwd = t_bwd = 0.0  # NCHW transposes around a tensor-core convolution
+        if mode.unit == "tensor" and node.conv is not None and not graph.channels_last:
+            b_fwd, b_bwd = nchw_transposes(node, part)
+            t_fwd = b_fwd / bw + NCHW_FWD_KERNELS * launch
+            t_bwd = b_bwd / bw + NCHW_BWD_KERNELS * launch
+        fwd = max(node.fwd_flops * part / rate, moved / bw) + cast / bw + kernels * launch + t_fwd
         if not train:
             return fwd, 0.0
         bwd_kernels = 2.0 if node.param_bytes > 0 else 1.0  # data and weight gradients
         bwd = max(node.bwd_flops * part / rate, BWD_BYTES_FACTOR * moved / bw) + cast / bw
-        return fwd, bwd + (bwd_kernels + kernels - 1.0) * launch
+        return fwd, bwd + (bwd_kernels + kernels - 1.0) * launch + t_bwd
     fwd = moved / bw + cast / bw + kernels * launch
     if not train:
         return fwd, 0.0
     return fwd, (BWD_BYTES_FACTOR * moved + cast) / bw + kernels * launch
 
 
+def _modes(graph: OpGraph, spec: DeviceSpec, flags: MathFlags) -> list[str]:
+    """The math modes ``graph``'s matmuls run in on ``spec``, and the layout cost if any."""
+    modes = sorted({node_mode(n, spec, flags).name for n in graph.nodes if n.fwd_flops > 0})
+    transposed = not graph.channels_last and any(
+        n.conv is not None and node_mode(n, spec, flags).unit == "tensor" for n in graph.nodes
+    )
+    return [*modes, "NCHW: cuDNN's transposes priced"] if transposed else modes
+
+
 def rates_summary(graph: OpGraph, spec: DeviceSpec, flags: MathFlags | None = None) -> str:
     """What ``spec`` was priced at for ``graph``: preset, math modes, efficiency source."""
     flags = flags or MathFlags.from_torch()
     eff = efficiency_of(spec.kind, spec.device)
-    modes = sorted({node_mode(n, spec, flags).name for n in graph.nodes if n.fwd_flops > 0})
+    modes = _modes(graph, spec, flags)
     return (
         f"{spec.kind}: {', '.join(modes) or 'no matmuls'}; efficiency '{eff.generation}' "
         f"(fma {eff.fma:.2f}, tensor {eff.tensor:.2f}, memory {eff.memory:.2f} of "
@@ -226,7 +263,7 @@ def priced_rate(graph: OpGraph, spec: DeviceSpec, flags: MathFlags | None = None
     is_preset = spec.kind == "cpu" or (
         base is not None and base.peak_flops == spec.peak_flops and base.mem_bw == spec.mem_bw
     )
-    modes = sorted({node_mode(n, spec, flags).name for n in graph.nodes if n.fwd_flops > 0})
+    modes = _modes(graph, spec, flags)
     fractions = (
         f"fma {eff.fma:.2f}, tensor {eff.tensor:.2f}, tf32 {eff.tf32:.2f}, "
         f"memory {eff.memory:.2f} of {spec.mem_bw / 1e9:.0f} GB/s"

@@ -103,6 +103,7 @@ def cache_key(graph: OpGraph, kind: str, device: torch.device | None = None) -> 
             graph.mode,
             graph.precision,
             *_machine(device),
+            *(["channels_last"] if graph.channels_last else []),
         ]
     )
     return f"{kind}-b{graph.batch_size}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"

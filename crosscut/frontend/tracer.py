@@ -52,7 +52,7 @@ from crosscut.frontend.propagate import (
 from crosscut.frontend.python_state import refusing_python_state
 from crosscut.ir.graph import MODES, OpGraph, OpNode
 
-__all__ = ["trace"]
+__all__ = ["runs_channels_last", "trace"]
 
 
 # Module class names whose generic snake_case would read badly ("re_lu").
@@ -272,9 +272,29 @@ def trace(
         leaves=auto,
         model_name=type(model).__name__,
         precision=precision,
+        channels_last=runs_channels_last(model, inputs),
         gm=gm,
     )
     return graph
+
+
+def runs_channels_last(model: nn.Module, inputs: list[Tensor]) -> bool:
+    """Whether the model's convolutions run channels-last (NHWC) as PyTorch runs them.
+
+    A convolution's output takes the channels-last layout when its input or its
+    weight has it, and passes it on: a model converted with
+    ``model.to(memory_format=torch.channels_last)``, or fed a channels-last
+    image, runs NHWC throughout; anything else runs PyTorch's default NCHW."""
+
+    def nhwc(t: Tensor) -> bool:
+        return (
+            t.dim() == 4
+            and not t.is_contiguous()
+            and t.is_contiguous(memory_format=torch.channels_last)
+        )
+
+    weights = (m.weight for m in model.modules() if isinstance(m, nn.Conv2d))
+    return any(nhwc(w) for w in weights) or (bool(inputs) and nhwc(inputs[0]))
 
 
 def _validate(

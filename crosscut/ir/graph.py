@@ -85,6 +85,9 @@ class OpGraph:
     leaves: dict[str, str] = field(default_factory=dict)  # auto-leaf module path -> reason
     model_name: str = ""
     precision: str = "fp32"  # the autocast the shapes were propagated under (precision.py)
+    # the model's convolutions run channels-last (NHWC): their weights, or the input, are so
+    # laid out; PyTorch's default is NCHW (priced in cost_models/analytic.py: transposes)
+    channels_last: bool = False
     gm: Any = field(default=None, repr=False, compare=False)  # torch.fx.GraphModule, not serialised
     _index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -212,6 +215,7 @@ class OpGraph:
             "ties": self.ties,
             "leaves": self.leaves,
             "precision": self.precision,
+            "channels_last": self.channels_last,
             "nodes": [asdict(n) for n in self.nodes],
         }
 
@@ -225,6 +229,7 @@ class OpGraph:
             leaves=dict(data.get("leaves", {})),
             model_name=str(data.get("model_name", "")),
             precision=str(data.get("precision", "fp32")),
+            channels_last=bool(data.get("channels_last", False)),
         )
 
     def subgraph_names(self, names: Sequence[str]) -> list[str]:

@@ -225,16 +225,14 @@ def v_shape_zero_bubble(num_stages: int, microbatches: int) -> Schedule:
             value={"num_stages": num_stages},
             remedy="use an even stage count of 4 or more, or schedule 'zb-h1'",
         )
-    where = v_shape_placement(num_stages)
     w = num_stages // 2
-    mine = [[s for s in (r, num_stages - 1 - r)] for r in range(w)]
+    mine = [(r, num_stages - 1 - r) for r in range(w)]  # v_shape_placement
     nxt = {(s, k): 0 for s in range(num_stages) for k in "FBW"}
     live = [0] * w  # micro-batches admitted on a worker whose activations are not all freed
     freed: dict[tuple[int, int], int] = {}  # (worker, micro-batch) -> its stages' W run
     rows: Schedule = [[] for _ in range(w)]
     done: dict[Action, int] = {}
-    busy = [0] * w
-    t, total = 0, 3 * num_stages * microbatches
+    busy, t, total = [0] * w, 0, 3 * num_stages * microbatches
 
     def ready(a: Action) -> bool:
         return all(done.get(d, t + 1) <= t for d in deps(a, num_stages))
@@ -260,10 +258,7 @@ def v_shape_zero_bubble(num_stages: int, microbatches: int) -> Schedule:
 
     while len(done) < total:
         for r in range(w):
-            if busy[r] > t:
-                continue
-            options = candidates(r)
-            if not options:
+            if busy[r] > t or not (options := candidates(r)):
                 continue
             a = options[0]
             nxt[(a.stage, a.kind)] += 1
@@ -278,5 +273,4 @@ def v_shape_zero_bubble(num_stages: int, microbatches: int) -> Schedule:
         t += 1
         if t > 4 * total + 16:  # a bound no valid replay reaches
             raise ScheduleError("the V-shaped schedule did not complete", value=num_stages)
-    assert all(where[a.stage] == r for r, row in enumerate(rows) for a in row)
     return rows

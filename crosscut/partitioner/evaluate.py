@@ -429,16 +429,10 @@ def check(
 def _interleaved(schedule: str, stage_device: list[int]) -> bool:
     """Whether an interleaved ``schedule`` places the stages as it runs them
     (:func:`~crosscut.ir.schedule.placement`) over distinct devices."""
-    w = workers(schedule, len(stage_device))
-    return (
-        virtual_stages(schedule) > 1
-        and len(stage_device) % w == 0
-        and len(set(stage_device[:w])) == w
-        and all(
-            d == stage_device[p]
-            for d, p in zip(stage_device, placement(schedule, len(stage_device)))
-        )
-    )
+    n, w = len(stage_device), workers(schedule, len(stage_device))
+    if virtual_stages(schedule) < 2 or n % w or len(set(stage_device[:w])) != w:
+        return False
+    return all(d == stage_device[p] for d, p in zip(stage_device, placement(schedule, n)))
 
 
 def renumber(stage_of: list[int], stage_device: list[int]) -> tuple[list[int], list[int]]:

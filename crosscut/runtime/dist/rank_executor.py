@@ -16,10 +16,9 @@ same plan, keeps only its own stage modules and runs its row of the schedule:
   them, backpropagate through the stage's saved graph, send the gradient of
   each received input back to its producer (``W``: the weight gradients later).
 
-What each action posts, sends and rebuilds (buffers, tags, pytree leaves, this
-replica's micro-batches of the global batch) is :mod:`crosscut.runtime.dist.stage_io`;
-which plans and options ranks accept is :mod:`crosscut.runtime.dist.plan_rules`;
-the once-per-step batch-norm commit is :mod:`crosscut.runtime.dist.bn_commit`.
+What each action posts, sends and rebuilds is :mod:`crosscut.runtime.dist.stage_io`;
+which plans ranks accept, :mod:`crosscut.runtime.dist.plan_rules`; the
+once-per-step batch-norm commit, :mod:`crosscut.runtime.dist.bn_commit`.
 
 Each rank's gradients are averaged over its ``R`` replicas on a per-position
 process group: by DDP's reducer during the stage's last backward of the step
@@ -36,11 +35,10 @@ group (:mod:`crosscut.runtime.dist.group_members` cuts each member's share,
 schedule a batch-split group sums its members' parameter gradients and copies
 the leader's buffers to the others; a channel-split member owns its shards.
 
-**Shapes and tags are static** (from the same micro-batch trace on both ends;
-the global batch must be exactly ``R × M × micro-batch``, checked). **Every
-wait has a timeout** (``timeout_s``); a failure is a
-:class:`~crosscut.errors.DistributedError` naming the lost rank and what this
-rank waited for (:mod:`crosscut.runtime.dist.p2p`).
+**Shapes and tags are static** (the same micro-batch trace on both ends; the
+global batch must be exactly ``R × M × micro-batch``). **Every wait has a
+timeout** (``timeout_s``): a :class:`~crosscut.errors.DistributedError` names
+the lost rank and what this rank waited for (:mod:`crosscut.runtime.dist.p2p`).
 """
 
 from __future__ import annotations
@@ -154,8 +152,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         self.replicas = int(replicas)
         self.microbatches = int(microbatches or plan.options.microbatches)
         self.schedule_name = schedule or plan.options.schedule
-        # an interleaved plan runs V stages per rank, placed by ir/schedule.placement
-        self.virtual = virtual_stages(str(plan.options.schedule))
+        self.virtual = virtual_stages(str(plan.options.schedule))  # stages per rank
         check_same_cut(self.schedule_name, str(plan.options.schedule))
         self.timeout_s = float(run.timeout_s if run.timeout_s is not None else 300.0)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -218,7 +215,8 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         check_world(self.world_size, widths, self.replicas)
         self.rank_layout = RankLayout(tuple(widths), self.replicas)
         self.replica, self.stage_index, self.member = self.rank_layout.role(self.rank)
-        # the stages this rank runs: its own, or under an interleaved schedule its V
+        # the stages this rank runs: its own, or under an interleaved schedule its V (one
+        # placement for every schedule of the plan's cut: rank_stages.check_same_cut)
         self._placement = placement(str(self.plan.options.schedule), self.num_stages)
         self.my_stages = [k for k, w in enumerate(self._placement) if w == self.stage_index]
         self.position = self.rank % self.rank_layout.per_replica
@@ -317,12 +315,10 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             else 0
         )
         # one row per rank (worker): its stage's, or its stages' interleaved
-        self._schedules = {
-            "train": make_schedule(self.schedule_name, s_count, self.microbatches),
-            "infer": forward_only(self.schedule_name, s_count, self.microbatches),
-        }
-        where = placement(self.schedule_name, s_count)
-        validate_schedule(self._schedules["train"], s_count, self.microbatches, True, where)
+        train = make_schedule(self.schedule_name, s_count, self.microbatches)
+        validate_schedule(train, s_count, self.microbatches, True, self._placement)
+        infer = forward_only(self.schedule_name, s_count, self.microbatches)
+        self._schedules = {"train": train, "infer": infer}
         return program
 
     def _keep_member(self, member: nn.Module) -> None:
@@ -338,8 +334,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         """Switch the training schedule (every rank must switch alike, between steps)."""
         check_same_cut(name, str(self.plan.options.schedule))
         rows = make_schedule(name, self.num_stages, self.microbatches)
-        where = placement(name, self.num_stages)
-        validate_schedule(rows, self.num_stages, self.microbatches, True, where)
+        validate_schedule(rows, self.num_stages, self.microbatches, True, self._placement)
         self.schedule_name = name
         self._schedules["train"] = rows
 

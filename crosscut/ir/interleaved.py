@@ -14,6 +14,8 @@ rules (:mod:`crosscut.ir.schedule_rules`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from crosscut.ir.schedule_rules import (
     Action,
     Schedule,
@@ -29,6 +31,40 @@ __all__ = [
     "v_shape_placement",
     "v_shape_zero_bubble",
 ]
+
+
+#: a builder's rule: given a free worker and a test of whether an action's inputs have
+#: arrived, the action it runs next and for how many ticks (None: it idles this tick)
+Pick = Callable[[int, Callable[[Action], bool]], "tuple[Action, int] | None"]
+
+
+def _replay(workers: int, num_stages: int, total: int, pick: Pick, bound: int) -> Schedule:
+    """Rows of ``workers`` from a unit-time replay of ``pick`` until ``total`` actions ran.
+
+    Each tick every free worker asks ``pick`` for its next action; an action
+    placed at tick ``t`` for ``d`` ticks ends at ``t + d``, and an action is
+    ready when every dependency ended by now. The rows are then fixed data,
+    valid for any durations: an order that ran to completion once cannot
+    deadlock when actions take longer. ``bound`` is a tick count no valid
+    replay reaches.
+    """
+    rows: Schedule = [[] for _ in range(workers)]
+    done: dict[Action, int] = {}
+    busy, t = [0] * workers, 0
+
+    def ready(a: Action) -> bool:  # every dependency ended by tick t
+        return all(done.get(d, t + 1) <= t for d in deps(a, num_stages))
+
+    while len(done) < total:
+        for r in range(workers):
+            got = pick(r, ready) if busy[r] <= t else None
+            if got is not None:
+                rows[r].append(got[0])
+                done[got[0]] = busy[r] = t + got[1]
+        t += 1
+        if t > bound:
+            raise ScheduleError("the interleaved schedule did not complete", value=num_stages)
+    return rows
 
 
 def interleaved_1f1b(num_stages: int, microbatches: int, virtual: int = 2) -> Schedule:
@@ -103,33 +139,22 @@ def _replayed(
     that ran to completion once cannot deadlock when actions take longer).
     """
     w, total = len(fwd), len(fwd[0])
-    rows: Schedule = [[] for _ in range(w)]
-    ends: dict[Action, int] = {}
-    nf, nb, busy = [0] * w, [0] * w, [0] * w
-    t = 0
-    while len(ends) < 2 * total * w:
-        placed: list[tuple[int, Action, int]] = []
-        for r in range(w):
-            if busy[r] > t:
-                continue
-            if nb[r] < total:
-                a = Action(bwd[r][nb[r]][0], "B", bwd[r][nb[r]][1])
-                if all(ends.get(d, t + 1) <= t for d in deps(a, num_stages)):
-                    placed.append((r, a, 2))
-                    nb[r] += 1
-                    continue
-            if nf[r] < total and nf[r] - nb[r] < cap[r]:
-                a = Action(fwd[r][nf[r]][0], "F", fwd[r][nf[r]][1])
-                if all(ends.get(d, t + 1) <= t for d in deps(a, num_stages)):
-                    placed.append((r, a, 1))
-                    nf[r] += 1
-        for r, a, dur in placed:
-            rows[r].append(a)
-            ends[a] = busy[r] = t + dur
-        t += 1
-        if t > 8 * (total * w + num_stages) + 16:  # a bound no valid replay reaches
-            raise ScheduleError("the interleaved schedule did not complete", value=num_stages)
-    return rows
+    nf, nb = [0] * w, [0] * w
+
+    def pick(r: int, ready: Callable[[Action], bool]) -> tuple[Action, int] | None:
+        if nb[r] < total and ready(a := Action(bwd[r][nb[r]][0], "B", bwd[r][nb[r]][1])):
+            nb[r] += 1
+            return a, 2
+        if (
+            nf[r] < total
+            and nf[r] - nb[r] < cap[r]
+            and ready(a := Action(fwd[r][nf[r]][0], "F", fwd[r][nf[r]][1]))
+        ):
+            nf[r] += 1
+            return a, 1
+        return None
+
+    return _replay(w, num_stages, 2 * total * w, pick, 8 * (total * w + num_stages) + 16)
 
 
 def interleaved_zero_bubble(num_stages: int, microbatches: int, virtual: int = 2) -> Schedule:
@@ -148,35 +173,25 @@ def interleaved_zero_bubble(num_stages: int, microbatches: int, virtual: int = 2
     """
     base = interleaved_1f1b(num_stages, microbatches, virtual)
     caps = [_peak_in_flight(row) for row in base]
-    rows: Schedule = [[] for _ in base]
-    done: dict[Action, int] = {}
     head, live = [0] * len(base), [0] * len(base)
     owed: list[list[Action]] = [[] for _ in base]
-    busy = [0] * len(base)
-    t, total = 0, sum(2 * len(row) - sum(a.kind == "F" for a in row) for row in base)
-    while len(done) < total:
-        for r, row in enumerate(base):
-            if busy[r] > t:
-                continue
-            a = row[head[r]] if head[r] < len(row) else None
-            ready = a is not None and all(done.get(d, t + 1) <= t for d in deps(a, num_stages))
-            full = a is not None and a.kind == "F" and live[r] >= caps[r]
-            if a is not None and ready and not (full and owed[r]):
-                head[r] += 1
-                live[r] += a.kind == "F"
-                if a.kind == "B":
-                    owed[r].append(Action(a.stage, "W", a.microbatch))
-            elif owed[r]:
-                a = owed[r].pop(0)
-                live[r] -= 1
-            else:
-                continue
-            rows[r].append(a)
-            done[a] = busy[r] = t + 1
-        t += 1
-        if t > 8 * total + 16:  # a bound no valid replay reaches
-            raise ScheduleError("the interleaved schedule did not complete", value=num_stages)
-    return rows
+    total = sum(2 * len(row) - sum(a.kind == "F" for a in row) for row in base)
+
+    def pick(r: int, ready: Callable[[Action], bool]) -> tuple[Action, int] | None:
+        a = base[r][head[r]] if head[r] < len(base[r]) else None
+        full = a is not None and a.kind == "F" and live[r] >= caps[r]
+        if a is not None and ready(a) and not (full and owed[r]):
+            head[r] += 1
+            live[r] += a.kind == "F"
+            if a.kind == "B":
+                owed[r].append(Action(a.stage, "W", a.microbatch))
+            return a, 1
+        if owed[r]:
+            live[r] -= 1
+            return owed[r].pop(0), 1
+        return None
+
+    return _replay(len(base), num_stages, total, pick, 8 * total + 16)
 
 
 def _peak_in_flight(row: list[Action]) -> int:
@@ -230,47 +245,32 @@ def v_shape_zero_bubble(num_stages: int, microbatches: int) -> Schedule:
     nxt = {(s, k): 0 for s in range(num_stages) for k in "FBW"}
     live = [0] * w  # micro-batches admitted on a worker whose activations are not all freed
     freed: dict[tuple[int, int], int] = {}  # (worker, micro-batch) -> its stages' W run
-    rows: Schedule = [[] for _ in range(w)]
-    done: dict[Action, int] = {}
-    busy, t, total = [0] * w, 0, 3 * num_stages * microbatches
 
-    def ready(a: Action) -> bool:
-        return all(done.get(d, t + 1) <= t for d in deps(a, num_stages))
+    def next_of(s: int, kind: str) -> Action:
+        return Action(s, kind, nxt[(s, kind)])  # type: ignore[arg-type]
 
-    def candidates(r: int) -> list[Action]:
+    def options(r: int, ready: Callable[[Action], bool]) -> list[Action]:
         first, second = mine[r]
-        out: list[Action] = []
-        bs = [
-            Action(s, "B", nxt[(s, "B")]) for s in (second, first) if nxt[(s, "B")] < nxt[(s, "F")]
-        ]
-        out.extend(sorted((a for a in bs if ready(a)), key=lambda a: (a.microbatch, -a.stage)))
-        if nxt[(second, "F")] < nxt[(first, "F")]:
-            a = Action(second, "F", nxt[(second, "F")])
-            out.extend([a] if ready(a) else [])
-        if nxt[(first, "F")] < microbatches and live[r] < min(w, microbatches):
-            a = Action(first, "F", nxt[(first, "F")])
-            out.extend([a] if ready(a) else [])
-        ws = [
-            Action(s, "W", nxt[(s, "W")]) for s in (first, second) if nxt[(s, "W")] < nxt[(s, "B")]
-        ]
-        out.extend(sorted(ws, key=lambda a: (a.microbatch, a.stage)))
-        return out
+        bs = [next_of(s, "B") for s in (second, first) if nxt[(s, "B")] < nxt[(s, "F")]]
+        out = sorted((a for a in bs if ready(a)), key=lambda a: (a.microbatch, -a.stage))
+        if nxt[(second, "F")] < nxt[(first, "F")] and ready(a := next_of(second, "F")):
+            out.append(a)
+        admit = nxt[(first, "F")] < microbatches and live[r] < min(w, microbatches)
+        if admit and ready(a := next_of(first, "F")):
+            out.append(a)
+        ws = [next_of(s, "W") for s in (first, second) if nxt[(s, "W")] < nxt[(s, "B")]]
+        return out + sorted(ws, key=lambda a: (a.microbatch, a.stage))
 
-    while len(done) < total:
-        for r in range(w):
-            if busy[r] > t or not (options := candidates(r)):
-                continue
-            a = options[0]
-            nxt[(a.stage, a.kind)] += 1
-            if a.kind == "F" and a.stage == mine[r][0]:
-                live[r] += 1
-            if a.kind == "W":
-                key = (r, a.microbatch)
-                freed[key] = freed.get(key, 0) + 1
-                live[r] -= freed[key] == 2
-            rows[r].append(a)
-            done[a] = busy[r] = t + 1
-        t += 1
-        if t > 4 * total + 16:  # a bound no valid replay reaches
-            raise ScheduleError("the V-shaped schedule did not complete", value=num_stages)
-    return rows
+    def pick(r: int, ready: Callable[[Action], bool]) -> tuple[Action, int] | None:
+        if not (found := options(r, ready)):
+            return None
+        a = found[0]
+        nxt[(a.stage, a.kind)] += 1
+        live[r] += a.kind == "F" and a.stage == mine[r][0]
+        if a.kind == "W":
+            freed[(r, a.microbatch)] = freed.get((r, a.microbatch), 0) + 1
+            live[r] -= freed[(r, a.microbatch)] == 2
+        return a, 1
+
+    total = 3 * num_stages * microbatches
+    return _replay(w, num_stages, total, pick, 4 * total + 16)

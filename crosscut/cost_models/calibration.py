@@ -70,8 +70,9 @@ class Published:
     fitted: bool = True  # used to fit efficiency.py (False: a held-out check)
     image: int = 224  # input height and width
     optimizer: str = "momentum"  # the update the run's step includes
-    # the convolutions' layout: the vendors' tables run 16-bit channels-last ("nhwc"); a
-    # model left in PyTorch's default runs "nchw" (analytic.nchw_transposes)
+    # the convolutions' layout: DeepLearningExamples' configs.yml runs every AMP
+    # configuration channels-last ("nhwc"); a model left in PyTorch's default runs "nchw",
+    # and 16-bit convolutions then pay cuDNN's transposes (analytic.nchw_transposes)
     layout: str = "nhwc"
 
 

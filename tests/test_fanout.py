@@ -213,3 +213,28 @@ def test_a_contiguous_cut_keeps_one_transfer() -> None:
     c = CompiledModule(model, gm, {n: int(n in mixed) for n in names}, ["cpu", "cpu"], "1f1b", 2)
     assert set(c.program.aliases.values()) == {"tanh"} and len(c.program.aliases) == 5
     c.close()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_channels_last_model_trains_bit_exact_and_stays_channels_last(schedule: str) -> None:
+    """The README tells GPU users to convert a 16-bit model to channels-last (the
+    analytic price drops cuDNN's NCHW transposes): such a model must still train as
+    eager does, bit for bit, with its weights and the received activations left in
+    that layout (stage modules are the model's own parameters, cuts pass tensors as
+    they are)."""
+    import crosscut
+    from crosscut.frontend.tracer import runs_channels_last
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).to(memory_format=torch.channels_last)
+    x = torch.randn(8, 3, 32, 32).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (8,))
+    assert runs_channels_last(model, [x])
+    want = eager_steps(copy.deepcopy(model), x, y, 2, 2)
+    c = crosscut.compile(
+        copy.deepcopy(model), ["cpu"] * 2, x, schedule=schedule, microbatches=2,
+        replicas=1, require_all_devices=True, time_limit=5,
+    )  # fmt: skip
+    assert_bits(compiled_steps(c, x, y, 2), want)
+    convs = [p for p in c.parameters() if p.dim() == 4 and p.shape[-1] > 1]
+    assert convs and all(p.is_contiguous(memory_format=torch.channels_last) for p in convs)

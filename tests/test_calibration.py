@@ -239,7 +239,10 @@ def test_nchw_tensor_core_convolutions_pay_the_transposes() -> None:
     from crosscut.cost_models.analytic import priced_rate
 
     v100 = preset("V100")
-    assert "NCHW: cuDNN's transposes priced" in priced_rate(nchw, v100)["math"]  # type: ignore[arg-type]
+    assert (
+        "NCHW: cuDNN's transposes priced (channels_last avoids them)"
+        in priced_rate(nchw, v100)["math"]
+    )  # type: ignore[arg-type]
     assert not any("NCHW" in m for m in priced_rate(nhwc, v100)["math"])  # type: ignore[arg-type]
     assert graph(True, "fp16", by_input=True).channels_last  # type: ignore[attr-defined]
     net = nn.Conv2d(8, 8, 1).to(memory_format=torch.channels_last)  # 1x1: both layouts

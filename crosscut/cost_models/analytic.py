@@ -235,7 +235,11 @@ def _modes(graph: OpGraph, spec: DeviceSpec, flags: MathFlags) -> list[str]:
     transposed = not graph.channels_last and any(
         n.conv is not None and node_mode(n, spec, flags).unit == "tensor" for n in graph.nodes
     )
-    return [*modes, "NCHW: cuDNN's transposes priced"] if transposed else modes
+    return (
+        [*modes, "NCHW: cuDNN's transposes priced (channels_last avoids them)"]
+        if transposed
+        else modes
+    )
 
 
 def rates_summary(graph: OpGraph, spec: DeviceSpec, flags: MathFlags | None = None) -> str:

@@ -231,9 +231,10 @@ def node_times(
 
 def _modes(graph: OpGraph, spec: DeviceSpec, flags: MathFlags) -> list[str]:
     """The math modes ``graph``'s matmuls run in on ``spec``, and the layout cost if any."""
-    modes = sorted({node_mode(n, spec, flags).name for n in graph.nodes if n.fwd_flops > 0})
+    per_node = [(n, node_mode(n, spec, flags)) for n in graph.nodes if n.fwd_flops > 0]
+    modes = sorted({mode.name for _, mode in per_node})
     transposed = not graph.channels_last and any(
-        n.conv is not None and node_mode(n, spec, flags).unit == "tensor" for n in graph.nodes
+        n.conv is not None and mode.unit == "tensor" for n, mode in per_node
     )
     return (
         [*modes, "NCHW: cuDNN's transposes priced (channels_last avoids them)"]

@@ -111,18 +111,19 @@ def _worker(ns: argparse.Namespace) -> int:
     return 0
 
 
-def pipeline_step_time(name: str, plan_path: Path, ns: argparse.Namespace) -> float:
-    """Launch 2 ranks (1 thread each) of this file as workers; return their mean step time."""
+def pipeline_step_time(name: str, plan_path: Path, ns: argparse.Namespace, ranks: int = 2) -> float:
+    """Launch ``ranks`` ranks (1 thread each) of this file as workers; return their mean
+    step time."""
     from crosscut.cli.launch import free_port
 
     report = plan_path.with_suffix(".report.json")
     port = free_port()
     procs = []
-    for r in range(2):
+    for r in range(ranks):
         env = dict(
             os.environ,
             RANK=str(r),
-            WORLD_SIZE="2",
+            WORLD_SIZE=str(ranks),
             LOCAL_RANK=str(r),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
@@ -139,18 +140,20 @@ def pipeline_step_time(name: str, plan_path: Path, ns: argparse.Namespace) -> fl
 
 
 def capacity(name: str, ns: argparse.Namespace, alone: float) -> float:
-    """How many cores' worth of throughput two concurrent 1-thread processes really get.
+    """How many cores' worth of throughput ``ns.ranks`` concurrent 1-thread processes
+    really get.
 
-    2.0 on two free physical cores; near 1.0 where the two vCPUs share one
-    core or memory bandwidth. The pipeline's speedup cannot exceed it.
+    2.0 for 2 ranks on two free physical cores; near 1.0 where the two vCPUs
+    share one core or memory bandwidth. The pipeline's speedup cannot exceed it.
     """
     cmd = [sys.executable, __file__, "--eager-only", name, "--batch", str(ns.batch),
            "--size", str(ns.size), "--steps", "1", "--warmup", "1",
            "--microbatches", str(ns.microbatches)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
-    both = [float(p.communicate(timeout=ns.timeout)[0].split()[-1]) for p in procs]
-    return 2 * alone / max(both)
+    n = ns.ranks
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    each = [float(p.communicate(timeout=ns.timeout)[0].split()[-1]) for p in procs]
+    return n * alone / max(each)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds")
     ap.add_argument("--cost", default="analytic", choices=["analytic", "profiled"])
+    ap.add_argument("--ranks", type=int, default=2, help="gloo ranks, one stage each")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--worker", default="")
     ap.add_argument("--eager-only", default="")
@@ -201,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             x, _ = data(ns.batch, ns.size)
             plan = partition(
                 build(name),
-                ["cpu", "cpu"],
+                ["cpu"] * ns.ranks,
                 x,
                 microbatches=ns.microbatches,
                 schedule=ns.schedule,
@@ -222,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 micros.append(
                     eager_step_time(name, ns.batch, ns.size, ns.steps, ns.warmup, ns.microbatches)
                 )
-                pipes.append(pipeline_step_time(name, path, ns))
+                pipes.append(pipeline_step_time(name, path, ns, ns.ranks))
                 for (sched, label), split in splits.items():
                     if not split:  # no split of this kind (refused while choosing): nothing to time
                         peer_times[sched, label].append(float("nan"))
@@ -247,11 +251,11 @@ def main(argv: list[str] | None = None) -> int:
                 peer_rows.append((name, label, sched, split or "-", t, piped, eager))
     print(
         f"\n{ns.batch}x3x{ns.size}x{ns.size}, {ns.microbatches} micro-batches, "
-        f"{ns.schedule}, costs {ns.cost}; 2 ranks x 1 thread vs 1 process x 1 thread"
+        f"{ns.schedule}, costs {ns.cost}; {ns.ranks} ranks x 1 thread vs 1 process x 1 thread"
     )
     print(
         "eager = full batch; eager/M = the same micro-batches in sequence; capacity = "
-        "cores' worth of throughput two concurrent 1-thread processes get on this machine"
+        "cores' worth of throughput that many concurrent 1-thread processes get on this machine"
     )
     print(
         f"{'model':<10} {'eager s':>8} {'eager/M':>8} {'pipe s':>8} {'speedup':>8} "
@@ -290,7 +294,7 @@ def _peer_splits(name: str, ns: argparse.Namespace, tmp: Path) -> dict[tuple[str
     trial = argparse.Namespace(**{**vars(ns), "steps": 1, "warmup": 1})
     out: dict[tuple[str, str], str] = {}
     for sched in ns.peer_schedule:
-        pieces = peer.SCHEDULES[sched].pieces(2)
+        pieces = peer.SCHEDULES[sched].pieces(ns.ranks)
         try:
             balanced = ",".join(peer.balanced_splits(cands, pieces))
         except ValueError as e:

@@ -286,7 +286,8 @@ def peer_step_time(
     tmp: Path,
     schedule: str = "1f1b",
 ) -> dict[str, Any]:
-    """Launch 2 peer ranks of ``script`` cutting at ``split`` (comma-separated) under ``schedule``.
+    """Launch ``ns.ranks`` (2 if unset) peer ranks of ``script`` cutting at ``split``
+    (comma-separated) under ``schedule``.
 
     Their step time, or the error. ``--peer-schedule`` is passed only when it
     is not ``1f1b``, so scripts whose parser lacks it still launch the default.
@@ -297,8 +298,9 @@ def peer_step_time(
     report.unlink(missing_ok=True)
     port = free_port()
     procs = []
-    for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+    ranks = getattr(ns, "ranks", 2)
+    for r in range(ranks):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")  # fmt: skip
         cmd = [sys.executable, script, "--peer-worker", name, "--split", split,
                "--report", str(report), "--batch", str(ns.batch), "--size", str(ns.size),

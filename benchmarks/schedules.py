@@ -9,7 +9,7 @@ Two parts, side by side in one run:
   ``schedule="auto"`` (the default) picks. Issue 25's target: resnet50,
   4 stages, M = 4 on ``4xV100`` — a zero-bubble step at least 15 % shorter
   than 1F1B's within the same memory cap.
-* **measured** (``--measure``): the same partition on 2 gloo ranks of this
+* **measured** (``--measure``): the same partition on ``--ranks`` gloo ranks (2) of this
   machine (one thread each, ``benchmarks/distributed.py``'s workers), each
   schedule's plan run in interleaved rounds (median per schedule), against the
   simulator's step for the same plan (profiled costs: ``--cost profiled``).
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--measure", action="store_true", help="2 gloo ranks of this machine")
+    ap.add_argument("--measure", action="store_true", help="gloo ranks of this machine")
+    ap.add_argument("--ranks", type=int, default=2, help="with --measure: ranks (= stages)")
     ap.add_argument("--cost", default="analytic", choices=["analytic", "profiled"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2)
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     model = dist_bench.build(ns.model)
     x, _ = dist_bench.data(ns.batch, ns.size, ns.model)
-    devices: str | list[str] = ["cpu", "cpu"] if ns.measure else ns.cluster
+    devices: str | list[str] = ["cpu"] * ns.ranks if ns.measure else ns.cluster
     # the pipeline solved once under 1F1B, then priced under every schedule; and what
     # "auto" (the default) chooses for the same request
     base = partition(model, devices, x, microbatches=ns.microbatches, replicas=1,
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     plans = variants(base)
     rows = priced(base)
     cap = min(d.mem_cap for d in auto.cluster.devices)
-    where = "2 CPU ranks" if ns.measure else ns.cluster
+    where = f"{ns.ranks} CPU ranks" if ns.measure else ns.cluster
     print(f"{ns.model}, batch {ns.batch} at {ns.size}px, {base.num_stages} stages, "
           f"M={ns.microbatches}, {where}, {ns.cost} costs (simulated):")  # fmt: skip
     _table(base, rows, cap)
@@ -128,11 +129,11 @@ def main(argv: list[str] | None = None) -> int:
             plans[name].save(str(paths[name]))
         for r in range(ns.rounds):  # interleaved: a load change hits every schedule alike
             for name in rows:
-                t = dist_bench.pipeline_step_time(ns.model, paths[name], ns)
+                t = dist_bench.pipeline_step_time(ns.model, paths[name], ns, ns.ranks)
                 times[name].append(t)
                 print(f"  round {r + 1}: {name} {t:.3f} s/step", flush=True)
     base = statistics.median(times["1f1b"])
-    print("measured medians (2 ranks x 1 thread):")
+    print(f"measured medians ({ns.ranks} ranks x 1 thread):")
     for name, ts in times.items():
         med = statistics.median(ts)
         sim = rows[name][0]

@@ -1,0 +1,473 @@
+"""What only a GPU can show, measured side by side with crosscut's prices, in one call.
+
+Written for a lent GPU with minutes of device time (docs/BENCHMARKS.md, "GPU
+check"). Every part prints a table and writes JSON under ``--out``; a part that
+fails prints its error and the next part still runs.
+
+1. **throughput**: single-GPU training images/s of torchvision CNNs on
+   synthetic data (SGD with momentum, ``cudnn.benchmark``), in fp32 with TF32
+   on (PyTorch's default) and off, and under fp16/bf16 autocast in PyTorch's
+   default NCHW layout and channels-last, next to the analytic prediction for
+   the detected preset (``benchmarks/calibration.predict``): the figures
+   issue 24's published tables stand in for.
+2. **pipeline**: crosscut's local runtime on CUDA. A 2-stage plan on
+   ``["cuda:0", "cuda:0"]`` (two worker threads, one GPU) under 1F1B, ZB-H1
+   and ZB-V trains two momentum steps against eager's micro-batches in order,
+   with deterministic cuDNN: losses and weights must be bit-exact. Then a
+   one-stage compiled step against the eager step, and its predicted step.
+3. **profile**: ``profile_costs`` on the GPU (in-context, fresh): the sum of
+   the per-node prices against the measured step and the analytic price; the
+   tables are written out for an offline per-op comparison.
+
+    python benchmarks/gpu_check.py --out out/gpu            # on a GPU machine
+    python benchmarks/gpu_check.py --device cpu --quick     # a dry run of the code paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import calibration as calib
+
+import crosscut
+from crosscut.cost_models.analytic import analytic_costs
+from crosscut.cost_models.calibration import Published
+from crosscut.cost_models.cluster import Cluster
+from crosscut.cost_models.profiled import profile_costs
+from crosscut.frontend.tracer import trace
+from crosscut.precision import autocast
+
+__all__ = ["main"]
+
+# (model, precision, layout, batch): ResNet-50 in every math mode and layout, then CNNs
+# whose convolutions achieve less (depthwise, grouped, small)
+THROUGHPUT = [
+    ("resnet50", "fp32", "nchw", 256),
+    ("resnet50", "fp32-notf32", "nchw", 256),
+    ("resnet50", "fp16", "nchw", 256),
+    ("resnet50", "fp16", "nhwc", 256),
+    ("resnet50", "bf16", "nhwc", 256),
+    ("resnet50", "fp16", "nhwc", 512),
+    ("resnext101_32x4d", "fp16", "nhwc", 128),
+    ("efficientnet_b0", "fp16", "nhwc", 256),
+    ("mobilenet_v2", "fp16", "nhwc", 256),
+    ("vgg16", "fp32", "nchw", 64),
+]
+QUICK = [("resnet18", "fp32", "nchw", 4), ("mobilenet_v2", "fp32", "nhwc", 4)]
+# one precision and layout per step's batch norm and convolution path: cuDNN's persistent
+# NHWC kernels, its NCHW ones, and bf16 (whose batch norm PyTorch runs without cuDNN)
+PROFILES = [
+    ("resnet50", "fp16", "nhwc", 256),
+    ("resnet50", "fp16", "nchw", 256),
+    ("resnet50", "fp32", "nchw", 256),
+    ("resnet50", "fp32", "nhwc", 256),
+    ("resnet50", "bf16", "nhwc", 256),
+    ("resnet50", "bf16", "nchw", 256),
+    ("efficientnet_b0", "fp16", "nhwc", 256),
+]
+
+
+def configs(text: str) -> list[tuple[str, str, str, int]]:
+    """``model:precision:layout:batch`` entries, comma-separated; "profiles": :data:`PROFILES`."""
+    if text == "profiles":
+        return PROFILES
+    out = []
+    for entry in text.split(","):
+        model, precision, layout, batch = entry.split(":")
+        out.append((model, precision, layout, int(batch)))
+    return out
+
+
+@contextmanager
+def tf32(on: bool) -> Iterator[None]:
+    """cuDNN's and cuBLAS's TF32 switches set to ``on`` for the block (prices follow them)."""
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = on
+    torch.backends.cuda.matmul.allow_tf32 = on and old[1]
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(step: Callable[[], None], dev: torch.device, warmup: int, iters: int, reps: int) -> float:
+    """Median over ``reps`` of the mean seconds of ``iters`` back-to-back steps."""
+    for _ in range(warmup):
+        step()
+    sync(dev)
+    means = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        sync(dev)
+        means.append((time.perf_counter() - t0) / iters)
+    return statistics.median(means)
+
+
+def train_step(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str
+) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with autocast(precision, x.device.type):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def inputs(
+    batch: int, size: int, layout: str, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(batch, 3, size, size, device=dev)
+    if layout == "nhwc":
+        x = x.to(memory_format=torch.channels_last)
+    return x, torch.randint(0, 1000, (batch,), device=dev)
+
+
+def throughput(ns: argparse.Namespace, dev: torch.device, kind: str) -> list[dict[str, Any]]:
+    rows = []
+    print(f"\n== 1. throughput: one {kind} ({dev}), synthetic data, SGD momentum")
+    print(
+        f"{'model':18} {'prec':12} {'layout':6} {'batch':>5} {'measured':>10} "
+        f"{'predicted':>10} {'pred/meas':>9}"
+    )
+    for model_name, prec, layout, batch in QUICK if ns.quick else ns.throughput:
+        precision = prec.split("-")[0]
+        with tf32(prec != "fp32-notf32"):
+            try:
+                torch.manual_seed(0)
+                model = calib.build_model(model_name).to(dev)
+                if layout == "nhwc":
+                    model = model.to(memory_format=torch.channels_last)
+                x, y = inputs(batch, ns.size, layout, dev)
+                iters = 3 if ns.quick else 10
+                s = timed(train_step(model, x, y, precision), dev, 2 if ns.quick else 8, iters, 3)
+                peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+                del model, x, y
+                point = Published(
+                    model_name,
+                    kind,
+                    precision,
+                    batch,
+                    0.0,
+                    "measured",
+                    fitted=False,
+                    image=ns.size,
+                    layout=layout,
+                )
+                pred = calib.predict(point)
+                row = {
+                    "model": model_name,
+                    "precision": prec,
+                    "layout": layout,
+                    "batch": batch,
+                    "measured_img_s": batch / s,
+                    "predicted_img_s": pred,
+                    "step_s": s,
+                    "peak_bytes": peak,
+                }
+                rows.append(row)
+                print(
+                    f"{model_name:18} {prec:12} {layout:6} {batch:5d} {batch / s:10.1f} "
+                    f"{pred:10.1f} {pred / (batch / s):9.2f}",
+                    flush=True,
+                )
+            except Exception as exc:  # one failed configuration must not cost the others
+                print(f"{model_name} {prec} {layout} {batch}: FAILED {exc!r}", flush=True)
+                rows.append({"model": model_name, "precision": prec, "error": repr(exc)})
+            finally:
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(dev)
+    return rows
+
+
+def eager_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, steps: int) -> Any:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        total = torch.zeros((), device=x.device)
+        for xm, ym in zip(x.chunk(m), y.chunk(m)):
+            loss = F.cross_entropy(model(xm), ym) * (1.0 / m)
+            loss.backward()
+            total = total + loss.detach()
+        losses.append(float(total))
+        opt.step()
+    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def compiled_steps(c: Any, x: torch.Tensor, y: torch.Tensor, steps: int) -> Any:
+    opt = torch.optim.SGD(c.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses.append(float(c.train_step(x, y, F.cross_entropy)))
+        opt.step()
+    return losses, {k: v.detach().cpu() for k, v in c.state_dict().items()}
+
+
+def pipeline(ns: argparse.Namespace, dev: torch.device) -> list[dict[str, Any]]:
+    import torchvision
+
+    rows: list[dict[str, Any]] = []
+    print(f"\n== 2. pipeline: crosscut's local runtime on {dev}")
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    batch, m = (8, 2) if ns.quick else (32, 4)
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    x, y = torch.randn(batch, 3, 64, 64), torch.randint(0, 10, (batch,))
+    want = eager_steps(copy.deepcopy(model).to(dev), x.to(dev), y.to(dev), m, 2)
+    for schedule in ("1f1b", "zb-h1", "zbv"):
+        try:
+            c = crosscut.compile(
+                copy.deepcopy(model),
+                [str(dev)] * 2,
+                x,
+                schedule=schedule,
+                microbatches=m,
+                replicas=1,
+                require_all_devices=True,
+                time_limit=10,
+            )
+            got = compiled_steps(c, x, y, 2)
+            c.close()
+            worst = max(
+                float((got[1][k].double() - v.double()).abs().max())
+                for k, v in want[1].items()
+                if v.is_floating_point()
+            )
+            exact = got[0] == want[0] and all(torch.equal(got[1][k], v) for k, v in want[1].items())
+            rows.append(
+                {
+                    "schedule": schedule,
+                    "bit_exact": exact,
+                    "max_abs_diff": worst,
+                    "losses": got[0],
+                    "eager_losses": want[0],
+                }
+            )
+            print(
+                f"resnet18 2 stages M={m} {schedule:6}: bit-exact {exact}, "
+                f"largest weight difference {worst:.3g}",
+                flush=True,
+            )
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append({"schedule": schedule, "error": repr(exc)})
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+    rows.append(one_stage(ns, dev))
+    return rows
+
+
+def one_stage(ns: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
+    """One stage compiled vs eager: the runtime's overhead, and the predicted step."""
+    model_name, batch = ("resnet18", 4) if ns.quick else ("resnet50", 128)
+    try:
+        torch.manual_seed(0)
+        model = calib.build_model(model_name)
+        x, y = inputs(batch, ns.size, "nchw", torch.device("cpu"))
+        eager = copy.deepcopy(model).to(dev)
+        ex, ey = x.to(dev), y.to(dev)
+        c = crosscut.compile(model, [str(dev)], x, replicas=1, time_limit=10)
+        opt = torch.optim.SGD(c.parameters(), lr=0.01, momentum=0.9)
+
+        def compiled() -> None:
+            opt.zero_grad(set_to_none=True)
+            c.train_step(ex, ey, F.cross_entropy)
+            opt.step()
+
+        iters = 2 if ns.quick else 10
+        t_eager = timed(train_step(eager, ex, ey, "fp32"), dev, 3, iters, 3)
+        t_comp = timed(compiled, dev, 3, iters, 3)
+        pred = c.plan.predicted.step_time_s
+        c.close()
+        print(
+            f"{model_name} batch {batch} fp32, one stage: eager {t_eager * 1e3:.1f} ms, "
+            f"compiled {t_comp * 1e3:.1f} ms ({t_comp / t_eager:.3f}x), predicted "
+            f"{pred * 1e3:.1f} ms (predicted/measured {pred / t_comp:.2f})",
+            flush=True,
+        )
+        return {
+            "one_stage": model_name,
+            "batch": batch,
+            "eager_s": t_eager,
+            "compiled_s": t_comp,
+            "predicted_s": pred,
+        }
+    except Exception as exc:
+        traceback.print_exc()
+        return {"one_stage": model_name, "error": repr(exc)}
+
+
+def profiles(
+    ns: argparse.Namespace,
+    dev: torch.device,
+    kind: str,
+    measured: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    save: Callable[[], None],
+) -> None:
+    """Appends one row per profile to ``rows`` and saves after each: a profile takes
+    tens of seconds, and the call's time limit may stop the part midway."""
+    print(f"\n== 3. profile: per-node prices on {dev} against the step")
+    print(
+        f"{'model':16} {'prec':5} {'layout':6} {'batch':>5} {'profiled':>9} {'steps':>9} "
+        f"{'analytic':>9} {'took':>6}"
+    )
+    todo = [("resnet18", "fp32", "nchw", 4)] if ns.quick else ns.profiles
+    for model_name, precision, layout, batch in todo:
+        try:
+            model = calib.build_model(model_name)
+            x = torch.empty(batch, 3, ns.size, ns.size, device="meta")
+            if layout == "nhwc":
+                model = model.to(memory_format=torch.channels_last)
+                x = x.to(memory_format=torch.channels_last)
+            graph = trace(model, x, mode="train", precision=precision)
+            t0 = time.perf_counter()
+            table = profile_costs(
+                graph,
+                dev,
+                repeats=3,
+                warmup=2,
+                cache_dir=ns.out / "profiles",
+                optimizer="momentum",
+                kind=kind,
+            )
+            took = time.perf_counter() - t0
+            prof = table.total(kind, "train")
+            steps = table.meta.get("steps") or [float("nan")]
+            an = analytic_costs(graph, Cluster.from_spec(f"1x{kind}"), optimizer="momentum")
+            ana = an.total(kind, "train")
+            seen = next(
+                (
+                    r["step_s"]
+                    for r in measured
+                    if r.get("model") == model_name
+                    and r.get("precision") == precision
+                    and r.get("layout") == layout
+                    and r.get("batch") == batch
+                ),
+                None,
+            )
+            per_node = {
+                n.name: {
+                    "kind": n.kind,
+                    "profiled": table.node_time(n.name, kind, True),
+                    "analytic": an.node_time(n.name, kind, True),
+                }
+                for n in graph.nodes
+            }
+            rows.append(
+                {
+                    "model": model_name,
+                    "precision": precision,
+                    "layout": layout,
+                    "batch": batch,
+                    "profiled_s": prof,
+                    "context_steps": steps,
+                    "analytic_s": ana,
+                    "throughput_step_s": seen,
+                    "profile_took_s": took,
+                    "nodes": per_node,
+                }
+            )
+            print(
+                f"{model_name:16} {precision:5} {layout:6} {batch:5d} {prof * 1e3:7.1f}ms "
+                f"{statistics.median(steps) * 1e3:7.1f}ms {ana * 1e3:7.1f}ms {took:5.0f}s",
+                flush=True,
+            )
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append({"model": model_name, "precision": precision, "error": repr(exc)})
+        save()
+
+
+def detect_kind(dev: torch.device, given: str) -> str:
+    if given:
+        return given
+    if dev.type != "cuda":
+        return "V100"  # a dry run on the CPU prices a preset all the same
+    from crosscut.cost_models.detect import cuda_spec
+
+    return cuda_spec(dev).kind
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--kind", default="", help="preset to price with (default: detected)")
+    ap.add_argument("--out", type=Path, default=Path("out/gpu"))
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--parts", default="throughput,pipeline,profile")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: check the code paths")
+    ap.add_argument(
+        "--throughput",
+        type=configs,
+        default=THROUGHPUT,
+        help="model:precision:layout:batch,... or 'profiles' (default: a CNN zoo)",
+    )
+    ap.add_argument("--profiles", type=configs, default=PROFILES,
+                    help="model:precision:layout:batch,... to profile")  # fmt: skip
+    ns = ap.parse_args(argv)
+    if ns.quick:
+        ns.size = 32
+    dev = torch.device(ns.device)
+    ns.out.mkdir(parents=True, exist_ok=True)
+    torch.backends.cudnn.benchmark = True
+    kind = detect_kind(dev, ns.kind)
+    env = {"torch": torch.__version__, "device": str(dev), "kind": kind}
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        env |= {
+            "name": props.name,
+            "sms": props.multi_processor_count,
+            "memory": props.total_memory,
+            "cudnn": torch.backends.cudnn.version(),
+        }
+    print(json.dumps(env))
+    result: dict[str, Any] = {"env": env}
+
+    def save() -> None:
+        (ns.out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+
+    parts = ns.parts.split(",")
+    if "throughput" in parts:
+        result["throughput"] = throughput(ns, dev, kind)
+        save()
+    if "pipeline" in parts:
+        result["pipeline"] = pipeline(ns, dev)
+        save()
+    if "profile" in parts:
+        result["profile"] = []
+        profiles(ns, dev, kind, result.get("throughput", []), result["profile"], save)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -11,7 +11,7 @@ fails prints its error and the next part still runs.
    the detected preset (``benchmarks/calibration.predict``): the figures
    issue 24's published tables stand in for.
 2. **pipeline**: crosscut's local runtime on CUDA. A 2-stage plan on
-   ``["cuda:0", "cuda:0"]`` (two worker threads, one GPU) under 1F1B, ZB-H1
+   ``["cuda:0", "cuda:1"]`` (where there are two GPUs) under 1F1B, ZB-H1
    and ZB-V trains two momentum steps against eager's micro-batches in order,
    with deterministic cuDNN: losses and weights must be bit-exact. Then a
    one-stage compiled step against the eager step, and its predicted step.
@@ -237,6 +237,11 @@ def pipeline(ns: argparse.Namespace, dev: torch.device) -> list[dict[str, Any]]:
 
     rows: list[dict[str, Any]] = []
     print(f"\n== 2. pipeline: crosscut's local runtime on {dev}")
+    if dev.type == "cuda" and torch.cuda.device_count() < 2:
+        # a cluster lists each GPU once (two stages cannot share cuda:0): one stage only
+        print("two stages need two GPUs; this machine has one: the one-stage check alone")
+        return [one_stage(ns, dev)]
+    devices = [str(dev)] * 2 if dev.type == "cpu" else ["cuda:0", "cuda:1"]
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     batch, m = (8, 2) if ns.quick else (32, 4)
     torch.manual_seed(0)
@@ -247,7 +252,7 @@ def pipeline(ns: argparse.Namespace, dev: torch.device) -> list[dict[str, Any]]:
         try:
             c = crosscut.compile(
                 copy.deepcopy(model),
-                [str(dev)] * 2,
+                devices,
                 x,
                 schedule=schedule,
                 microbatches=m,

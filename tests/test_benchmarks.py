@@ -128,3 +128,25 @@ def test_schedules_zero_bubble_beats_1f1b_on_resnet50(capsys: pytest.CaptureFixt
     assert steps[chosen] == min(steps.values()), out
     # the interleaved re-cut is priced beside them (two stages per device)
     assert "1f1b-v2" in steps and re.search(r"best interleaved step / 1f1b step = 0\.\d+", out)
+
+
+def test_the_gpu_check_runs_its_parts_on_the_cpu(tmp_path: Path) -> None:
+    """``benchmarks/gpu_check.py`` is run on a lent GPU with minutes to spare: a broken
+    part must show here first. On the CPU its pipeline part trains two stages against
+    eager's micro-batches, bit for bit, under each schedule it names."""
+    import json
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
+           "--quick", "--out", str(tmp_path)]  # fmt: skip
+    out = _run(cmd).stdout
+    assert "FAILED" not in out and "Traceback" not in out
+    got = json.loads((tmp_path / "gpu_check.json").read_text())
+    for row in got["throughput"]:
+        assert row["measured_img_s"] > 0 and row["predicted_img_s"] > 0
+    stages = [row for row in got["pipeline"] if "schedule" in row]
+    assert [row["schedule"] for row in stages] == ["1f1b", "zb-h1", "zbv"]
+    assert all(row["bit_exact"] for row in stages)
+    (one,) = [row for row in got["pipeline"] if "one_stage" in row]
+    assert one["compiled_s"] > 0 and one["predicted_s"] > 0
+    (prof,) = got["profile"]
+    assert prof["profiled_s"] > 0 and set(prof["nodes"]) and prof["throughput_step_s"] > 0

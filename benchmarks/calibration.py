@@ -1,6 +1,7 @@
 """Predicted vs published single-GPU training throughput (``cost_models/calibration.py``).
 
-For every published point: build the model, trace it at the published batch
+For every published point (and crosscut's own H100 measurements, ``MEASURED``):
+build the model, trace it at the published batch
 under the published precision (autocast fp16 for "mixed precision"), price it
 with the analytic cost model on the GPU's preset, and predict images/s =
 batch / (forward + backward + optimizer update + per-iteration overhead).
@@ -20,7 +21,13 @@ import torchvision
 from torch import nn
 
 from crosscut.cost_models.analytic import analytic_costs
-from crosscut.cost_models.calibration import PUBLISHED, Published, step_overhead_s, update_seconds
+from crosscut.cost_models.calibration import (
+    MEASURED,
+    PUBLISHED,
+    Published,
+    step_overhead_s,
+    update_seconds,
+)
 from crosscut.cost_models.cluster import Cluster
 from crosscut.frontend.tracer import trace
 from crosscut.ir.graph import OpGraph
@@ -53,11 +60,14 @@ def _graph(
     return trace(model, x, mode="train", precision=precision)
 
 
-def single_step_s(graph: OpGraph, kind: str, optimizer: str = "momentum") -> float:
-    """One training step of ``graph`` on one ``kind`` device (module docstring)."""
+def single_step_s(
+    graph: OpGraph, kind: str, optimizer: str = "momentum", tf32: bool | None = None
+) -> float:
+    """One training step of ``graph`` on one ``kind`` device (module docstring);
+    ``tf32`` None follows this process's switches."""
     cluster = Cluster.from_spec(f"1x{kind}")
     spec = cluster.devices[0]
-    table = analytic_costs(graph, cluster, optimizer=optimizer)
+    table = analytic_costs(graph, cluster, optimizer=optimizer, tf32=tf32)
     params = [n.param_bytes for n in graph.nodes if n.param_bytes > 0]
     update = update_seconds(
         sum(params),
@@ -75,21 +85,28 @@ def single_step_s(graph: OpGraph, kind: str, optimizer: str = "momentum") -> flo
 def predict(point: Published) -> float:
     """Predicted images/s of ``point``'s configuration."""
     graph = _graph(point.model, point.batch, point.precision, point.image, point.layout)
-    return point.batch / single_step_s(graph, point.kind, point.optimizer)
+    # the point's switches: TF32 convolutions as it ran them, matmuls at PyTorch's default (off)
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = point.tf32, False
+    try:
+        return point.batch / single_step_s(graph, point.kind, point.optimizer)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--points", type=int, default=len(PUBLISHED))
+    ap.add_argument("--points", type=int, default=len(PUBLISHED) + len(MEASURED))
     args = ap.parse_args(argv)
     print(f"{'model':<18}{'GPU':<11}{'prec':<6}{'batch':>6}{'pred':>9}{'publ':>9}{'ratio':>7}  src")
-    for p in PUBLISHED[: args.points]:
+    for p in [*PUBLISHED, *MEASURED][: args.points]:
         got = predict(p)
         flag = "" if abs(got / p.images_per_s - 1) <= TOLERANCE else "  OUT"
         held = "" if p.fitted else " (held out)"
+        how = f" {p.layout}" + ("" if p.tf32 else " no-tf32") if p.source == "gpu-check" else ""
         print(
             f"{p.model:<18}{p.kind:<11}{p.precision:<6}{p.batch:>6}{got:>9.0f}"
-            f"{p.images_per_s:>9.0f}{got / p.images_per_s:>7.2f}  {p.source}{held}{flag}"
+            f"{p.images_per_s:>9.0f}{got / p.images_per_s:>7.2f}  {p.source}{how}{held}{flag}"
         )
 
 

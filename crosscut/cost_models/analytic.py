@@ -55,6 +55,19 @@ __all__ = [
 
 BWD_BYTES_FACTOR = 2.0
 BN_FWD_PASSES = 1.5  # training batch norm reads its input twice: (2 reads + 1 write) / 2
+# Training batch norm of a 16-bit tensor on a GPU, by the kernels PyTorch runs it with, as
+# time relative to fp16 channels-last (cuDNN's persistent kernels: what the fitted AMP
+# points ran). Measured on an H100 by benchmarks/gpu_check.py, ResNet-50 at batch 256,
+# per-node profiles summed over the 53 batch norms (forward + backward): fp16 NHWC
+# 21.6 ms, fp16 NCHW 42.3 ms (cuDNN's non-persistent kernels), bf16 NHWC 28.2 ms and bf16
+# NCHW 62.5 ms. fp32 is left at 1: every fitted fp32 point ran NCHW, so its batch norm
+# is inside the fitted rates already.
+BN_16BIT_KERNELS = {
+    ("float16", True): 1.0,
+    ("float16", False): 1.96,
+    ("bfloat16", True): 1.31,
+    ("bfloat16", False): 2.89,
+}
 # NCHW tensor-core convolutions: tensors cuDNN transposes to NHWC and back (read + write
 # each), and the transpose kernels, per pass (nchw_transposes)
 NCHW_FWD_KERNELS, NCHW_BWD_KERNELS = 2.0, 3.0
@@ -168,6 +181,15 @@ def nchw_transposes(node: OpNode, part: float = 1.0) -> tuple[float, float]:
     return 2.0 * (inp + out), 2.0 * (inp + 2.0 * out)
 
 
+def bn_kernels(graph: OpGraph, node: OpNode, spec: DeviceSpec) -> float:
+    """How much longer a training batch norm of ``node``'s dtype and ``graph``'s layout
+    takes on a GPU than fp16 channels-last (:data:`BN_16BIT_KERNELS`); 1 on a CPU, for
+    fp32 and in inference (one elementwise pass, measured in neither layout)."""
+    if graph.mode != "train" or efficiency_of(spec.kind, spec.device).generation == "cpu":
+        return 1.0
+    return BN_16BIT_KERNELS.get((node.dtype, graph.channels_last), 1.0)
+
+
 def _is_view(node: OpNode) -> bool:
     kind, tgt = _key(node)
     return kind in _VIEW or tgt in _VIEW
@@ -204,7 +226,7 @@ def node_times(
     else:
         moved = float(node.read_bytes + node.out_bytes) * part
     if train and "batch_norm" in node.kind:
-        moved *= BN_FWD_PASSES
+        moved *= BN_FWD_PASSES * bn_kernels(graph, node, spec)
     kernels = 1.0
     cast = 0.0
     if node.dtype in _HALF and node.param_bytes > 0 and graph.precision != "fp32":

@@ -31,6 +31,16 @@ images (224×224), images per second as published:
   layout (V100: 833 images/s, against 1,200 in DeepLearningExamples' own
   NHWC table), priced with cuDNN's transposes (``layout="nchw"``).
 
+:data:`MEASURED` holds crosscut's own measurements (``gpu-check``):
+``benchmarks/gpu_check.py`` on one H100 80GB HBM3 (SXM5; PyTorch 2.11, cuDNN
+9.19, ``cudnn.benchmark``), synthetic data resident on the GPU, SGD with
+momentum, no loss scaling, the median of three runs of ten steps (the mean of
+two calls where a configuration ran in both). They add what no published
+table holds: bf16, fp32 with TF32 off (``tf32=False``), channels-last fp32, and
+NCHW against NHWC on one machine. The ResNet-50 16-bit rows set
+``analytic.BN_16BIT_KERNELS`` through their per-node profiles and are marked
+fitted; the rest are held out.
+
 The step predicted for a point is the single-device training step: forward +
 backward of every node (``analytic_costs``), the optimizer update
 (:func:`update_seconds`) and the per-iteration overhead
@@ -49,6 +59,7 @@ from crosscut.cost_models.efficiency import (
 )
 
 __all__ = [
+    "MEASURED",
     "PUBLISHED",
     "Published",
     "accumulate_seconds",
@@ -74,6 +85,8 @@ class Published:
     # configuration channels-last ("nhwc"); a model left in PyTorch's default runs "nchw",
     # and 16-bit convolutions then pay cuDNN's transposes (analytic.nchw_transposes)
     layout: str = "nhwc"
+    # Ampere and later: fp32 convolutions on TF32 tensor cores (PyTorch's default)
+    tf32: bool = True
 
 
 PUBLISHED: list[Published] = [
@@ -148,6 +161,26 @@ PUBLISHED: list[Published] = [
             ("H100", "fp16", 1280, 2781.5),
         )
     ),
+]
+
+
+#: crosscut's own H100 measurements (module docstring, ``gpu-check``)
+MEASURED: list[Published] = [
+    Published(m, "H100", p, b, r, "gpu-check", fit, layout=lay, tf32=tf)
+    for m, p, lay, b, r, fit, tf in (
+        ("resnet50", "fp32", "nchw", 256, 1864.0, False, True),
+        ("resnet50", "fp32", "nchw", 256, 986.5, False, False),
+        ("resnet50", "fp32", "nhwc", 256, 2518.1, False, True),
+        ("resnet50", "fp16", "nhwc", 256, 4911.7, True, True),
+        ("resnet50", "fp16", "nchw", 256, 2764.8, True, True),
+        ("resnet50", "bf16", "nhwc", 256, 3974.8, True, True),
+        ("resnet50", "bf16", "nchw", 256, 2240.1, True, True),
+        ("resnet50", "fp16", "nhwc", 512, 5100.2, False, True),
+        ("resnext101_32x4d", "fp16", "nhwc", 128, 2354.0, False, True),
+        ("efficientnet_b0", "fp16", "nhwc", 256, 5349.8, False, True),
+        ("mobilenet_v2", "fp16", "nhwc", 256, 7899.3, False, True),
+        ("vgg16", "fp32", "nchw", 64, 1201.8, False, True),
+    )
 ]
 
 

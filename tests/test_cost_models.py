@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import warnings
 from pathlib import Path
 
@@ -320,6 +321,27 @@ def test_backward_intervals_tile_the_pass() -> None:
     times = _backward_times(_Clock(torch.device("cpu")), stamps, end=4.0)
     assert times == {"c": 1.0, "b": 0.5, "c2": 1.0, "a": 0.5}
     assert sum(times.values()) == pytest.approx(4.0 - 1.0)
+
+
+def test_a_host_bound_profile_is_scaled_to_the_plain_step() -> None:
+    """On a GPU the interpreter and hooks can leave the device waiting, inflating every
+    interval: node times that sum past an uninstrumented step are scaled down to it,
+    all alike; times that fit are kept. ``plain=True`` runs that path on the CPU."""
+    from crosscut.cost_models.context import host_bound, measure_in_context
+
+    times = {"a": (1.0, 2.0), "b": (0.5, 0.5)}
+    assert host_bound(times, 8.0) == times
+    scaled = host_bound(times, 2.0)
+    assert sum(f + b for f, b in scaled.values()) == pytest.approx(2.0)
+    assert scaled["a"][1] / scaled["b"][0] == pytest.approx(4.0)  # shares kept
+    g = _traced()
+    assert g.gm is not None
+    x = torch.randn(g.node("x").shapes[0])
+    steps: list[float] = []
+    got = measure_in_context(g.gm, [x], torch.device("cpu"), True, 1, 3, steps, plain=True)
+    assert len(steps) == 3 and all(s > 0 for s in steps)  # the plain steps
+    assert sum(f + b for f, b in got.values()) <= statistics.median(steps) * (1 + 1e-9)
+    assert all(f >= 0 and b >= 0 for f, b in got.values())
 
 
 def test_profiling_keeps_no_copy_of_the_model_alive(tmp_path: Path) -> None:

@@ -248,6 +248,25 @@ def test_batch_norm_is_priced_by_the_kernels_pytorch_runs_it_with() -> None:
         assert bn_time("fp32", False, kind) == bn_time("fp32", True, kind)
         assert bn_time("fp16", False, kind, "infer") == bn_time("fp16", True, kind, "infer")
     assert bn_time("bf16", False, "cpu") == bn_time("bf16", True, "cpu")
+    # the plan's record of its rates names the batch-norm kernels it was priced with
+    from crosscut.cost_models.analytic import priced_rate
+
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+    for precision, layout, factor in (("fp16", False, "1.96"), ("bf16", True, "1.31")):
+        x = torch.empty(8, 3, 16, 16, device="meta")
+        if layout:
+            net, x = (
+                net.to(memory_format=torch.channels_last),
+                x.to(memory_format=torch.channels_last),
+            )
+        g = trace(net, x, precision=precision)
+        where = "channels-last" if layout else "NCHW"
+        assert (
+            f"batch norm: {where} {precision} kernels priced at {factor}x fp16 channels-last's"
+            in priced_rate(g, preset("H100"))["math"]
+        )  # type: ignore[operator]
+    g = trace(net, x, precision="fp16")
+    assert not any("batch norm" in m for m in priced_rate(g, preset("H100"))["math"])  # type: ignore[union-attr]
 
 
 def test_nchw_tensor_core_convolutions_pay_the_transposes() -> None:

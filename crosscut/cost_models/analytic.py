@@ -258,11 +258,16 @@ def _modes(graph: OpGraph, spec: DeviceSpec, flags: MathFlags) -> list[str]:
     transposed = not graph.channels_last and any(
         n.conv is not None and mode.unit == "tensor" for n, mode in per_node
     )
-    return (
-        [*modes, "NCHW: cuDNN's transposes priced (channels_last avoids them)"]
-        if transposed
-        else modes
-    )
+    if transposed:
+        modes.append("NCHW: cuDNN's transposes priced (channels_last avoids them)")
+    slow = {bn_kernels(graph, n, spec) for n in graph.nodes if "batch_norm" in n.kind} - {1.0}
+    if slow:  # 16-bit NCHW or bf16 batch norm (BN_16BIT_KERNELS)
+        layout = "channels-last" if graph.channels_last else "NCHW"
+        modes.append(
+            f"batch norm: {layout} {graph.precision} kernels priced at "
+            f"{max(slow):.2f}x fp16 channels-last's"
+        )
+    return modes
 
 
 def rates_summary(graph: OpGraph, spec: DeviceSpec, flags: MathFlags | None = None) -> str:

@@ -131,7 +131,8 @@ EFFICIENCIES: dict[str, Efficiency] = {
         0.45,
         0.90,
         DEPTH_HALF,
-        "assumed: Ampere's fractions (no published PyTorch single-GPU CNN figure found)",
+        "assumed: Ampere's fractions, not fitted; checked against Lambda's H100 rows and "
+        "crosscut's own H100 measurements (calibration.MEASURED)",
         tf32=0.26,
     ),
     # the cpu preset's rates (devices.py) are already achieved rates

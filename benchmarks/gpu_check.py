@@ -70,7 +70,7 @@ THROUGHPUT = [
 ]
 QUICK = [("resnet18", "fp32", "nchw", 4), ("mobilenet_v2", "fp32", "nhwc", 4)]
 # one precision and layout per step's batch norm and convolution path: cuDNN's persistent
-# NHWC kernels, its NCHW ones, and bf16 (whose batch norm PyTorch runs without cuDNN)
+# NHWC kernels, its NCHW ones, and bf16 (whose batch norm measured slower in both)
 PROFILES = [
     ("resnet50", "fp16", "nhwc", 256),
     ("resnet50", "fp16", "nchw", 256),

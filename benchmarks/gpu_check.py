@@ -82,10 +82,28 @@ PROFILES = [
 ]
 
 
+# per-op data for fitting the analytic model without a GPU: each family's convolutions
+# (1x1, 3x3, grouped, depthwise, the stem), batch norm and elementwise ops, in the two
+# math modes a GPU user runs (fp16 channels-last; TF32 in both layouts)
+ZOO = [
+    (m, p, lay, b)
+    for m, b in (
+        ("resnet50", 256),
+        ("resnext101_32x4d", 128),
+        ("efficientnet_b0", 256),
+        ("mobilenet_v2", 256),
+        ("densenet121", 128),
+        ("vgg16", 64),
+    )
+    for p, lay in (("fp16", "nhwc"), ("fp32", "nhwc"), ("fp32", "nchw"))
+]
+
+
 def configs(text: str) -> list[tuple[str, str, str, int]]:
-    """``model:precision:layout:batch`` entries, comma-separated; "profiles": :data:`PROFILES`."""
-    if text == "profiles":
-        return PROFILES
+    """``model:precision:layout:batch`` entries, comma-separated; "profiles":
+    :data:`PROFILES`; "zoo": :data:`ZOO`."""
+    if text in ("profiles", "zoo"):
+        return PROFILES if text == "profiles" else ZOO
     out = []
     for entry in text.split(","):
         model, precision, layout, batch = entry.split(":")
@@ -435,10 +453,11 @@ def main(argv: list[str] | None = None) -> int:
         "--throughput",
         type=configs,
         default=THROUGHPUT,
-        help="model:precision:layout:batch,... or 'profiles' (default: a CNN zoo)",
+        help="model:precision:layout:batch,..., 'profiles' or 'zoo' (default: ResNet-50 in "
+        "every mode, then CNNs whose convolutions achieve less)",
     )
     ap.add_argument("--profiles", type=configs, default=PROFILES,
-                    help="model:precision:layout:batch,... to profile")  # fmt: skip
+                    help="model:precision:layout:batch,..., 'profiles' or 'zoo'")  # fmt: skip
     ns = ap.parse_args(argv)
     if ns.quick:
         ns.size = 32

@@ -13,7 +13,8 @@
 # then run `bash benchmarks/gpu_session.sh` there, carrying .whl.
 #
 # The GPU checks run on cores 0-3; four one-thread gloo ranks time the schedules on
-# cores 4-15 meanwhile (they see no GPU). Each part has its own time limit.
+# cores 4-15 meanwhile (they see no GPU). Each part has its own time limit, together
+# under the device's 10 minutes a call (GPU_LIMIT + ZOO_LIMIT, about 9 minutes).
 set -u
 OUT=${OUT:-out/gpu-session}
 mkdir -p "$OUT"
@@ -33,13 +34,19 @@ python3 -c "import torch, ortools, crosscut; print(torch.__version__, torch.cuda
     > "$OUT/schedules-4ranks.txt" 2>&1
 ) &
 cpu=$!
-timeout "${GPU_LIMIT:-390}" taskset -c 0-3 python3 benchmarks/gpu_check.py --out "$OUT/gpu" \
+timeout "${GPU_LIMIT:-300}" taskset -c 0-3 python3 benchmarks/gpu_check.py --out "$OUT/gpu" \
   > "$OUT/gpu_check.txt" 2>&1
 echo "gpu_check exit $?"
+# then per-op data for a fit made without a GPU: six families, fp16 and TF32, both layouts
+timeout "${ZOO_LIMIT:-240}" taskset -c 0-3 python3 benchmarks/gpu_check.py --out "$OUT/zoo" \
+  --parts throughput,profile --throughput zoo --profiles zoo > "$OUT/gpu_check_zoo.txt" 2>&1
+echo "gpu_check (zoo) exit $?"
+rm -rf "$OUT/zoo/profiles"  # the per-node times are in zoo/gpu_check.json
 # the cost caches are many small files: one archive comes back whole
 if [ -d "$OUT/gpu/profiles" ]; then
   tar czf "$OUT/profiles.tgz" -C "$OUT/gpu" profiles && rm -rf "$OUT/gpu/profiles"
 fi
 wait $cpu
 grep -v "^\s*File\|^\s*\^" "$OUT/gpu_check.txt" | tail -40
+tail -25 "$OUT/gpu_check_zoo.txt"
 tail -14 "$OUT/schedules-4ranks.txt"

@@ -32,7 +32,7 @@ from crosscut.cost_models.cluster import Cluster
 from crosscut.frontend.tracer import trace
 from crosscut.ir.graph import OpGraph
 
-__all__ = ["build_model", "main", "predict", "single_step_s"]
+__all__ = ["build_model", "main", "predict", "single_step_s", "traced"]
 
 TOLERANCE = 0.15
 
@@ -80,6 +80,11 @@ def single_step_s(
         precision=graph.precision,
     )
     return table.total(spec.kind, "train") + update + step_overhead_s(spec.device)
+
+
+def traced(point: Published) -> OpGraph:
+    """The training step ``point`` prices, traced (cached)."""
+    return _graph(point.model, point.batch, point.precision, point.image, point.layout)
 
 
 def predict(point: Published) -> float:

@@ -48,6 +48,7 @@ import crosscut
 from crosscut.cost_models.analytic import analytic_costs
 from crosscut.cost_models.calibration import Published
 from crosscut.cost_models.cluster import Cluster
+from crosscut.cost_models.memory import peak_memory
 from crosscut.cost_models.profiled import profile_costs
 from crosscut.frontend.tracer import trace
 from crosscut.precision import autocast
@@ -172,7 +173,7 @@ def throughput(ns: argparse.Namespace, dev: torch.device, kind: str) -> list[dic
     print(f"\n== 1. throughput: one {kind} ({dev}), synthetic data, SGD momentum")
     print(
         f"{'model':18} {'prec':12} {'layout':6} {'batch':>5} {'measured':>10} "
-        f"{'predicted':>10} {'pred/meas':>9}"
+        f"{'predicted':>10} {'pred/meas':>9} {'peak GiB':>9} {'predicted':>9}"
     )
     for model_name, prec, layout, batch in QUICK if ns.quick else ns.throughput:
         precision = prec.split("-")[0]
@@ -199,6 +200,9 @@ def throughput(ns: argparse.Namespace, dev: torch.device, kind: str) -> list[dic
                     layout=layout,
                 )
                 pred = calib.predict(point)
+                # the memory model's peak of one plain step (gradients appear during the
+                # backward); the measured peak also holds cuDNN's workspaces
+                mem = peak_memory(calib.traced(point), optimizer="momentum", grads_resident=False)
                 row = {
                     "model": model_name,
                     "precision": prec,
@@ -208,11 +212,13 @@ def throughput(ns: argparse.Namespace, dev: torch.device, kind: str) -> list[dic
                     "predicted_img_s": pred,
                     "step_s": s,
                     "peak_bytes": peak,
+                    "predicted_peak_bytes": mem,
                 }
                 rows.append(row)
                 print(
                     f"{model_name:18} {prec:12} {layout:6} {batch:5d} {batch / s:10.1f} "
-                    f"{pred:10.1f} {pred / (batch / s):9.2f}",
+                    f"{pred:10.1f} {pred / (batch / s):9.2f} {peak / 2**30:9.2f} "
+                    f"{mem / 2**30:9.2f}",
                     flush=True,
                 )
             except Exception as exc:  # one failed configuration must not cost the others
@@ -303,7 +309,7 @@ def pipeline(ns: argparse.Namespace, dev: torch.device) -> list[dict[str, Any]]:
         except Exception as exc:
             traceback.print_exc()
             rows.append({"schedule": schedule, "error": repr(exc)})
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, ns.benchmark
     rows.append(one_stage(ns, dev))
     return rows
 
@@ -458,14 +464,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--profiles", type=configs, default=PROFILES,
                     help="model:precision:layout:batch,..., 'profiles' or 'zoo'")  # fmt: skip
+    ap.add_argument(
+        "--no-cudnn-benchmark", dest="benchmark", action="store_false",
+        help="cuDNN's default algorithms: the peaks then hold less workspace",
+    )  # fmt: skip
     ns = ap.parse_args(argv)
     if ns.quick:
         ns.size = 32
     dev = torch.device(ns.device)
     ns.out.mkdir(parents=True, exist_ok=True)
-    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.benchmark = ns.benchmark
     kind = detect_kind(dev, ns.kind)
-    env = {"torch": torch.__version__, "device": str(dev), "kind": kind}
+    env = {"torch": torch.__version__, "device": str(dev), "kind": kind,
+           "cudnn_benchmark": ns.benchmark}  # fmt: skip
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         env |= {

@@ -143,6 +143,7 @@ def test_the_gpu_check_runs_its_parts_on_the_cpu(tmp_path: Path) -> None:
     got = json.loads((tmp_path / "gpu_check.json").read_text())
     for row in got["throughput"]:
         assert row["measured_img_s"] > 0 and row["predicted_img_s"] > 0
+        assert row["predicted_peak_bytes"] > 0
     stages = [row for row in got["pipeline"] if "schedule" in row]
     assert [row["schedule"] for row in stages] == ["1f1b", "zb-h1", "zbv"]
     assert all(row["bit_exact"] for row in stages)

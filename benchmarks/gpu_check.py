@@ -134,6 +134,8 @@ def timed(step: Callable[[], None], dev: torch.device, warmup: int, iters: int, 
     for _ in range(warmup):
         step()
     sync(dev)
+    if dev.type == "cuda":  # the peak of the timed steps, not of cudnn.benchmark's trials
+        torch.cuda.reset_peak_memory_stats(dev)
     means = []
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -125,6 +125,7 @@ def tf32(on: bool) -> Iterator[None]:
 
 
 def sync(dev: torch.device) -> None:
+    """Wait for the device: its work is asynchronous, and a host clock must not run ahead."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
@@ -149,6 +150,8 @@ def timed(step: Callable[[], None], dev: torch.device, warmup: int, iters: int, 
 def train_step(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str
 ) -> Callable[[], None]:
+    """One training step as the vendors' tables time it: forward under autocast, backward,
+    SGD with momentum (no loss scaler)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def step() -> None:
@@ -164,6 +167,7 @@ def train_step(
 def inputs(
     batch: int, size: int, layout: str, dev: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images (channels-last for ``"nhwc"``) and ImageNet labels, on ``dev``."""
     x = torch.randn(batch, 3, size, size, device=dev)
     if layout == "nhwc":
         x = x.to(memory_format=torch.channels_last)
@@ -171,6 +175,10 @@ def inputs(
 
 
 def throughput(ns: argparse.Namespace, dev: torch.device, kind: str) -> list[dict[str, Any]]:
+    """Part 1: images/s and memory peak of each configuration beside its analytic price.
+
+    A configuration that fails (out of memory, a missing kernel) is reported
+    and skipped: the others still run within the call's minutes."""
     rows = []
     print(f"\n== 1. throughput: one {kind} ({dev}), synthetic data, SGD momentum")
     print(
@@ -234,6 +242,7 @@ def throughput(ns: argparse.Namespace, dev: torch.device, kind: str) -> list[dic
 
 
 def eager_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, steps: int) -> Any:
+    """The reference: SGD momentum steps over ``m`` micro-batches in order, as eager runs them."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for _ in range(steps):
@@ -249,6 +258,7 @@ def eager_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, step
 
 
 def compiled_steps(c: Any, x: torch.Tensor, y: torch.Tensor, steps: int) -> Any:
+    """The same steps through the compiled pipeline."""
     opt = torch.optim.SGD(c.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for _ in range(steps):
@@ -259,6 +269,8 @@ def compiled_steps(c: Any, x: torch.Tensor, y: torch.Tensor, steps: int) -> Any:
 
 
 def pipeline(ns: argparse.Namespace, dev: torch.device) -> list[dict[str, Any]]:
+    """Part 2: two stages under three schedules against eager, bit for bit, and one stage's
+    overhead; deterministic cuDNN, so that a difference is the runtime's."""
     import torchvision
 
     rows: list[dict[str, Any]] = []
@@ -440,6 +452,7 @@ def profiles(
 
 
 def detect_kind(dev: torch.device, given: str) -> str:
+    """The preset to price with: ``given``, else the GPU matched by name."""
     if given:
         return given
     if dev.type != "cuda":
@@ -450,6 +463,7 @@ def detect_kind(dev: torch.device, given: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the parts named by ``--parts``, saving the JSON after each."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--kind", default="", help="preset to price with (default: detected)")

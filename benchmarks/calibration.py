@@ -14,6 +14,8 @@ Target: every point within ±15 % (``tests/test_calibration.py`` checks it).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -32,7 +34,7 @@ from crosscut.cost_models.cluster import Cluster
 from crosscut.frontend.tracer import trace
 from crosscut.ir.graph import OpGraph
 
-__all__ = ["build_model", "main", "predict", "single_step_s", "traced"]
+__all__ = ["build_model", "main", "predict", "single_step_s", "tf32_switches", "traced"]
 
 TOLERANCE = 0.15
 
@@ -91,10 +93,18 @@ def predict(point: Published) -> float:
     """Predicted images/s of ``point``'s configuration."""
     graph = _graph(point.model, point.batch, point.precision, point.image, point.layout)
     # the point's switches: TF32 convolutions as it ran them, matmuls at PyTorch's default (off)
-    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = point.tf32, False
-    try:
+    with tf32_switches(point.tf32, False):
         return point.batch / single_step_s(graph, point.kind, point.optimizer)
+
+
+@contextmanager
+def tf32_switches(conv: bool, matmul: bool) -> Iterator[None]:
+    """cuDNN's and cuBLAS's TF32 switches set for the block: the analytic prices read
+    them (``MathFlags.from_torch``), as does the GPU itself."""
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, matmul
+    try:
+        yield
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 

@@ -32,8 +32,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,18 +111,6 @@ def configs(text: str) -> list[tuple[str, str, str, int]]:
     return out
 
 
-@contextmanager
-def tf32(on: bool) -> Iterator[None]:
-    """cuDNN's and cuBLAS's TF32 switches set to ``on`` for the block (prices follow them)."""
-    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = on
-    torch.backends.cuda.matmul.allow_tf32 = on and old[1]
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
-
-
 def sync(dev: torch.device) -> None:
     """Wait for the device: its work is asynchronous, and a host clock must not run ahead."""
     if dev.type == "cuda":
@@ -187,7 +174,8 @@ def throughput(ns: argparse.Namespace, dev: torch.device, kind: str) -> list[dic
     )
     for model_name, prec, layout, batch in QUICK if ns.quick else ns.throughput:
         precision = prec.split("-")[0]
-        with tf32(prec != "fp32-notf32"):
+        on = prec != "fp32-notf32"  # matmuls keep this process's switch (off by default)
+        with calib.tf32_switches(on, on and torch.backends.cuda.matmul.allow_tf32):
             try:
                 torch.manual_seed(0)
                 model = calib.build_model(model_name).to(dev)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -183,12 +184,7 @@ def measure_in_context(
         timer = _Timer(gm, clock, hooks=training)
         _sync(dev)
         start = clock.mark()
-        with torch.enable_grad() if training else torch.no_grad():
-            out = timer.run(*inputs)
-            loss = _loss(out) if training else None
-            if loss is not None:
-                gm.zero_grad(set_to_none=True)
-                torch.autograd.backward(loss)
+        _step(lambda: timer.run(*inputs), gm, training)  # noqa: B023 (called at once)
         end = clock.mark()
         clock.done()
         if i < warmup:
@@ -208,6 +204,15 @@ def measure_in_context(
     return times
 
 
+def _step(forward: Callable[[], Any], gm: fx.GraphModule, training: bool) -> None:
+    """One whole step: ``forward``, then, in training, the backward of :func:`_loss`."""
+    with torch.enable_grad() if training else torch.no_grad():
+        loss = _loss(forward()) if training else None
+        if loss is not None:
+            gm.zero_grad(set_to_none=True)
+            torch.autograd.backward(loss)
+
+
 def _plain_steps(
     gm: fx.GraphModule,
     inputs: list[torch.Tensor],
@@ -222,11 +227,7 @@ def _plain_steps(
     for i in range(warmup + repeats):
         _sync(clock.dev)
         start = clock.mark()
-        with torch.enable_grad() if training else torch.no_grad():
-            loss = _loss(gm(*inputs)) if training else None
-            if loss is not None:
-                gm.zero_grad(set_to_none=True)
-                torch.autograd.backward(loss)
+        _step(lambda: gm(*inputs), gm, training)
         end = clock.mark()
         clock.done()
         if i >= warmup:

@@ -43,8 +43,10 @@ from crosscut.cost_models.table import CostTable, NodeCost
 from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = [
+    "BN_16BIT_KERNELS",
     "MathFlags",
     "analytic_costs",
+    "bn_kernels",
     "channel_scales",
     "nchw_transposes",
     "node_times",

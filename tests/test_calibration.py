@@ -420,3 +420,22 @@ def test_the_committed_fractions_are_what_the_fit_gives() -> None:
     assert len(got) == len(fit_efficiency.FIELDS)
     for (generation, field), (committed, fitted) in got.items():
         assert abs(fitted / committed - 1) <= fit_efficiency.TOLERANCE, (generation, field)
+
+
+@pytest.mark.slow
+def test_per_op_reprices_the_recorded_h100_profiles() -> None:
+    """``benchmarks/per_op.py`` re-prices the H100's per-node profiles with the current
+    analytic model. Its stage cut must be right for its imbalance figures to mean
+    anything: priced as measured (every op kind named in ``--oracle``), the per-op error
+    is zero and four stages cut at equal price come out within 10 % of even."""
+    import per_op
+
+    rows = per_op.main(["--models", "resnet50"])
+    assert len(rows) == 6  # three precisions, two layouts
+    for row in rows:
+        assert 0.5 < row.ratio < 2.0 and row.l1 > 0.05
+        assert all(v >= 1.0 for v in row.imbalance.values())
+    every = ",".join(sorted({k for row in rows for k in row.kinds}))
+    for row, exact in zip(rows, per_op.main(["--models", "resnet50", "--oracle", every])):
+        assert exact.l1 < 1e-9 and abs(exact.ratio - 1.0) < 1e-9
+        assert exact.imbalance[4] < 1.10 and exact.imbalance[4] <= row.imbalance[4]

@@ -63,8 +63,10 @@ def test_each_kind_says_its_preset_math_and_where_its_efficiency_came_from() -> 
     a100 = _rate("A100-80GB", tf32=None)
     assert "tf32 tensor cores" in a100["math"]  # type: ignore[operator]
     assert _rate("A100-80GB", tf32=False)["math"] == ["fp32 FMA"]
-    # an NCHW model (the default) pays cuDNN's transposes around its tensor-core convolutions
+    # an NCHW model (the default) pays cuDNN's transposes around its tensor-core
+    # convolutions; its RGB stem (3 input channels) runs on the CUDA cores
     assert _rate("V100", "fp16")["math"] == [
+        "fp16 FMA (few input channels)",
         "fp16 tensor cores",
         "NCHW: cuDNN's transposes priced (channels_last avoids them)",
     ]

@@ -31,6 +31,7 @@ from crosscut.cost_models.efficiency import (
     GENERATIONS,
     GROUP_OUT_HALF,
     GROUPED_TF32,
+    TENSOR_MIN_CHANNELS,
     WINOGRAD,
     Efficiency,
     MathMode,
@@ -39,6 +40,13 @@ from crosscut.cost_models.efficiency import (
     sm_count,
 )
 from crosscut.cost_models.memory import _VIEW, _key, activation_bytes, is_alias, resident_bytes
+from crosscut.cost_models.op_terms import (
+    bn_channel_occupancy,
+    consumers,
+    fan_out_seconds,
+    max_pool_bytes,
+    passes_gradient_through,
+)
 from crosscut.cost_models.table import CostTable, NodeCost
 from crosscut.ir.graph import OpGraph, OpNode
 
@@ -48,6 +56,7 @@ __all__ = [
     "analytic_costs",
     "bn_kernels",
     "channel_scales",
+    "narrow_input",
     "nchw_transposes",
     "node_times",
     "priced_rate",
@@ -62,13 +71,14 @@ BN_FWD_PASSES = 1.5  # training batch norm reads its input twice: (2 reads + 1 w
 # points ran). Measured on an H100 by benchmarks/gpu_check.py, ResNet-50 at batch 256,
 # per-node profiles summed over the 53 batch norms (forward + backward): fp16 NHWC
 # 21.6 ms, fp16 NCHW 42.3 ms (cuDNN's non-persistent kernels), bf16 NHWC 28.2 ms and bf16
-# NCHW 62.5 ms. fp32 is left at 1: every fitted fp32 point ran NCHW, so its batch norm
-# is inside the fitted rates already.
+# NCHW 62.5 ms. The NCHW factors are those ratios (1.96, 2.89) over the mean channel
+# occupancy of ResNet-50's batch norms (1.41), which bn_kernels applies on its own. fp32
+# channels-last is left at 1 (measured 0.9-1.1 of its price).
 BN_16BIT_KERNELS = {
     ("float16", True): 1.0,
-    ("float16", False): 1.96,
+    ("float16", False): 1.39,
     ("bfloat16", True): 1.31,
-    ("bfloat16", False): 2.89,
+    ("bfloat16", False): 2.06,
 }
 # NCHW tensor-core convolutions: tensors cuDNN transposes to NHWC and back (read + write
 # each), and the transpose kernels, per pass (nchw_transposes)
@@ -112,7 +122,21 @@ def node_mode(node: OpNode, spec: DeviceSpec, flags: MathFlags) -> MathMode:
         tf32_conv=flags.tf32_conv and (GROUPED_TF32 or _groups(node) == 1),
         tf32_matmul=flags.tf32_matmul,
         depthwise=_depthwise(node),
+        narrow=narrow_input(node),
     )
+
+
+def narrow_input(node: OpNode) -> bool:
+    """A dense convolution with fewer input channels than
+    :data:`~crosscut.cost_models.efficiency.TENSOR_MIN_CHANNELS` (an image stem). Grouped
+    ones are priced by their outputs per group (``GROUP_OUT_HALF``) and depthwise ones
+    on the CUDA cores for their own reason."""
+    if node.conv is None or _groups(node) > 1 or not node.shapes or not node.shapes[0]:
+        return False
+    taps = math.prod(int(k) for k in node.conv["kernel"])
+    outputs = _elements(node)
+    inputs = node.fwd_flops / (2.0 * outputs * taps) if outputs and taps else 0.0
+    return 0 < round(inputs) < TENSOR_MIN_CHANNELS
 
 
 def _depthwise(node: OpNode) -> bool:
@@ -185,11 +209,19 @@ def nchw_transposes(node: OpNode, part: float = 1.0) -> tuple[float, float]:
 
 def bn_kernels(graph: OpGraph, node: OpNode, spec: DeviceSpec) -> float:
     """How much longer a training batch norm of ``node``'s dtype and ``graph``'s layout
-    takes on a GPU than fp16 channels-last (:data:`BN_16BIT_KERNELS`); 1 on a CPU, for
-    fp32 and in inference (one elementwise pass, measured in neither layout)."""
-    if graph.mode != "train" or efficiency_of(spec.kind, spec.device).generation == "cpu":
+    takes on a GPU than fp16 channels-last (:data:`BN_16BIT_KERNELS`), times its NCHW
+    channel occupancy (:func:`bn_channel_occupancy`); 1 on a CPU and in inference (one
+    elementwise pass, measured in neither layout)."""
+    if not _gpu_training(graph, spec):
         return 1.0
-    return BN_16BIT_KERNELS.get((node.dtype, graph.channels_last), 1.0)
+    factor = BN_16BIT_KERNELS.get((node.dtype, graph.channels_last), 1.0)
+    if not graph.channels_last:
+        factor *= bn_channel_occupancy(node, spec)
+    return factor
+
+
+def _gpu_training(graph: OpGraph, spec: DeviceSpec) -> bool:
+    return graph.mode == "train" and efficiency_of(spec.kind, spec.device).generation != "cpu"
 
 
 def _is_view(node: OpNode) -> bool:
@@ -247,8 +279,13 @@ def node_times(
         bwd_kernels = 2.0 if node.param_bytes > 0 else 1.0  # data and weight gradients
         bwd = max(node.bwd_flops * part / rate, BWD_BYTES_FACTOR * moved / bw) + cast / bw
         return fwd, bwd + (bwd_kernels + kernels - 1.0) * launch + t_bwd
+    if train and node.pool is not None and eff.generation != "cpu":
+        fwd_b, bwd_b = max_pool_bytes(node, part)
+        return fwd_b / bw + launch, bwd_b / bw + 2.0 * launch  # zero-fill, then the gather
     fwd = moved / bw + cast / bw + kernels * launch
     if not train:
+        return fwd, 0.0
+    if passes_gradient_through(graph, node):
         return fwd, 0.0
     return fwd, (BWD_BYTES_FACTOR * moved + cast) / bw + kernels * launch
 
@@ -262,13 +299,17 @@ def _modes(graph: OpGraph, spec: DeviceSpec, flags: MathFlags) -> list[str]:
     )
     if transposed:
         modes.append("NCHW: cuDNN's transposes priced (channels_last avoids them)")
-    slow = {bn_kernels(graph, n, spec) for n in graph.nodes if "batch_norm" in n.kind} - {1.0}
+    norms = [n for n in graph.nodes if "batch_norm" in n.kind] if _gpu_training(graph, spec) else []
+    slow = {BN_16BIT_KERNELS.get((n.dtype, graph.channels_last), 1.0) for n in norms} - {1.0}
+    layout = "channels-last" if graph.channels_last else "NCHW"
     if slow:  # 16-bit NCHW or bf16 batch norm (BN_16BIT_KERNELS)
-        layout = "channels-last" if graph.channels_last else "NCHW"
         modes.append(
             f"batch norm: {layout} {graph.precision} kernels priced at "
             f"{max(slow):.2f}x fp16 channels-last's"
         )
+    if norms and not graph.channels_last:
+        worst = max(bn_channel_occupancy(n, spec) for n in norms)
+        modes.append(f"batch norm: NCHW channel occupancy priced (up to {worst:.2f}x)")
     return modes
 
 
@@ -366,12 +407,15 @@ def analytic_costs(
     for d in cluster.devices:
         specs.setdefault(d.kind, d)
     acts = activation_bytes(graph)
+    readers = consumers(graph) if graph.mode == "train" else {}
     nodes: dict[str, NodeCost] = {}
     for n in graph.nodes:
         cost = NodeCost(resident=0 if n.is_io else resident_bytes(n, graph.mode, optimizer))
         cost.activation = acts.get(n.name, 0)
         for kind, spec in specs.items():
-            cost.fwd[kind], cost.bwd[kind] = node_times(graph, n, spec, flags)
+            fwd, bwd = node_times(graph, n, spec, flags)
+            cost.fwd[kind] = fwd
+            cost.bwd[kind] = bwd + fan_out_seconds(n, readers.get(n.name, 0), spec)
         nodes[n.name] = cost
     meta = {
         "fingerprint": graph.fingerprint(),

@@ -81,28 +81,38 @@ class Published:
     fitted: bool = True  # used to fit efficiency.py (False: a held-out check)
     image: int = 224  # input height and width
     optimizer: str = "momentum"  # the update the run's step includes
-    # the convolutions' layout: DeepLearningExamples' configs.yml runs every AMP
-    # configuration channels-last ("nhwc"); a model left in PyTorch's default runs "nchw",
-    # and 16-bit convolutions then pay cuDNN's transposes (analytic.nchw_transposes)
+    # the tensors' layout: DeepLearningExamples' configs.yml runs every AMP configuration
+    # channels-last ("nhwc") and leaves FP32/TF32 at its main.py's default, "nchw", as
+    # tf_cnn_benchmarks does on a GPU; in "nchw" 16-bit convolutions pay cuDNN's
+    # transposes (analytic.nchw_transposes) and batch norm its channel occupancy
+    # (analytic.bn_channel_occupancy)
     layout: str = "nhwc"
     # Ampere and later: fp32 convolutions on TF32 tensor cores (PyTorch's default)
     tf32: bool = True
 
 
 PUBLISHED: list[Published] = [
-    Published("resnet50", "V100", "fp32", 112, 367.0, "dle-rn50"),
+    Published("resnet50", "V100", "fp32", 112, 367.0, "dle-rn50", layout="nchw"),
     Published("resnet50", "V100", "fp16", 256, 1200.0, "dle-rn50"),
-    Published("resnet50", "A100-80GB", "fp32", 256, 938.0, "dle-rn50"),
+    Published("resnet50", "A100-80GB", "fp32", 256, 938.0, "dle-rn50", layout="nchw"),
     Published("resnet50", "A100-80GB", "fp16", 256, 2470.0, "dle-rn50"),
-    Published("resnext101_32x4d", "V100", "fp32", 64, 150.0, "dle-rnx101"),
+    Published("resnext101_32x4d", "V100", "fp32", 64, 150.0, "dle-rnx101", layout="nchw"),
     Published("resnext101_32x4d", "V100", "fp16", 128, 535.0, "dle-rnx101"),
-    Published("resnext101_32x4d", "A100-40GB", "fp32", 128, 300.0, "dle-rnx101"),
+    Published("resnext101_32x4d", "A100-40GB", "fp32", 128, 300.0, "dle-rnx101", layout="nchw"),
     Published("resnext101_32x4d", "A100-40GB", "fp16", 128, 908.0, "dle-rnx101"),
-    Published("resnet50", "P100", "fp32", 64, 219.0, "tf-bench"),
-    Published("resnet152", "P100", "fp32", 64, 91.8, "tf-bench"),
-    Published("vgg16", "P100", "fp32", 32, 154.0, "tf-bench", fitted=False),
+    Published("resnet50", "P100", "fp32", 64, 219.0, "tf-bench", layout="nchw"),
+    Published("resnet152", "P100", "fp32", 64, 91.8, "tf-bench", layout="nchw"),
+    Published("vgg16", "P100", "fp32", 32, 154.0, "tf-bench", fitted=False, layout="nchw"),
     Published(
-        "efficientnet_b0", "V100", "fp32", 64, 655.0, "dle-effnet", False, optimizer="rmsprop"
+        "efficientnet_b0",
+        "V100",
+        "fp32",
+        64,
+        655.0,
+        "dle-effnet",
+        False,
+        optimizer="rmsprop",
+        layout="nchw",
     ),
     Published(
         "efficientnet_b0", "V100", "fp16", 128, 1301.0, "dle-effnet", False, optimizer="rmsprop"
@@ -116,6 +126,7 @@ PUBLISHED: list[Published] = [
         "dle-effnet",
         False,
         optimizer="rmsprop",
+        layout="nchw",
     ),
     Published(
         "efficientnet_b0",
@@ -127,10 +138,21 @@ PUBLISHED: list[Published] = [
         False,
         optimizer="rmsprop",
     ),
-    Published("efficientnet_b4", "V100", "fp32", 16, 83.0, "dle-effnet", False, 380, "rmsprop"),
+    Published(
+        "efficientnet_b4", "V100", "fp32", 16, 83.0, "dle-effnet", False, 380, "rmsprop", "nchw"
+    ),
     Published("efficientnet_b4", "V100", "fp16", 32, 204.0, "dle-effnet", False, 380, "rmsprop"),
     Published(
-        "efficientnet_b4", "A100-80GB", "fp32", 64, 157.0, "dle-effnet", False, 380, "rmsprop"
+        "efficientnet_b4",
+        "A100-80GB",
+        "fp32",
+        64,
+        157.0,
+        "dle-effnet",
+        False,
+        380,
+        "rmsprop",
+        "nchw",
     ),
     Published(
         "efficientnet_b4", "A100-80GB", "fp16", 128, 331.0, "dle-effnet", False, 380, "rmsprop"

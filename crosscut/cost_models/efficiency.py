@@ -43,6 +43,7 @@ __all__ = [
     "GROUPED_TF32",
     "GROUP_OUT_HALF",
     "STEP_OVERHEAD_S",
+    "TENSOR_MIN_CHANNELS",
     "WINOGRAD",
     "Efficiency",
     "MathMode",
@@ -108,8 +109,8 @@ EFFICIENCIES: dict[str, Efficiency] = {
     ),
     "volta": Efficiency(
         "volta",
-        0.8,
-        0.70,
+        0.756,
+        0.626,
         0.88,
         DEPTH_HALF,
         "NVIDIA DeepLearningExamples PyTorch, DGX-1 V100 (ResNet-50, ResNeXt-101), 21.03",
@@ -118,22 +119,22 @@ EFFICIENCIES: dict[str, Efficiency] = {
     "ampere": Efficiency(
         "ampere",
         0.5,
-        0.45,
+        0.432,
         0.90,
         DEPTH_HALF,
         "NVIDIA DeepLearningExamples PyTorch, DGX A100 (ResNet-50, ResNeXt-101), 21.03",
         ("fma", "tensor", "tf32"),
-        tf32=0.26,
+        tf32=0.258,
     ),
     "hopper": Efficiency(
         "hopper",
         0.5,
-        0.45,
+        0.432,
         0.90,
         DEPTH_HALF,
         "assumed: Ampere's fractions, not fitted; checked against Lambda's H100 rows and "
         "crosscut's own H100 measurements (calibration.MEASURED)",
-        tf32=0.26,
+        tf32=0.258,
     ),
     # the cpu preset's rates (devices.py) are already achieved rates
     "cpu": Efficiency("cpu", 1.0, 1.0, 1.0, 0.0, "devices.cpu_spec: achieved rates"),
@@ -193,6 +194,14 @@ class MathMode:
 
 
 _TENSOR_HALF = ("volta", "ampere", "hopper")
+# A dense convolution with fewer input channels than this runs on the CUDA cores
+# (math_mode's ``narrow``): a tensor-core convolution loads 16 bytes of channels at a
+# time, 8 in 16-bit, and cuDNN's kernels for fewer do not use the tensor cores.
+# Evidence: the stem of ResNet-50 (3 channels, 7x7) on an H100 ran forward and weight
+# gradient at 24-56 TFLOP/s in every precision (fp32 NCHW 5.1 ms, TF32 NHWC 4.2, bf16
+# 4.0, fp16 2.1 at batch 256), CUDA-core rates (66.9 TFLOPS fp32 peak), where the
+# tensor-core price was 0.6-1.1 ms.
+TENSOR_MIN_CHANNELS = 8
 # half-precision FMA on CUDA cores (not tensor cores), as a multiple of the fp32 rate:
 # V100 31.4 vs 15.7 TFLOPS, A100 78 (fp16) / 39 (bf16) vs 19.5, H100 SXM 133.8 vs 66.9
 # (the vendors' datasheets and architecture whitepapers)
@@ -214,26 +223,31 @@ def math_mode(
     tf32_conv: bool,
     tf32_matmul: bool,
     depthwise: bool = False,
+    narrow: bool = False,
 ) -> MathMode:
     """The math PyTorch uses for a ``dtype`` conv (``conv``) or matmul on preset ``kind``.
 
     A ``depthwise`` convolution (one input and one output channel per group) has no
     tensor-core kernel: a matrix-multiply tile needs several output channels to
     fill, so cuDNN runs it on the CUDA cores, in half precision at
-    :data:`HALF_FMA_RATIO` times the fp32 rate."""
+    :data:`HALF_FMA_RATIO` times the fp32 rate. A ``narrow`` one (fewer input
+    channels than :data:`TENSOR_MIN_CHANNELS`: an RGB stem) runs there too, in
+    every precision, TF32 included: its channels cannot fill the tensor cores'
+    16-byte loads (measured on an H100, docs/BENCHMARKS.md)."""
     fp32 = peak_flops.get("float32", 0.0)
     gen = GENERATIONS.get(kind, DEFAULT_GENERATION)
     if dtype in ("float16", "bfloat16"):
         short = "fp16" if dtype == "float16" else "bf16"
         if dtype not in peak_flops:  # no fast half precision: fp16 storage, fp32 math
             return MathMode(f"{short} storage, fp32 math", fp32, "fma")
-        if gen in _TENSOR_HALF and depthwise:
+        if gen in _TENSOR_HALF and (depthwise or narrow):
             ratio = HALF_FMA_RATIO.get((gen, dtype), 2.0)
-            return MathMode(f"{short} FMA (depthwise)", fp32 * ratio, "fma")
+            why = "depthwise" if depthwise else "few input channels"
+            return MathMode(f"{short} FMA ({why})", fp32 * ratio, "fma")
         if gen in _TENSOR_HALF:
             return MathMode(f"{short} tensor cores", peak_flops[dtype], "tensor")
         return MathMode(f"{short} FMA", peak_flops[dtype], "fma")
-    if "tfloat32" in peak_flops and (tf32_conv if conv else tf32_matmul):
+    if "tfloat32" in peak_flops and (tf32_conv if conv else tf32_matmul) and not narrow:
         return MathMode("tf32 tensor cores", peak_flops["tfloat32"], "tf32")
     return MathMode("fp32 FMA", fp32, "fma")
 

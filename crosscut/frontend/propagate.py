@@ -61,6 +61,8 @@ class Propagator(torch.fx.Interpreter):
         self.flops: dict[str, tuple[int, int]] = {}
         # each convolution node's geometry (groups, kernel, stride, dilation), for the rates
         self.convs: dict[str, dict[str, Any]] = {}
+        # each max pool's window (kernel, stride), for its backward's price
+        self.pools: dict[str, dict[str, Any]] = {}
         self.needs_grad: dict[str, bool] = {}
         self.concrete: set[str] = set()
         self._fakes: dict[int, Tensor] = {}
@@ -152,12 +154,14 @@ class Propagator(torch.fx.Interpreter):
         no FLOPs has a backward that counts none and its backward is skipped.
         """
         start = self.flops_mode.total
-        self.flops_mode.conv = None
+        self.flops_mode.conv = self.flops_mode.pool = None
         with torch.no_grad():
             out = fn(*args, **kwargs)
         fwd = self.flops_mode.total - start
         if self.flops_mode.conv is not None:
             self.convs[n.name] = self.flops_mode.conv
+        if self.flops_mode.pool is not None:
+            self.pools[n.name] = self.flops_mode.pool
         floating = any(
             isinstance(t, Tensor) and t.is_floating_point() for t in tree_flatten(out)[0]
         )
@@ -248,6 +252,11 @@ def conv_backward_flops(
 
 _CONV_BACKWARD = torch.ops.aten.convolution_backward
 _CONV = torch.ops.aten.convolution
+_MAX_POOLS = (
+    torch.ops.aten.max_pool2d,
+    torch.ops.aten.max_pool2d_with_indices,
+    torch.ops.aten.max_pool3d_with_indices,
+)
 
 
 class _FlopMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
@@ -262,6 +271,7 @@ class _FlopMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         super().__init__()  # type: ignore[no-untyped-call]
         self.total = 0
         self.conv: dict[str, Any] | None = None  # geometry of the last forward convolution
+        self.pool: dict[str, Any] | None = None  # window of the last forward max pool
 
     def __torch_dispatch__(
         self,
@@ -279,6 +289,12 @@ class _FlopMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
                 list(grad_out.shape), list(x.shape), list(w.shape), transposed, mask
             )
             return out
+        if func._overloadpacket in _MAX_POOLS:
+            dims = len(args[0].shape) - 2
+            kernel = [int(k) for k in args[1]] * (dims if len(args[1]) == 1 else 1)
+            given = list(args[2]) if len(args) > 2 else []
+            stride = [int(v) for v in given] * (dims if len(given) == 1 else 1) or kernel
+            self.pool = {"kernel": kernel, "stride": stride}
         if func._overloadpacket is _CONV:
             w, stride, dilation, transposed, groups = args[1], args[3], args[5], args[6], args[8]
             self.conv = {

@@ -391,6 +391,7 @@ def _build_nodes(gm: torch.fx.GraphModule, prop: Propagator, auto: dict[str, str
         )
         node.fwd_flops, node.bwd_flops = prop.flops.get(n.name, (0, 0))
         node.conv = prop.convs.get(n.name)
+        node.pool = prop.pools.get(n.name)
         own: dict[int, Tensor] = {}
         for qual, t in _node_tensors(gm, n):
             own.setdefault(id(t), t)

@@ -67,6 +67,9 @@ class OpNode:
     # run: Winograd for dense 3x3 stride 1; groups): groups, kernel, stride, dilation,
     # transposed; None for every other op
     conv: dict[str, Any] | None = None
+    # a max pool's window, kernel and stride (its backward reads every window covering
+    # an input element); None for every other op
+    pool: dict[str, Any] | None = None
 
     @property
     def is_io(self) -> bool:

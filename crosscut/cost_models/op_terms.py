@@ -1,0 +1,114 @@
+"""Per-op GPU terms the whole-model fits cannot see, each measured on an H100.
+
+Why a module of its own: a whole training step can be priced within 10 % while
+single ops are off by 3x in both directions, and the planner cuts stages where
+the per-op prices say they balance (``benchmarks/per_op.py`` measures how far
+they do against an H100's per-node times). These terms are the physics of four
+op groups whose price was wrong that way: batch norm in NCHW, which cannot fill
+the GPU with few channels; max pool, whose backward is a gather; ``add``, whose
+backward runs no kernel; and the gradient sums where a tensor has several
+readers. ``analytic.node_times`` and ``analytic.analytic_costs`` apply them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from crosscut.cost_models.devices import DeviceSpec
+from crosscut.cost_models.efficiency import efficiency_of
+from crosscut.cost_models.memory import _key
+from crosscut.ir.graph import OpGraph, OpNode
+
+__all__ = [
+    "BN_NCHW_CHANNEL_RATE",
+    "INDEX_BYTES",
+    "bn_channel_occupancy",
+    "consumers",
+    "fan_out_seconds",
+    "max_pool_bytes",
+    "passes_gradient_through",
+]
+
+# bytes/s one channel of an NCHW training batch norm streams (bn_channel_occupancy):
+# fitted to the H100's per-node times, 164 channels fill its 3.0 TB/s
+BN_NCHW_CHANNEL_RATE = 18.4e9
+INDEX_BYTES = 8.0  # a max pool's saved argmax, int64
+
+
+def bn_channel_occupancy(node: OpNode, spec: DeviceSpec) -> float:
+    """How much longer an NCHW training batch norm of ``C`` channels takes than its bytes
+    at the memory rate: ``sqrt(1 + (C_fill / C)^2)``, where ``C_fill`` channels stream
+    the GPU's achieved bandwidth at :data:`BN_NCHW_CHANNEL_RATE` each.
+
+    Why: in NCHW the statistics and the gradient's sums reduce each channel over
+    N·H·W, and the kernels give each channel its own blocks, whose loads in flight
+    bound how fast one channel streams (bandwidth × latency); a layer with fewer
+    channels than it takes to fill DRAM's bandwidth runs slower however large its
+    images are. Channels-last reduces across the contiguous channels and has no such
+    limit. Measured on an H100, ResNet-50 at batch 256, NCHW against the price of the
+    same bytes: C = 64 2.8-2.9x, 128 1.5-1.8x, 256 1.1-1.2x, 512 and more 1.0 (fp32;
+    16-bit alike once ``analytic.BN_16BIT_KERNELS`` is set apart); this curve gives
+    2.75, 1.62, 1.19 and 1.05 there. Channels-last measured flat at 0.9-1.1."""
+    shape = node.shapes[0] if node.shapes else []
+    if len(shape) < 3 or shape[1] <= 0:
+        return 1.0
+    fill = spec.mem_bw * efficiency_of(spec.kind, spec.device).memory / BN_NCHW_CHANNEL_RATE
+    return math.sqrt(1.0 + (fill / shape[1]) ** 2)
+
+
+def max_pool_bytes(node: OpNode, part: float = 1.0) -> tuple[float, float]:
+    """(forward, backward) bytes of a training max pool on a GPU.
+
+    The forward reads its input and writes the maxima and their indices (int64). The
+    backward is a gather: for each input element PyTorch's CUDA kernel reads the
+    index and the gradient of every window covering it (``prod(kernel / stride)`` on
+    average: 2.25 for ResNet's 3x3 stride 2) and writes one gradient. Priced as that
+    traffic, though neighbours' windows overlap in cache: on an H100 ResNet-50's max
+    pool measured 2.8-3.3 ms (fwd + bwd, batch 256) in every precision, where this
+    gives 2.0-2.6 ms and its bytes as an elementwise op gave 0.5-1.0 ms."""
+    assert node.pool is not None
+    inp = float(max(0, node.read_bytes - node.param_bytes)) * part
+    out = float(node.out_bytes) * part
+    elems_out = math.prod(node.shapes[0]) if node.shapes and node.shapes[0] else 0 * part
+    elem = out / elems_out if elems_out else 4.0
+    elems_in = inp / elem
+    cover = math.prod(k / max(1, s) for k, s in zip(node.pool["kernel"], node.pool["stride"]))
+    fwd = inp + out + INDEX_BYTES * elems_out
+    bwd = elems_in * (max(1.0, cover) * (INDEX_BYTES + elem) + elem)
+    return fwd, bwd
+
+
+def passes_gradient_through(graph: OpGraph, node: OpNode) -> bool:
+    """Whether ``node``'s backward hands its gradient on unchanged: an ``add`` or ``sub``
+    of same-shape tensors (autograd gives each input the incoming gradient, negated for
+    ``sub``'s second, in no kernel of its own; a broadcast input would need a reduction).
+    An H100 profile of ResNet-50 measured its 16 adds at 3.0 ms forward and backward
+    together, the forward's traffic alone, where twice that was priced again for the
+    backward. The fan-in's cost is elsewhere: where the gradients of a tensor read
+    twice meet (:func:`fan_out_seconds`)."""
+    kind, tgt = _key(node)
+    if kind not in ("add", "sub") and tgt not in ("add", "sub", "iadd", "isub"):
+        return False
+    shapes = [graph.node(i).shapes[0] for i in node.inputs if i in graph and graph.node(i).shapes]
+    out = node.shapes[0] if node.shapes else None
+    return bool(shapes) and out is not None and all(s == out for s in shapes)
+
+
+def consumers(graph: OpGraph) -> dict[str, int]:
+    """How many times each node's output is read by other nodes (the output node too)."""
+    out: dict[str, int] = {}
+    for n in graph.nodes:
+        for i in n.inputs:
+            out[i] = out.get(i, 0) + 1
+    return out
+
+
+def fan_out_seconds(node: OpNode, readers: int, spec: DeviceSpec) -> float:
+    """Backward seconds autograd spends summing the gradients of a tensor read ``readers``
+    times: one add (two reads, one write of the tensor) per extra reader, each a
+    kernel. ResNet's block inputs feed the convolution and the shortcut; DenseNet's
+    layer outputs feed every later layer of their block."""
+    if readers <= 1 or node.is_io or node.op == "get_attr" or node.out_bytes <= 0:
+        return 0.0
+    bw = spec.mem_bw * efficiency_of(spec.kind, spec.device).memory
+    return (readers - 1) * (3.0 * node.out_bytes / bw + spec.launch_overhead_s)

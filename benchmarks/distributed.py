@@ -39,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipelining_peer as peer
 import unet
 
+from crosscut.cpu_malloc import keep_freed_memory
+
 __all__ = ["eager_step_time", "main", "pipeline_step_time"]
 
 
@@ -319,4 +321,7 @@ def _peer_splits(name: str, ns: argparse.Namespace, tmp: Path) -> dict[tuple[str
 
 
 if __name__ == "__main__":
+    # every process this script starts, the baselines too (DDP, eager, the peer):
+    # they run with the allocator crosscut's CPU ranks use, so the comparison is fair
+    keep_freed_memory()
     raise SystemExit(main())

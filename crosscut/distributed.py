@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from crosscut.cpu_malloc import keep_freed_memory
 from crosscut.errors import CrosscutError, DistributedError, InputError
 from crosscut.ir.plan import Plan
 from crosscut.ir.schedule import AUTO_SCHEDULE
@@ -110,6 +111,8 @@ def init(
     )
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    else:
+        keep_freed_memory()  # the allocator CPU profiles are taken with (cpu_malloc.py)
     if os.environ.get("MASTER_ADDR", "") in _LOOPBACK:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if not dist.is_initialized():

@@ -40,6 +40,7 @@ from crosscut.cost_models.context import measure_in_context, measure_split
 from crosscut.cost_models.efficiency import efficiency_of
 from crosscut.cost_models.memory import activation_bytes, is_alias, resident_bytes
 from crosscut.cost_models.table import MAX_SPLIT, CostTable, NodeCost
+from crosscut.cpu_malloc import keep_freed_memory
 from crosscut.errors import CostModelError
 from crosscut.ir.graph import OpGraph
 from crosscut.precision import autocast
@@ -394,6 +395,8 @@ def _measured(
     ``meta`` how they were taken (and, in context, the whole steps a reuse re-times)."""
     t0 = time.perf_counter()
     steps: list[float] = []
+    if dev.type == "cpu":
+        keep_freed_memory()  # as the runtimes run (cpu_malloc.py): W page-faulted otherwise
     with autocast(graph.precision, dev.type):  # time the ops as the plan will run them
         if method == "context":
             times = _measure_context(graph, dev, warmup, repeats, steps)

@@ -288,7 +288,8 @@ INTERLEAVED_SCHEDULES = ("1f1b-v2", "1f1b-v3", "1f1b-v4", "zb-v2", V_SHAPED)
 #: planning pass over the graph; more stages per device, or the split backward on top,
 #: priced slower on every benchmark request (docs/BENCHMARKS.md), so they are asked by name.
 #: ``zbv`` prices below ``1f1b-v2`` on most requests but never below ``zb-h2``, which
-#: ``auto`` tries on the solved stages at no planning cost
+#: ``auto`` tries on the solved stages at no planning cost. Each re-cut is also priced
+#: under its zero-bubble twin (``zb-v2`` on the same stages: no planning pass)
 AUTO_INTERLEAVED = ("1f1b-v2",)
 
 #: the training schedules a plan may name (``"inference"`` is chosen by mode, never named)

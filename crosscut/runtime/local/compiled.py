@@ -68,6 +68,7 @@ from crosscut.codegen.modes import other_program, share_state
 from crosscut.codegen.source import program_source
 from crosscut.codegen.split import build_stages
 from crosscut.codegen.state_writes import check_state_writes
+from crosscut.cpu_malloc import keep_freed_memory
 from crosscut.errors import CrosscutError, InputError, RuntimeError_
 from crosscut.ir.program import StagedProgram
 from crosscut.ir.schedule import DEFAULT_SCHEDULE
@@ -189,6 +190,8 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         modules = [st.module for p in (program, self._other) if p is not None for st in p.stages]
         self._rng = RandomScope(modules)
         inline = microbatches == 1 and all(torch.device(d).type == "cpu" for d in stage_devices)
+        if any(torch.device(d).type == "cpu" for d in stage_devices):
+            keep_freed_memory()  # the allocator CPU profiles are taken with (cpu_malloc.py)
         self._eager_draws = inline and in_program_order(gm, dict(stage_of))
         self._keep_model_keys(model)
         self._install_batchnorm()

@@ -50,6 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "crosscut.fileio",
             "crosscut.precision",
             "crosscut.split_backward",
+            "crosscut.cpu_malloc",
         ),
     ),
     ("ir", ("crosscut.ir",)),

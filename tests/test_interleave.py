@@ -10,7 +10,7 @@ import torchvision
 import crosscut
 from crosscut.ir.plan import Plan
 from crosscut.partitioner.interleave import interleave
-from crosscut.partitioner.schedule_choice import choose_schedule, zero_bubble_twin
+from crosscut.partitioner.schedule_choice import choose_schedule
 from crosscut.partitioner.simulate import simulate
 from crosscut.partitioner.validate import plan_problems
 
@@ -113,26 +113,30 @@ def test_the_choice_takes_the_recut_only_where_allowed_and_quicker() -> None:
     assert "1f1b-v2" in note
     recut = interleave(base, "1f1b-v2")
     assert recut is not None
-    twin = zero_bubble_twin(recut)
-    assert "zb-v2" in note
-    steps = {p.options.schedule: p.predicted.step_time_s for p in (kept, recut, twin)}
+    steps = {p.options.schedule: p.predicted.step_time_s for p in (kept, recut)}
     assert chosen.predicted.step_time_s == min(steps.values())
     assert chosen.options.schedule == min(steps, key=lambda k: steps[k])
 
 
-def test_the_zero_bubble_twin_keeps_the_recut_stages() -> None:
-    """``auto`` prices each interleaved re-cut under ``zb-v2`` too, with no planning pass:
-    the same stages on the same devices, each backward split into B and W; a valid
-    plan, priced on its own (its step is not the re-cut's), and the re-cut untouched."""
-    recut = interleave(_pipeline("4xV100", micro=4), "1f1b-v2")
-    assert recut is not None
-    twin = zero_bubble_twin(recut)
-    assert twin.options.schedule == "zb-v2" and recut.options.schedule == "1f1b-v2"
-    assert twin.assignment == recut.assignment
-    assert [st.devices for st in twin.stages] == [st.devices for st in recut.stages]
-    assert plan_problems(twin) == []
-    assert twin.predicted.step_time_s != recut.predicted.step_time_s
-    assert any(e.kind == "W" for e in simulate(twin).events)
+def test_an_interleaved_replica_spanning_nodes_runs_in_its_placement_order() -> None:
+    """Under torchrun a replica spanning nodes runs stage ``s`` on the rank its schedule
+    places it on: an interleaved re-cut of a pipeline whose stages run in rank order is
+    in rank order too (stage s on rank s % W), and swapping two stages' devices across
+    the nodes breaks it."""
+    from crosscut.partitioner.replicas import runs_in_rank_order, stage_nodes
+
+    base = _pipeline("2x2xV100", micro=4)
+    assert runs_in_rank_order(base, 2)
+    recut = interleave(base, "1f1b-v2")
+    assert recut is not None and recut.num_stages == 8
+    assert stage_nodes(recut, 2) == stage_nodes(base, 2) * 2
+    assert runs_in_rank_order(recut, 2)
+    swapped = Plan.from_dict(recut.to_dict())
+    swapped.stages[0].devices, swapped.stages[2].devices = (
+        swapped.stages[2].devices,
+        swapped.stages[0].devices,
+    )
+    assert not runs_in_rank_order(swapped, 2)
 
 
 def test_nothing_to_interleave_gives_none() -> None:

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING
 
 from crosscut.errors import InputError, PartitionError
 from crosscut.ir.plan import Plan
+from crosscut.ir.schedule import placement, virtual_stages
 
 if TYPE_CHECKING:
     from crosscut.ir.graph import OpGraph
@@ -169,8 +170,17 @@ def runs_in_rank_order(plan: Plan, span: int) -> bool:
     The runtime gives stage ``s`` (member ``m`` of its group) the replica's rank
     ``offset(s) + m`` (``runtime/dist/world.py``), node by node; the solver picks
     devices by its own device order. Inside a node any device will do; across
-    nodes the plan is priced as run only if the nodes agree."""
+    nodes the plan is priced as run only if the nodes agree. An interleaved plan's
+    stage ``s`` runs on the rank its schedule places it on (``ir.schedule.placement``)."""
     per_node = max(1, len(plan.cluster.devices) // span)
+    if virtual_stages(plan.options.schedule) > 1 and all(
+        len(st.devices) == 1 for st in plan.stages
+    ):
+        ranks = placement(plan.options.schedule, plan.num_stages)
+        return all(
+            plan.cluster.index(st.devices[0]) // per_node == r // per_node
+            for st, r in zip(plan.stages, ranks)
+        )
     rank = 0
     for st in plan.stages:  # a group has a rank per device, a plain stage one (cli/launch.py)
         for name in st.devices if st.split in ("channel", "batch") else st.devices[:1]:

@@ -27,7 +27,7 @@ from crosscut.ir.schedule import AUTO_INTERLEAVED, DEFAULT_SCHEDULE
 from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.interleave import interleave as interleave_plan
 
-__all__ = ["PREFERENCE", "choose_schedule", "zero_bubble_twin"]
+__all__ = ["PREFERENCE", "choose_schedule"]
 
 #: the order ties are broken in: the simplest first
 PREFERENCE = ("1f1b", "zb-h1", "zb-h2", "gpipe")
@@ -38,26 +38,14 @@ def _fits(plan: Plan) -> bool:
     return all(b <= caps.get(d, b) for d, b in plan.predicted.device_peak_bytes.items())
 
 
-def zero_bubble_twin(recut: Plan) -> Plan:
-    """``recut`` (an interleaved ``1f1b-vV`` plan) under ``zb-vV``: the same stages in the
-    same round-robin places, each backward split into ``B`` and ``W``. No planning pass:
-    the stages are already cut, only the actions' order and the memory they hold change.
-    Measured on 2 gloo ranks it ran 8 % faster than ``1f1b-v2`` on the same cut
-    (docs/BENCHMARKS.md, twelfth session)."""
-    twin = Plan.from_dict(recut.to_dict())
-    twin.options.schedule = "zb-v" + recut.options.schedule.removeprefix("1f1b-v")
-    return annotate(twin)
-
-
 def choose_schedule(plan: Plan, interleave: bool = True, noise: float = 0.0) -> Plan:
     """The quickest of :data:`PREFERENCE` that fits, on ``plan``'s stages, or an interleaved re-cut.
 
     ``plan`` is set to the quickest schedule of :data:`PREFERENCE` and returned,
     unless ``interleave`` and a re-cut of its stages under one of
     :data:`~crosscut.ir.schedule.AUTO_INTERLEAVED`
-    (:func:`~crosscut.partitioner.interleave.interleave`), or the same re-cut under
-    its zero-bubble twin (:func:`zero_bubble_twin`), is quicker still and fits: then
-    that new plan is returned. ``interleave=False`` where the plan
+    (:func:`~crosscut.partitioner.interleave.interleave`) is quicker still and
+    fits: then that new plan is returned. ``interleave=False`` where the plan
     will run under torchrun's own planning.
 
     ``noise``: the profiles' spread (0 for analytic costs). A profiled step is a
@@ -85,9 +73,6 @@ def choose_schedule(plan: Plan, interleave: bool = True, noise: float = 0.0) -> 
                 continue
             recut[name] = cand
             priced.append((name, cand.predicted.step_time_s, _fits(cand)))
-            twin = zero_bubble_twin(cand)
-            recut[twin.options.schedule] = twin
-            priced.append((twin.options.schedule, twin.predicted.step_time_s, _fits(twin)))
     fitting = [(step, i, name) for i, (name, step, ok) in enumerate(priced) if ok]
     quickest, _, best = min(fitting) if fitting else (0.0, 0, DEFAULT_SCHEDULE)
     within = [(i, name) for step, i, name in fitting if step <= quickest * (1.0 + noise)]

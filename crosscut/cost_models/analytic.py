@@ -133,10 +133,7 @@ def narrow_input(node: OpNode) -> bool:
     on the CUDA cores for their own reason."""
     if node.conv is None or _groups(node) > 1 or not node.shapes or not node.shapes[0]:
         return False
-    taps = math.prod(int(k) for k in node.conv["kernel"])
-    outputs = _elements(node)
-    inputs = node.fwd_flops / (2.0 * outputs * taps) if outputs and taps else 0.0
-    return 0 < round(inputs) < TENSOR_MIN_CHANNELS
+    return 0 < round(_inputs_per_group(node)) < TENSOR_MIN_CHANNELS
 
 
 def _depthwise(node: OpNode) -> bool:
@@ -144,11 +141,16 @@ def _depthwise(node: OpNode) -> bool:
     g = _groups(node)
     if g == 1 or node.conv is None or not node.shapes or len(node.shapes[0]) < 2:
         return False
+    return int(node.shapes[0][1]) == g and round(_inputs_per_group(node)) == 1
+
+
+def _inputs_per_group(node: OpNode) -> float:
+    """A convolution's input channels per group, from its FLOPs: multiply-adds per output
+    = input channels per group × kernel taps."""
+    assert node.conv is not None
     outputs = _elements(node)
     taps = math.prod(int(k) for k in node.conv["kernel"])
-    # multiply-adds per output = input channels per group × kernel taps
-    per_group_in = node.fwd_flops / (2.0 * outputs * taps) if outputs and taps else 0.0
-    return int(node.shapes[0][1]) == g and round(per_group_in) == 1
+    return node.fwd_flops / (2.0 * outputs * taps) if outputs and taps else 0.0
 
 
 def _groups(node: OpNode) -> int:

@@ -7,7 +7,9 @@ autograd's setup, handing its outputs on. A model whose ops are tiny (an 8-layer
 runtime (one thread per device) and on two gloo ranks (``--ranks``), under 1F1B and
 ZB-H1 with 1, 4 and 16 micro-batches, and prints each measured step beside the
 simulator's, then the per-action cost that fits the gap (least squares over the
-rows: the gap ÷ the actions on the busiest device).
+rows: the gap ÷ the actions on the busiest device). Since the simulator prices the
+engine's cost per action (``calibration.action_overhead_s``) that residual is
+what the price still misses.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/action_overhead.py
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/action_overhead.py --ranks
@@ -140,13 +142,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.set_num_threads(1)
     x, _ = _data()
     where = "2 gloo ranks" if ns.ranks else "local runtime, 2 threads"
+    # each runtime's links: gloo on loopback between ranks, a memory copy between threads
+    devices: str | list[str] = "2xcpu-gloo" if ns.ranks else ["cpu", "cpu"]
     print(f"8x16 MLP, batch 64, 2 CPU devices ({where}); simulated with the current model")
     print(f"{'schedule':8} {'M':>3} {'measured':>9} {'simulated':>9} {'ratio':>6} {'actions':>7}")
     gaps: list[tuple[float, int]] = []
     ratios: dict[str, float] = {}
     for schedule in SCHEDULES:
         for m in MICROBATCHES:
-            plan = crosscut.partition(mlp(), ["cpu", "cpu"], x, microbatches=m, replicas=1,
+            plan = crosscut.partition(mlp(), devices, x, microbatches=m, replicas=1,
                                       require_all_devices=True, schedule=schedule)  # fmt: skip
             took = ranks_step(plan, ns.steps) if ns.ranks else local_step(plan, ns.steps)
             sim = plan.predicted.step_time_s

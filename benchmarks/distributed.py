@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             x, _ = data(ns.batch, ns.size)
             plan = partition(
                 build(name),
-                ["cpu"] * ns.ranks,
+                f"{ns.ranks}xcpu-gloo",  # the ranks' links: gloo on loopback
                 x,
                 microbatches=ns.microbatches,
                 schedule=ns.schedule,

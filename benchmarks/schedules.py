@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     model = dist_bench.build(ns.model)
     x, _ = dist_bench.data(ns.batch, ns.size, ns.model)
-    devices: str | list[str] = ["cpu"] * ns.ranks if ns.measure else ns.cluster
+    # measured on gloo ranks: priced with their links (loopback TCP), not a thread's copy
+    devices = f"{ns.ranks}xcpu-gloo" if ns.measure else ns.cluster
     # the pipeline solved once under 1F1B, then priced under every schedule; and what
     # "auto" (the default) chooses for the same request
     base = partition(model, devices, x, microbatches=ns.microbatches, replicas=1,

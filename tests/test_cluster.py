@@ -10,7 +10,7 @@ import torch
 
 from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.devices import PRESETS, DeviceSpec, preset, preset_names
-from crosscut.cost_models.links import fit_alpha_beta, measure_link
+from crosscut.cost_models.links import GLOO_LOOPBACK, fit_alpha_beta, measure_link
 from crosscut.errors import DeviceError
 
 
@@ -45,7 +45,8 @@ def test_spec_string_pcie_two_switches() -> None:
 @pytest.mark.parametrize(
     ("spec", "kind", "topology", "n"),
     [("8xH100-nvlink", "H100", "nvlink", 8), ("4xV100-pcie", "V100", "pcie", 4),
-     ("2xcpu", "cpu", "cpu", 2), ("2xA100-80GB", "A100-80GB", "nvlink", 2),
+     ("2xcpu", "cpu", "cpu", 2), ("3xcpu-gloo", "cpu", "gloo", 3),
+     ("2xA100-80GB", "A100-80GB", "nvlink", 2),
      ("1xP40", "P40", "pcie", 1)],
 )  # fmt: skip
 def test_spec_strings(spec: str, kind: str, topology: str, n: int) -> None:
@@ -61,12 +62,33 @@ def test_nvlink_faster_than_pcie() -> None:
     )
 
 
-@pytest.mark.parametrize("bad", ["4xFoo", "0xV100", "V100", "4xK20c-nvlink", "2xcpu-pcie"])
+@pytest.mark.parametrize(
+    "bad", ["4xFoo", "0xV100", "V100", "4xK20c-nvlink", "2xcpu-pcie", "2xV100-gloo", "2xH100-cpu"]
+)
 def test_bad_specs(bad: str) -> None:
     with pytest.raises(DeviceError) as err:
         Cluster.from_spec(bad)
     if bad == "4xFoo":
         assert "K20c" in str(err.value) and "H100" in str(err.value)  # lists the presets
+
+
+def test_cpu_ranks_talk_through_gloo_and_threads_copy() -> None:
+    """Threads of one process hand tensors over in memory; torchrun's CPU ranks send
+    them through gloo on loopback, whose per-message latency is 25x a copy's."""
+    threads, ranks = Cluster.from_spec("2xcpu"), Cluster.from_spec("2xcpu-gloo")
+    assert ranks.devices == threads.devices
+    assert (ranks.bandwidth[0][1], ranks.latency[0][1]) == GLOO_LOOPBACK
+    assert threads.latency[0][1] < ranks.latency[0][1] / 10
+    small = 4096
+    assert ranks.transfer_time(0, 1, small) > 10 * threads.transfer_time(0, 1, small)
+    # several nodes of CPUs are processes: gloo inside each node as well as between them
+    nodes = Cluster.from_spec("2x2xcpu")
+    assert nodes.topology == "gloo" and nodes.latency[0][1] == GLOO_LOOPBACK[1]
+    back = Cluster.from_dict(json.loads(json.dumps(ranks.to_dict())))
+    assert back.topology == "gloo" and back.latency == ranks.latency
+    with pytest.raises(DeviceError, match="'gloo'") as err:
+        Cluster.from_spec("2xV100-gloo")
+    assert err.value.remedy == "use '2xV100'"
 
 
 def test_from_devices_cpu() -> None:

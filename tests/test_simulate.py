@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from crosscut.cost_models import efficiency
 from crosscut.ir.plan import (
     ModelInfo,
     Plan,
@@ -19,6 +20,14 @@ from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.simulate import simulate
 from crosscut.partitioner.validate import plan_problems
 from tests.plan_factory import make_plan
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The closed forms below are the schedules' arithmetic: the stage engine's own
+    cost per action (``efficiency.ACTION_OVERHEAD_S``, priced on CPU devices such as
+    these) is set to zero here, and set on purpose by the tests that price it."""
+    monkeypatch.setitem(efficiency.ACTION_OVERHEAD_S, "cpu", 0.0)
 
 
 def chain_plan(
@@ -83,6 +92,50 @@ def test_transfers_lengthen_each_action() -> None:
     # Each stage sends or receives one tensor: +1 s on every F and every B.
     assert slow.stage_fwd_s == pytest.approx([2.0, 2.0])
     assert slow.stage_bwd_s == pytest.approx([3.0, 3.0])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "micro"), [(1, 1), (2, 4), (4, 8), (3, 2)])
+def test_every_action_pays_the_engine_once(
+    monkeypatch: pytest.MonkeyPatch, schedule: str, stages: int, micro: int
+) -> None:
+    """F and B each take the engine's per-action cost on top of their compute, so the
+    balanced closed form holds with F + h and B + h."""
+    h = 0.25
+    monkeypatch.setitem(efficiency.ACTION_OVERHEAD_S, "cpu", h)
+    sim = simulate(chain_plan(stages, micro, schedule))
+    assert sim.stage_fwd_s == pytest.approx([1.0 + h] * stages)
+    assert sim.stage_bwd_s == pytest.approx([2.0 + h] * stages)
+    assert sim.step_time_s == pytest.approx((micro + stages - 1) * (3.0 + 2 * h))
+    infer = simulate(chain_plan(stages, micro, "gpipe", mode="infer"))
+    assert infer.step_time_s == pytest.approx((micro + stages - 1) * (1.0 + h))
+
+
+def test_a_split_backward_pays_the_engine_for_its_third_action(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """zb-h1 runs F, B and W per micro-batch: each device is busy 3·M·h longer."""
+    plain = simulate(chain_plan(3, 4, "zb-h1"))
+    h = 0.1
+    monkeypatch.setitem(efficiency.ACTION_OVERHEAD_S, "cpu", h)
+    paid = simulate(chain_plan(3, 4, "zb-h1"))
+    assert {e.kind for e in paid.events} >= {"F", "B", "W"}
+    for dev, busy in plain.device_busy_s.items():
+        assert paid.device_busy_s[dev] - busy == pytest.approx(3 * 4 * h)
+    assert paid.step_time_s > plain.step_time_s + 3 * 4 * h - 1e-9
+
+
+def test_a_gpu_stage_pays_no_engine_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the engine's host work hides behind queued kernels: not priced."""
+    monkeypatch.setitem(efficiency.ACTION_OVERHEAD_S, "cpu", 0.25)
+    plan = chain_plan(2, 4, "1f1b")
+    for d in plan.cluster.devices:
+        d.device = d.device.replace("cpu", "cuda")
+    assert efficiency.ACTION_OVERHEAD_S["gpu"] == 0.0
+    gpu = simulate(plan)
+    assert gpu.stage_fwd_s == pytest.approx([1.0, 1.0])
+    # the closed form, plus a GPU step's fixed host overhead (zero_grad, the update's dispatch)
+    assert gpu.step_time_s == pytest.approx((4 + 2 - 1) * 3.0 + efficiency.STEP_OVERHEAD_S["gpu"])
 
 
 def test_steady_state_equals_evaluated_stage_time() -> None:

@@ -53,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from crosscut.cost_models.efficiency import (
+    ACTION_OVERHEAD_S,
     STEP_OVERHEAD_S,
     efficiency_of,
     update_bytes_per_param,
@@ -63,6 +64,7 @@ __all__ = [
     "PUBLISHED",
     "Published",
     "accumulate_seconds",
+    "action_overhead_s",
     "step_overhead_s",
     "update_seconds",
 ]
@@ -250,3 +252,14 @@ def accumulate_seconds(
 def step_overhead_s(device: str) -> float:
     """The fixed per-iteration host overhead of one training step on ``device``."""
     return STEP_OVERHEAD_S["cpu" if device.startswith("cpu") else "gpu"]
+
+
+def action_overhead_s(device: str) -> float:
+    """The stage engine's host seconds per schedule action on ``device``, beyond its kernels.
+
+    Why a pipeline step is priced with it: a schedule with more actions per
+    micro-batch (an interleaved one: a forward and a backward per virtual stage;
+    a zero-bubble one: a third, ``W``) or more micro-batches pays it more often,
+    and on a CPU that is what such a schedule loses to its smaller bubble
+    (docs/BENCHMARKS.md, "What one action costs the engine")."""
+    return ACTION_OVERHEAD_S["cpu" if device.startswith("cpu") else "gpu"]

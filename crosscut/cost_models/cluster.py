@@ -210,7 +210,8 @@ class Cluster:
                 value=spec,
                 remedy="e.g. '2x8xV100'",
             )
-        node = cls.from_spec(f"{per_node}x{kind}")
+        # CPUs on several nodes are torchrun's processes: gloo on loopback inside a node too
+        node = cls.from_spec(f"{per_node}x{kind}" + ("-gloo" if kind.lower() == "cpu" else ""))
         base_kind = node.devices[0].kind
         net = net or DEFAULT_NETWORK.get(base_kind, "eth25")
         if net not in NETWORKS:
@@ -227,7 +228,8 @@ class Cluster:
     def from_spec(cls, spec: str) -> Cluster:
         """Parse ``"NxKIND[-TOPOLOGY]"`` (one node) or ``"NODESxGPUSxKIND[+NETWORK]"``.
 
-        E.g. ``"4xK20c"``, ``"8xH100-nvlink"``, ``"4xV100-pcie"``, ``"2xcpu"``,
+        E.g. ``"4xK20c"``, ``"8xH100-nvlink"``, ``"4xV100-pcie"``, ``"2xcpu"`` (threads),
+        ``"2xcpu-gloo"`` (processes on loopback, as torchrun runs CPU ranks),
         ``"32x8xV100+ib100"`` (:meth:`from_nodes_spec`), ``"6xV100,1xK20c"``
         (one node of several kinds: :func:`~crosscut.cost_models.mixed_node.mixed_devices`).
         """
@@ -265,11 +267,14 @@ class Cluster:
         else:
             devices = [base.renamed(f"gpu{i}", f"cuda:{i}") for i in range(count)]
         topo = topology or DEFAULT_TOPOLOGY.get(base.kind, "pcie")
-        if base.kind == "cpu" and topo != "cpu":
+        if (base.kind == "cpu") != (topo in ("cpu", "gloo")):
             raise DeviceError(
-                "cpu devices only support the 'cpu' topology",
+                "cpu devices take the 'cpu' topology (threads of one process) or 'gloo' "
+                "(processes on loopback), and only they do",
                 value=spec,
-                remedy=f"use '{count}xcpu'",
+                remedy=f"use '{count}xcpu' or '{count}xcpu-gloo'"
+                if base.kind == "cpu"
+                else f"use '{count}x{rest}'",
             )
         cluster = cls.from_specs(devices, topo)
         cluster.meta["spec"], cluster.name = spec, spec.strip()
@@ -374,7 +379,7 @@ class Cluster:
             except DeviceError:  # a GPU with no NVLink preset
                 node = cls.from_specs(local, "pcie")
         else:
-            node = cls.from_spec(f"{job.local_world_size}xcpu")
+            node = cls.from_spec(f"{job.local_world_size}xcpu-gloo")  # ranks talk through gloo
         kind = node.devices[0].kind
         net = network or env.get("CROSSCUT_NETWORK") or DEFAULT_NETWORK.get(kind, "eth25")
         if net not in NETWORKS:

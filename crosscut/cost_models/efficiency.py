@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "ACTION_OVERHEAD_S",
     "EFFICIENCIES",
     "GENERATIONS",
     "GROUPED_TF32",
@@ -170,6 +171,16 @@ TILE_OUTPUTS = 4096  # outputs per SM for half occupancy: one 64x64 tile
 # the optimizer's and the loss scaler's dispatch, the loss read-back and the data
 # loader hand-off; ~1 ms per step in PyTorch eager on a GPU (assumed, not fitted).
 STEP_OVERHEAD_S = {"gpu": 1e-3, "cpu": 0.0}
+
+# The stage engine's host work per schedule action (one F, B or W of one stage and
+# micro-batch) beyond its nodes' kernels: choosing the action, waiting for and
+# unpacking its inputs, autograd's set-up, handing its outputs on (a gloo send on
+# ranks). On a CPU that work and the kernels share the core, so every action pays it:
+# measured 0.32-0.42 ms on two 2-core VMs, local threads and gloo ranks alike
+# (benchmarks/action_overhead.py, docs/BENCHMARKS.md). On a GPU the host issues an
+# action's kernels ahead of the device and the work hides behind the kernels queued
+# before it; not measured there, so not priced.
+ACTION_OVERHEAD_S = {"gpu": 0.0, "cpu": 3.3e-4}
 
 
 def efficiency_of(kind: str, device: str = "cuda") -> Efficiency:

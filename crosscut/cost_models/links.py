@@ -19,6 +19,7 @@ from crosscut.errors import DeviceError
 __all__ = [
     "DEFAULT_NETWORK",
     "DEFAULT_TOPOLOGY",
+    "GLOO_LOOPBACK",
     "NETWORKS",
     "TOPOLOGIES",
     "LinkSpec",
@@ -28,7 +29,7 @@ __all__ = [
     "measure_matmul_flops",
 ]
 
-TOPOLOGIES = ("nvlink", "pcie", "cpu")
+TOPOLOGIES = ("nvlink", "pcie", "cpu", "gloo")
 
 LinkSpec = tuple[float, float]  # (bandwidth bytes/s, latency s)
 
@@ -94,6 +95,12 @@ CROSS_SWITCH_LATENCY_FACTOR = 2.0
 # Virtual CPU devices share DRAM: a copy reads and writes, so it moves at about half the
 # memory bandwidth, after ~2 µs of queueing/dispatch between worker threads.
 CPU_COPY_LATENCY_S = 2e-6
+# CPU processes on one machine (torchrun's CPU ranks) exchange tensors through gloo
+# over TCP on loopback, not a memory copy: each message crosses the kernel's socket
+# buffers and gloo's pair handshake. One-way ping-pong between two one-thread ranks,
+# measured on two 2-vCPU VMs: 47-64 µs for 1-4 KB, 2.9-3.9 GB/s from 4 MB on
+# (docs/BENCHMARKS.md, "Gloo on loopback").
+GLOO_LOOPBACK: LinkSpec = (3.5e9, 55e-6)
 
 
 def default_link(
@@ -102,6 +109,8 @@ def default_link(
     """Preset (bandwidth, latency) for two devices of ``kind`` on ``topology``."""
     if topology == "cpu":
         return (mem_bw / 2, CPU_COPY_LATENCY_S)
+    if topology == "gloo":
+        return GLOO_LOOPBACK
     if topology == "nvlink":
         if kind not in _NVLINK:
             raise DeviceError(

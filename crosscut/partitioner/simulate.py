@@ -21,7 +21,11 @@ stages' actions):
   first: autograd adds the new gradients into ``.grad`` (a pass over them at
   the device's memory rate, ``calibration.accumulate_seconds``);
 * an action also waits until every device of its stage is free: co-located
-  stages (one device group, two stages) take turns on their devices.
+  stages (one device group, two stages) take turns on their devices;
+* every action also pays the stage engine's host work
+  (``calibration.action_overhead_s``: about a third of a millisecond on a CPU,
+  nothing on a GPU, where it hides behind queued kernels), so a schedule with
+  more actions per micro-batch, or more micro-batches, pays it more often.
 
 The transfer time inside an action is also reported as its own ``"T"`` event
 (after the compute, or from the action's start when ``overlap_comm`` lets it
@@ -173,13 +177,29 @@ def _action_durations(
     the backward, and then B keeps only what the stage before waits for."""
     fwd, bwd = stage_durations(plan, ev)
     wgt = [0.0] * plan.num_stages
-    if sched.splits_backward(queues):  # only then: the compute part of each backward
+    split = sched.splits_backward(queues)
+    if split:  # only then: the compute part of each backward
         fwd_compute = _forward_compute(plan, ev)
         bwd_compute = [max(0.0, c - f) for c, f in zip(ev.stage_compute, fwd_compute)]
         for k in range(plan.num_stages):
             moved, wgt[k] = backward_split(plan, k, bwd_compute[k], bool(senders[k]))
             bwd[k] -= moved
+    training = plan.model.mode == "train"
+    for k in range(plan.num_stages):  # the engine's own work, once per action
+        host = _action_overhead(plan, k)
+        fwd[k] += host
+        bwd[k] += host if training else 0.0
+        wgt[k] += host if split else 0.0
     return fwd, bwd, wgt
+
+
+def _action_overhead(plan: Plan, k: int) -> float:
+    """The engine's host seconds per action of stage ``k`` (``calibration.action_overhead_s``)."""
+    from crosscut.cost_models.calibration import action_overhead_s  # see _gradient_pass
+
+    return action_overhead_s(
+        plan.cluster.devices[plan.cluster.index(plan.stages[k].devices[0])].device
+    )
 
 
 def simulate(plan: Plan) -> Simulation:

@@ -20,7 +20,7 @@ import torch
 
 from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.detect import torchrun_env
-from crosscut.cost_models.links import NETWORKS
+from crosscut.cost_models.links import GLOO_LOOPBACK, NETWORKS
 from crosscut.errors import DeviceError, InputError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,15 +46,20 @@ def test_detect_on_cpu_is_the_nodes_spec_of_the_job() -> None:
     spec = Cluster.from_spec("2x4xcpu")
     assert (c.nodes, len(c), c.total_devices, c.kinds) == (2, 4, 8, ["cpu"])
     assert c.devices == spec.devices and c.bandwidth == spec.bandwidth
-    assert c.network == spec.network == NETWORKS["eth25"]  # cpu's default network
+    # cpu's default network, eth25 (3.125 GB/s, 15 µs), as gloo runs on it: no message
+    # is quicker than on loopback (55 µs)
+    assert c.network == spec.network == (NETWORKS["eth25"][0], GLOO_LOOPBACK[1])
     assert c.name == "2x4xcpu+eth25" and c.meta["detected"] == "torchrun"
     assert c.same_node(0, 3) and not c.same_node(3, 4)
-    assert c.transfer_time(3, 4, 10**6) == pytest.approx(15e-6 + 10**6 / 3.125e9)
+    assert c.transfer_time(3, 4, 10**6) == pytest.approx(55e-6 + 10**6 / 3.125e9)
+    assert c.transfer_time(0, 1, 10**6) == pytest.approx(55e-6 + 10**6 / 3.5e9)  # one node
 
 
 def test_the_network_is_an_argument_else_crosscut_network_else_the_default() -> None:
     env = _env(4, 2, 2)
-    assert Cluster.detect("ib200", device="cpu", environ=env).network == NETWORKS["ib200"]
+    assert Cluster.detect("ib200", device="cpu", environ=env).network_name == "ib200"
+    # a GPU-class network under gloo: its bandwidth capped at loopback's, its latency floored
+    assert Cluster.detect("ib200", device="cpu", environ=env).network == GLOO_LOOPBACK
     env["CROSSCUT_NETWORK"] = "eth100"
     assert Cluster.detect(device="cpu", environ=env).network_name == "eth100"
     assert Cluster.detect("ib400", device="cpu", environ=env).network_name == "ib400"

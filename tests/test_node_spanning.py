@@ -92,6 +92,34 @@ def test_a_plan_across_nodes_out_of_rank_order_is_recognised() -> None:
     assert not runs_in_rank_order(plan, 2)
 
 
+def test_a_group_across_nodes_is_moved_to_its_ranks() -> None:
+    """The solver may put a split group on one device of each node (its device order is
+    its own); torchrun gives a group the next ranks in order, so the planner moves it
+    there and re-prices, instead of refusing the layout. vgg11 on 2 nodes of 2 CPU ranks
+    was refused so once gloo priced a node's own links."""
+    from crosscut.partitioner.annotate import annotate, in_rank_order
+
+    plan = make_plan(30, 4)  # stages on gpu0, a channel group gpu1+gpu2, gpu3
+    assert [s.devices for s in plan.stages] == [["gpu0"], ["gpu1", "gpu2"], ["gpu3"]]
+    data = plan.to_dict()
+    for stage, devices in zip(data["stages"], [["gpu2"], ["gpu0", "gpu3"], ["gpu1"]]):
+        stage["devices"] = devices
+    crossed = annotate(Plan.from_dict(data))
+    assert not runs_in_rank_order(crossed, 2)  # two nodes of two: stage 0 is on node 1
+    moved = in_rank_order(crossed)
+    assert [s.devices for s in moved.stages] == [["gpu0"], ["gpu1", "gpu2"], ["gpu3"]]
+    assert [s.split for s in moved.stages] == [s.split for s in plan.stages]
+    assert runs_in_rank_order(moved, 2)
+    assert moved.solver.notes[-1].startswith("stages moved")
+    same = annotate(Plan.from_dict(plan.to_dict()))  # the devices as the factory laid them
+    assert moved.predicted.step_time_s == pytest.approx(same.predicted.step_time_s)
+    # co-located stages (one group, two stages) have no rank order: left as they are
+    data["stages"][0]["devices"] = ["gpu0", "gpu3"]
+    data["stages"][0]["split"] = "channel"
+    shared = Plan.from_dict(data)
+    assert [s.devices for s in in_rank_order(shared).stages] == [s.devices for s in shared.stages]
+
+
 def _layout_steps(plan: Plan) -> dict[tuple[int, int], float]:
     """(replicas, devices) -> the layout's shortest predicted step, from the plan's strategy."""
     out: dict[tuple[int, int], float] = {}

@@ -31,6 +31,7 @@ from crosscut.cost_models.links import (
     default_link,
     measure_link,
     measure_matmul_flops,
+    network_link,
 )
 from crosscut.cost_models.mixed_node import mixed_devices
 from crosscut.errors import DeviceError
@@ -220,7 +221,8 @@ class Cluster:
                 value=net,
                 remedy=f"use one of {sorted(NETWORKS)}",
             )
-        node.nodes, node.network, node.network_name = nodes, NETWORKS[net], net
+        node.nodes, node.network_name = nodes, net
+        node.network = network_link(net, base_kind)
         node.nics, node.name, node.meta["spec"] = int(m.group(4) or 1), spec.strip(), spec
         return node
 
@@ -388,7 +390,8 @@ class Cluster:
                 value=net,
                 remedy=f"use one of {sorted(NETWORKS)}",
             )
-        node.nodes, node.network, node.network_name = job.nodes, NETWORKS[net], net
+        node.nodes, node.network_name = job.nodes, net
+        node.network = network_link(net, kind)
         node.name = f"{job.nodes}x{job.local_world_size}x{kind}+{net}"
         node.meta = {"spec": node.name, "detected": "torchrun"}
         return node

@@ -27,6 +27,7 @@ __all__ = [
     "fit_alpha_beta",
     "measure_link",
     "measure_matmul_flops",
+    "network_link",
 ]
 
 TOPOLOGIES = ("nvlink", "pcie", "cpu", "gloo")
@@ -129,6 +130,20 @@ def default_link(
         value=topology,
         remedy=f"use one of {TOPOLOGIES}",
     )
+
+
+def network_link(network: str, kind: str) -> LinkSpec:
+    """(bandwidth, latency) between two nodes of ``kind`` devices on ``network``.
+
+    CPU ranks exchange tensors through gloo over TCP, between nodes as inside
+    one: a message costs at least what it costs on loopback (its kernel socket
+    path and gloo's handshake), so a CPU cluster's network is never priced
+    quicker than :data:`GLOO_LOOPBACK`. GPUs keep the network's own figures.
+    """
+    bw, lat = NETWORKS[network]
+    if kind != "cpu":
+        return (bw, lat)
+    return (min(bw, GLOO_LOOPBACK[0]), max(lat, GLOO_LOOPBACK[1]))
 
 
 def fit_alpha_beta(sizes: Sequence[int], times: Sequence[float]) -> LinkSpec:

@@ -82,16 +82,30 @@ def as_replicas(plan: Plan, cluster: Cluster, replicas: int) -> Plan:
 
 
 def in_rank_order(plan: Plan) -> Plan:
-    """``plan`` with stage ``s`` moved to the replica's ``s``-th device, as torchrun runs it.
+    """``plan`` with its stages moved to the devices of the ranks torchrun runs them on.
 
-    A spanning replica's devices are identical, so each stage keeps its compute
-    and memory; only the links its transfers cross change, and ``annotate``
-    prices them again. Stages on device groups are left as they are."""
-    if any(len(st.devices) != 1 for st in plan.stages):
-        return plan
+    The runtime gives stage ``s`` the replica's next ranks in order, one per
+    member of a batch- or channel-split group (``runtime/dist/world.py``), and an
+    interleaved stage the rank its schedule places it on. A spanning replica's
+    devices are identical, so each stage keeps its compute and memory; only the
+    links its transfers cross change, and ``annotate`` prices them again. A plan
+    whose stages share devices (co-located stages), or a group that is not split,
+    is left as it is: no rank order describes it."""
     names = [d.name for d in plan.cluster.devices]
-    # interleaved: V stages per rank, placed as the schedule runs them
-    for st, worker in zip(plan.stages, placement(plan.options.schedule, plan.num_stages)):
-        st.devices = [names[worker]]
+    if all(len(st.devices) == 1 for st in plan.stages):
+        # interleaved: V stages per rank, placed as the schedule runs them
+        for st, worker in zip(plan.stages, placement(plan.options.schedule, plan.num_stages)):
+            st.devices = [names[worker]]
+    else:
+        used = [d for st in plan.stages for d in st.devices]
+        unsplit = any(
+            len(st.devices) > 1 and st.split not in ("batch", "channel") for st in plan.stages
+        )
+        if len(set(used)) != len(used) or unsplit or len(used) > len(names):
+            return plan
+        rank = 0
+        for st in plan.stages:
+            st.devices = names[rank : rank + len(st.devices)]
+            rank += len(st.devices)
     plan.solver.notes.append("stages moved to the devices of their torchrun ranks, node by node")
     return annotate(plan)

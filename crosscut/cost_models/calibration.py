@@ -249,9 +249,14 @@ def accumulate_seconds(
     return 3.0 * param_bytes / (mem_bw * eff.memory) + tensors * launch_s
 
 
+def _host_class(device: str) -> str:
+    """The key of the host-overhead tables: ``"cpu"`` for a CPU device, else ``"gpu"``."""
+    return "cpu" if device.startswith("cpu") else "gpu"
+
+
 def step_overhead_s(device: str) -> float:
     """The fixed per-iteration host overhead of one training step on ``device``."""
-    return STEP_OVERHEAD_S["cpu" if device.startswith("cpu") else "gpu"]
+    return STEP_OVERHEAD_S[_host_class(device)]
 
 
 def action_overhead_s(device: str) -> float:
@@ -262,4 +267,4 @@ def action_overhead_s(device: str) -> float:
     a zero-bubble one: a third, ``W``) or more micro-batches pays it more often,
     and on a CPU that is what such a schedule loses to its smaller bubble
     (docs/BENCHMARKS.md, "What one action costs the engine")."""
-    return ACTION_OVERHEAD_S["cpu" if device.startswith("cpu") else "gpu"]
+    return ACTION_OVERHEAD_S[_host_class(device)]

@@ -100,7 +100,7 @@ CPU_COPY_LATENCY_S = 2e-6
 # over TCP on loopback, not a memory copy: each message crosses the kernel's socket
 # buffers and gloo's pair handshake. One-way ping-pong between two one-thread ranks,
 # measured on two 2-vCPU VMs: 47-64 µs for 1-4 KB, 2.9-3.9 GB/s from 4 MB on
-# (docs/BENCHMARKS.md, "Gloo on loopback").
+# (docs/BENCHMARKS.md, "The engine's per-action cost and gloo's links, priced").
 GLOO_LOOPBACK: LinkSpec = (3.5e9, 55e-6)
 
 

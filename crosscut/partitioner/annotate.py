@@ -101,7 +101,7 @@ def in_rank_order(plan: Plan) -> Plan:
         unsplit = any(
             len(st.devices) > 1 and st.split not in ("batch", "channel") for st in plan.stages
         )
-        if len(set(used)) != len(used) or unsplit or len(used) > len(names):
+        if len(set(used)) != len(used) or unsplit:
             return plan
         rank = 0
         for st in plan.stages:

@@ -1,7 +1,8 @@
 #!/bin/bash
-# One call on a lent GPU machine (one GPU, 16 CPU cores, no package registry): what
-# the eleventh session ran, in one script, so that the next session with a GPU spends
-# its minutes measuring. Results go to $OUT (or ./out/gpu-session).
+# One call on a lent GPU machine (one GPU, 16 CPU cores, no package registry): the GPU
+# checks on cores 0-3 and three gloo-rank jobs on the other twelve, each with its own
+# time limit, together inside the device's 10 minutes a call. Results go to $OUT (or
+# ./out/gpu-session); docs/BENCHMARKS.md says what each session found with it.
 #
 # Before the call, on the development machine (the device has torch but not ortools):
 #   echo /.whl/ >> .git/info/exclude
@@ -12,9 +13,13 @@
 #     referencing==0.37.0 rpds-py==2026.9.1
 # then run `bash benchmarks/gpu_session.sh` there, carrying .whl.
 #
-# The GPU checks run on cores 0-3; four one-thread gloo ranks time the schedules on
-# cores 4-15 meanwhile (they see no GPU). Each part has its own time limit, together
-# under the device's 10 minutes a call (GPU_LIMIT + ZOO_LIMIT, about 9 minutes).
+# GPU (cores 0-3): single-GPU training throughput and memory peaks against the analytic
+# price for the detected preset, the one-stage compiled step against eager, per-node
+# profiles (summed against the plain step where kernels are short); then the peaks again with cuDNN's default algorithms (no benchmark trials, less workspace).
+# CPU (one-thread gloo ranks, CUDA hidden):
+#   cores 4-7:   four ranks, resnet18, M=4: the schedules auto chooses among, measured
+#   cores 8-11:  four ranks against torch.distributed.pipelining's schedules
+#   cores 12-15: two ranks, densenet121 (values of many tensors), 1-4 stages per device
 set -u
 OUT=${OUT:-out/gpu-session}
 mkdir -p "$OUT"
@@ -24,29 +29,41 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu \
+  --format=csv
 python3 -c "import torch, ortools, crosscut; print(torch.__version__, torch.cuda.get_device_name(0))" \
   || exit 1
-(
-  export CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
-  timeout "${CPU_LIMIT:-280}" taskset -c 4-15 python3 benchmarks/schedules.py --measure --ranks 4 \
-    --model resnet18 --batch 16 --size 64 --microbatches 4 --cost profiled --rounds 3 \
-    > "$OUT/schedules-4ranks.txt" 2>&1
-) &
-cpu=$!
-timeout "${GPU_LIMIT:-300}" taskset -c 0-3 python3 benchmarks/gpu_check.py --out "$OUT/gpu" \
+lscpu | grep -E "Model name|^CPU\(s\)"
+cpu() {  # cores, time limit, output, command...
+  local cores=$1 limit=$2 out=$3
+  shift 3
+  CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout "$limit" taskset -c "$cores" python3 "$@" \
+    > "$OUT/$out" 2>&1
+}
+L=${CPU_LIMIT:-400}
+cpu 4-7 "$L" schedules-resnet18-4ranks.txt benchmarks/schedules.py --measure --ranks 4 \
+  --model resnet18 --batch 16 --size 64 --microbatches 4 --cost profiled --rounds 3 \
+  --schedules 1f1b,zb-h1,zb-h2,gpipe,1f1b-v2,zbv &
+cpu 8-11 "$L" peers-resnet18-4ranks.txt benchmarks/distributed.py --ranks 4 --models resnet18 \
+  --batch 16 --size 64 --microbatches 4 --schedule zbv --cost profiled --rounds 2 --peer \
+  --peer-tries 2 --peer-schedule zbv,interleaved1f1b,1f1b &
+cpu 12-15 "$L" schedules-densenet121-2ranks.txt benchmarks/schedules.py --measure --ranks 2 \
+  --model densenet121 --batch 16 --size 64 --microbatches 2 --cost profiled --rounds 3 \
+  --schedules 1f1b,zb-h1,1f1b-v2,1f1b-v3,1f1b-v4 &
+timeout "${GPU_LIMIT:-270}" taskset -c 0-3 python3 benchmarks/gpu_check.py --out "$OUT/gpu" \
+  --parts throughput,pipeline,profile \
+  --profiles efficientnet_b0:fp16:nhwc:256,resnet50:fp16:nhwc:256,mobilenet_v2:fp16:nhwc:256 \
   > "$OUT/gpu_check.txt" 2>&1
 echo "gpu_check exit $?"
-# then per-op data for a fit made without a GPU: six families, fp16 and TF32, both layouts
-timeout "${ZOO_LIMIT:-240}" taskset -c 0-3 python3 benchmarks/gpu_check.py --out "$OUT/zoo" \
-  --parts throughput,profile --throughput zoo --profiles zoo > "$OUT/gpu_check_zoo.txt" 2>&1
-echo "gpu_check (zoo) exit $?"
-rm -rf "$OUT/zoo/profiles"  # the per-node times are in zoo/gpu_check.json
-# the cost caches are many small files: one archive comes back whole
-if [ -d "$OUT/gpu/profiles" ]; then
-  tar czf "$OUT/profiles.tgz" -C "$OUT/gpu" profiles && rm -rf "$OUT/gpu/profiles"
-fi
-wait $cpu
-grep -v "^\s*File\|^\s*\^" "$OUT/gpu_check.txt" | tail -40
-tail -25 "$OUT/gpu_check_zoo.txt"
-tail -14 "$OUT/schedules-4ranks.txt"
+rm -rf "$OUT/gpu/profiles"  # the per-node times are in gpu/gpu_check.json
+timeout "${PEAK_LIMIT:-110}" taskset -c 0-3 python3 benchmarks/gpu_check.py --out "$OUT/peaks" \
+  --parts throughput --no-cudnn-benchmark --throughput \
+  resnet50:fp32:nchw:256,vgg16:fp32:nchw:64,efficientnet_b0:fp16:nhwc:256,mobilenet_v2:fp16:nhwc:256 \
+  > "$OUT/gpu_check_peaks.txt" 2>&1
+echo "gpu_check (default cuDNN algorithms) exit $?"
+wait
+grep -v "^\s*File\|^\s*\^" "$OUT/gpu_check.txt" | tail -30
+tail -8 "$OUT/gpu_check_peaks.txt"
+for f in schedules-resnet18-4ranks peers-resnet18-4ranks schedules-densenet121-2ranks; do
+  echo "== $f"; grep -v "round [0-9]" "$OUT/$f.txt" | tail -14
+done

@@ -94,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument(
+        "--schedules", default="",
+        help="with --measure: the schedules to run, comma-separated (default: every one priced)",
+    )  # fmt: skip
     ns = ap.parse_args(argv)
     model = dist_bench.build(ns.model)
     x, _ = dist_bench.data(ns.batch, ns.size, ns.model)
@@ -122,14 +126,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"best interleaved step / 1f1b step = {min(inter) / rows['1f1b'][0]:.3f}")
         return 0
     torch.set_num_threads(1)
-    times: dict[str, list[float]] = {n: [] for n in rows}
+    run = [n.strip() for n in ns.schedules.split(",") if n.strip()] or list(rows)
+    unknown = sorted(set(run) - set(rows))
+    if unknown or "1f1b" not in run:
+        raise SystemExit(
+            f"--schedules {ns.schedules!r}: unknown {unknown} or no 1f1b (the baseline); "
+            f"choose among {', '.join(rows)}"
+        )
+    times: dict[str, list[float]] = {n: [] for n in run}
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
-        for name in rows:
+        for name in run:
             paths[name] = Path(tmp) / f"{name}.json"
             plans[name].save(str(paths[name]))
         for r in range(ns.rounds):  # interleaved: a load change hits every schedule alike
-            for name in rows:
+            for name in run:
                 t = dist_bench.pipeline_step_time(ns.model, paths[name], ns, ns.ranks)
                 times[name].append(t)
                 print(f"  round {r + 1}: {name} {t:.3f} s/step", flush=True)

@@ -19,7 +19,7 @@
 # CPU (one-thread gloo ranks, CUDA hidden):
 #   cores 4-7:   four ranks, resnet18, M=4: the schedules auto chooses among, measured
 #   cores 8-11:  four ranks against torch.distributed.pipelining's schedules
-#   cores 12-15: two ranks, densenet121 (values of many tensors), 1-4 stages per device
+#   cores 12-15: four ranks, googlenet (held out), M=4
 set -u
 OUT=${OUT:-out/gpu-session}
 mkdir -p "$OUT"
@@ -47,9 +47,9 @@ cpu 4-7 "$L" schedules-resnet18-4ranks.txt benchmarks/schedules.py --measure --r
 cpu 8-11 "$L" peers-resnet18-4ranks.txt benchmarks/distributed.py --ranks 4 --models resnet18 \
   --batch 16 --size 64 --microbatches 4 --schedule zbv --cost profiled --rounds 2 --peer \
   --peer-tries 2 --peer-schedule zbv,interleaved1f1b,1f1b &
-cpu 12-15 "$L" schedules-densenet121-2ranks.txt benchmarks/schedules.py --measure --ranks 2 \
-  --model densenet121 --batch 16 --size 64 --microbatches 2 --cost profiled --rounds 3 \
-  --schedules 1f1b,zb-h1,1f1b-v2,1f1b-v3,1f1b-v4 &
+cpu 12-15 "$L" schedules-googlenet-4ranks.txt benchmarks/schedules.py --measure --ranks 4 \
+  --model googlenet --batch 16 --size 64 --microbatches 4 --cost profiled --rounds 3 \
+  --schedules 1f1b,zb-h1,1f1b-v2,zbv &
 timeout "${GPU_LIMIT:-270}" taskset -c 0-3 python3 benchmarks/gpu_check.py --out "$OUT/gpu" \
   --parts throughput,pipeline,profile \
   --profiles efficientnet_b0:fp16:nhwc:256,resnet50:fp16:nhwc:256,mobilenet_v2:fp16:nhwc:256 \
@@ -64,6 +64,6 @@ echo "gpu_check (default cuDNN algorithms) exit $?"
 wait
 grep -v "^\s*File\|^\s*\^" "$OUT/gpu_check.txt" | tail -30
 tail -8 "$OUT/gpu_check_peaks.txt"
-for f in schedules-resnet18-4ranks peers-resnet18-4ranks schedules-densenet121-2ranks; do
+for f in schedules-resnet18-4ranks peers-resnet18-4ranks schedules-googlenet-4ranks; do
   echo "== $f"; grep -v "round [0-9]" "$OUT/$f.txt" | tail -14
 done

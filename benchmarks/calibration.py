@@ -1,6 +1,6 @@
 """Predicted vs published single-GPU training throughput (``cost_models/calibration.py``).
 
-For every published point (and crosscut's own H100 measurements, ``MEASURED``):
+For every published point (and crosscut's own H100 and H200 measurements, ``MEASURED``):
 build the model, trace it at the published batch
 under the published precision (autocast fp16 for "mixed precision"), price it
 with the analytic cost model on the GPU's preset, and predict images/s =

@@ -196,6 +196,7 @@ def throughput(ns: argparse.Namespace, dev: torch.device, kind: str) -> list[dic
                     fitted=False,
                     image=ns.size,
                     layout=layout,
+                    tf32=on,  # predict sets the switches from the point, not from this block
                 )
                 pred = calib.predict(point)
                 # the memory model's peak of one plain step (gradients appear during the

@@ -188,7 +188,7 @@ PUBLISHED: list[Published] = [
 ]
 
 
-#: crosscut's own H100 measurements (module docstring, ``gpu-check``)
+#: crosscut's own H100 and H200 measurements (module docstring, ``gpu-check``)
 MEASURED: list[Published] = [
     Published(m, "H100", p, b, r, "gpu-check", fit, layout=lay, tf32=tf)
     for m, p, lay, b, r, fit, tf in (
@@ -204,6 +204,23 @@ MEASURED: list[Published] = [
         ("efficientnet_b0", "fp16", "nhwc", 256, 5349.8, False, True),
         ("mobilenet_v2", "fp16", "nhwc", 256, 7899.3, False, True),
         ("vgg16", "fp32", "nchw", 64, 1201.8, False, True),
+    )
+] + [
+    # the same script on a lent H200 (2026-11-27, fourteenth session): every row held
+    # out; where a configuration ran twice (cuDNN's benchmark on and
+    # off) the mean of both, which agreed within 4 %
+    Published(m, "H200", p, b, r, "gpu-check", False, layout=lay, tf32=tf)
+    for m, p, lay, b, r, tf in (
+        ("resnet50", "fp32", "nchw", 256, 2196.2, True),
+        ("resnet50", "fp32", "nchw", 256, 1057.6, False),
+        ("resnet50", "fp16", "nchw", 256, 3042.7, True),
+        ("resnet50", "fp16", "nhwc", 256, 6077.7, True),
+        ("resnet50", "bf16", "nhwc", 256, 4666.0, True),
+        ("resnet50", "fp16", "nhwc", 512, 6414.4, True),
+        ("resnext101_32x4d", "fp16", "nhwc", 128, 2797.7, True),
+        ("efficientnet_b0", "fp16", "nhwc", 256, 5988.6, True),
+        ("mobilenet_v2", "fp16", "nhwc", 256, 8571.7, True),
+        ("vgg16", "fp32", "nchw", 64, 1331.8, True),
     )
 ]
 

@@ -134,7 +134,7 @@ EFFICIENCIES: dict[str, Efficiency] = {
         0.90,
         DEPTH_HALF,
         "assumed: Ampere's fractions, not fitted; checked against Lambda's H100 rows and "
-        "crosscut's own H100 measurements (calibration.MEASURED)",
+        "crosscut's own H100 measurements (calibration.MEASURED; its H200 rows held out)",
         tf32=0.258,
     ),
     # the cpu preset's rates (devices.py) are already achieved rates

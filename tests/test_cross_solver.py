@@ -227,6 +227,32 @@ def test_group_dp_matches_brute_force_on_chains(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(8))
+def test_group_dp_prices_a_latency_per_message_as_evaluate_does(seed: int) -> None:
+    """A value of several tensors pays a latency per message on the link between two
+    stages (one collective inside a group); on chains the DP must still reach brute force,
+    so its link prices must be evaluate()'s. Groups of at most 2 devices make the best
+    plans cross links (one group of 4 would send nothing), and the latency is raised
+    until it matters: priced at one latency per value, the DP misses 4 of these 8."""
+    rng = random.Random(300 + seed)
+    pb = make(rng, rng.randint(4, 6), chain=True, training=seed % 2 == 0)
+    pb = dataclasses.replace(
+        pb,
+        widths=(1, 2),
+        latency=[[0.2] * 4 for _ in range(4)],
+        messages=[rng.choice((1, 4, 12)) for _ in range(pb.n)],
+    )
+    brute = brute_force_groups(pb)
+    found = cross_dp(pb)
+    assert found is not None
+    stage_of, groups = found
+    leaders = [g.leader for g in groups]
+    assert not check(pb, stage_of, leaders, groups)
+    assert evaluate(pb, stage_of, leaders, groups).objective == pytest.approx(
+        brute.objective, rel=1e-9
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
 def test_group_dp_valid_on_dags_and_never_beats_brute_force(seed: int) -> None:
     rng = random.Random(100 + seed)
     pb = make(rng, rng.randint(5, 7), chain=False, microbatches=rng.choice([1, 2]))

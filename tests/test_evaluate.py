@@ -33,10 +33,11 @@ def tri(**kw: object) -> PartitionProblem:
 def test_stage_times_training_count_transfers_twice_on_both_ends() -> None:
     ev = evaluate(tri(), [0, 0, 1], [0, 1])
     assert ev.stage_compute == pytest.approx([3.0, 6.0])
-    # a: 2 * (0.5 + 1) = 3, b: 2 * (0.5 + 2) = 5, both counted on sender and receiver
-    assert ev.stage_comm == pytest.approx([8.0, 8.0])
-    assert ev.stage_time == pytest.approx([11.0, 14.0])
-    assert ev.bottleneck == pytest.approx(14.0)
+    # a: 2 * (1.5 * 0.5 + 1) = 3.5, b: 2 * (1.5 * 0.5 + 2) = 5.5 (a latency forward, and
+    # backward one plus the mask message's), both counted on sender and receiver
+    assert ev.stage_comm == pytest.approx([9.0, 9.0])
+    assert ev.stage_time == pytest.approx([12.0, 15.0])
+    assert ev.bottleneck == pytest.approx(15.0)
     assert ev.objective == ev.bottleneck
     assert sorted((u, j, k) for u, j, k, _ in ev.transfers) == [(0, 0, 1), (1, 0, 1)]
 
@@ -57,12 +58,33 @@ def test_one_transfer_per_receiving_stage_not_per_consumer() -> None:
     )
     ev3 = evaluate(pb3, [0, 1, 2], [0, 1, 2])
     assert [(u, k) for u, _, k, _ in ev3.transfers] == [(0, 1), (0, 2)]
-    assert ev3.stage_comm[0] == pytest.approx(2 * 3.0)
+    assert ev3.stage_comm[0] == pytest.approx(2 * 3.5)
+
+
+def test_a_value_of_several_tensors_pays_a_latency_per_message() -> None:
+    """The torchrun runtime sends each tensor leaf of a value alone, and in training a
+    mask message after the gradient's leaves: a's output as 3 tensors is 3 messages each
+    way plus the mask, so its round trip pays 2 * 3 + 1 latencies, not 2 (nor 3)."""
+    pb = tri(messages=[3, 1, 1])
+    ev = evaluate(pb, [0, 0, 1], [0, 1])
+    # a: 2 * (3.5 * 0.5 + 1) = 5.5, b: 2 * (1.5 * 0.5 + 2) = 5.5
+    assert ev.stage_comm == pytest.approx([11.0, 11.0])
+    assert sorted(round(t, 9) for *_, t in ev.transfers) == [5.5, 5.5]
+    # inference: a latency per leaf, no mask: a 3 * 0.5 + 1 = 2.5, b 0.5 + 2 = 2.5
+    assert evaluate(tri(messages=[3, 1, 1], training=False), [0, 0, 1], [0, 1]).stage_comm == (
+        pytest.approx([5.0, 5.0])
+    )
+    # a value that stays on its stage sends nothing, however many leaves it has
+    assert evaluate(pb, [0, 1, 1], [0, 1]).stage_comm == pytest.approx([5.5, 5.5])
+    # the latency objective waits for the same messages: with 9 of them a arrives last,
+    # at 1 + 2 * (9.5 * 0.5 + 1) = 12.5 (b at 3 + 5.5), then c runs 6 s
+    late = dataclasses.replace(pb, objective="latency", messages=[9, 1, 1])
+    assert evaluate(late, [0, 0, 1], [0, 1]).makespan == pytest.approx(1 + 2 * (9.5 * 0.5 + 1) + 6)
 
 
 def test_overlap_takes_max_and_inference_counts_once() -> None:
     ev = evaluate(tri(overlap_comm=True), [0, 0, 1], [0, 1])
-    assert ev.stage_time == pytest.approx([8.0, 8.0])
+    assert ev.stage_time == pytest.approx([9.0, 9.0])
     inf = evaluate(tri(training=False), [0, 0, 1], [0, 1])
     assert inf.stage_comm == pytest.approx([4.0, 4.0])
     assert inf.stage_time == pytest.approx([7.0, 10.0])
@@ -81,7 +103,8 @@ def test_memory_depends_on_schedule() -> None:
 
 
 def test_makespan_waits_for_transfers_and_overlaps_branches() -> None:
-    assert evaluate(tri(objective="latency"), [0, 0, 1], [0, 1]).objective == pytest.approx(14.0)
+    # c starts when b arrives: 3 + 5.5 (a arrives at 1 + 3.5), and runs 6 s on d1
+    assert evaluate(tri(objective="latency"), [0, 0, 1], [0, 1]).objective == pytest.approx(14.5)
     par = tri(
         edges=[(0, 1), (0, 2)],
         compute=[[1.0, 1.0], [5.0, 5.0], [5.0, 5.0]],

@@ -1,7 +1,8 @@
 """Solvers against brute force on small random DAGs, plus the honesty contract.
 
 Hypothesis draws tiny problems (4-7 nodes, 2-3 heterogeneous devices, random
-links, caps that are sometimes infeasible) so brute force stays exact and fast;
+links, values of one or several messages, caps that are sometimes infeasible)
+so brute force stays exact and fast;
 CP-SAT must match its optimum, return valid plans priced by evaluate(), and
 never lose to a baseline.
 """
@@ -57,6 +58,10 @@ def problems(draw: st.DrawFn, max_nodes: int = 8) -> PartitionProblem:
     total = sum(res) + 2 * sum(act) + sum(out)
     caps = [int(total * rng.choice((0.15, 0.5, 0.7, 2.0))) for _ in range(d)]
     ties = [[i, i + 1] for i in range(n - 1) if rng.random() < 0.1][:1]
+    latency = [[rng.choice((0.0, 0.1)) for _ in range(d)] for _ in range(d)]
+    # tensor leaves per value (a tuple output is several messages): drawn last, so the
+    # problems drawn before messages were counted are the same otherwise
+    messages = [rng.choice((1, 1, 2, 5)) for _ in range(n)]
     return PartitionProblem(
         names=[f"v{i}" for i in range(n)],
         compute=[[b * s for s in speed] for b in base],
@@ -67,13 +72,14 @@ def problems(draw: st.DrawFn, max_nodes: int = 8) -> PartitionProblem:
         devices=[f"d{i}" for i in range(d)],
         mem_cap=caps,
         bandwidth=bw,
-        latency=[[rng.choice((0.0, 0.1)) for _ in range(d)] for _ in range(d)],
+        latency=latency,
         ties=ties,
         microbatches=draw(st.integers(1, 4)),
         schedule=draw(st.sampled_from(("1f1b", "gpipe"))),
         objective=draw(st.sampled_from(("throughput", "latency"))),
         training=draw(st.booleans()),
         overlap_comm=draw(st.booleans()),
+        messages=messages,
     )
 
 
@@ -125,11 +131,17 @@ def test_baselines_are_valid_and_chain_dp_beats_naive_splits(pb: PartitionProble
             assert res.best_bound <= res.objective
 
 
-def test_chain_dp_is_optimal_among_contiguous_splits_on_a_chain() -> None:
+@pytest.mark.parametrize("messages", [False, True])
+def test_chain_dp_is_optimal_among_contiguous_splits_on_a_chain(messages: bool) -> None:
     # a pure chain: every split is contiguous, so chain_dp must equal brute force
     rng = random.Random(3)
     edges = [(i, i + 1) for i in range(9)]
     pb = make_problem(edges, 10, 3, rng=rng)
+    if messages:  # values of several tensors on a link whose latency matters (~2 ms nodes)
+        lat = [[1e-3] * 3 for _ in range(3)]
+        pb = dataclasses.replace(
+            pb, latency=lat, messages=[rng.choice((1, 3, 8)) for _ in range(10)]
+        )
     dp = chain_dp(pb)
     assert dp is not None
     assert evaluate(pb, *dp).objective == pytest.approx(brute_force(pb).objective)
@@ -266,6 +278,8 @@ def _with_side_trees(rng: random.Random, core: int, trees: int) -> PartitionProb
         microbatches=rng.randint(1, 3),
         training=rng.random() < 0.5,
         overlap_comm=rng.random() < 0.2,
+        # tensor leaves per value, in the renumbered order the tree relaxation must keep
+        messages=[rng.choice((1, 1, 3)) for _ in range(n)],
     )
 
 
@@ -293,6 +307,8 @@ def test_bounds_never_exceed_brute_force(seed: int) -> None:
     relaxed = tree_relaxation(pb, fraction=1.0)  # any choice of trees is a valid relaxation
     assert relaxed is not None
     assert relaxed.problem.n < pb.n
+    # the kept nodes keep their own message counts (a latency per tensor of their value)
+    assert relaxed.problem.messages == [pb.messages[v] for v in relaxed.kept]
     floating = relaxed.floating
     assert comm_lower_bound(relaxed.problem, floating=floating) <= best * (1 + 1e-9)
     sub = brute_force(relaxed.problem)

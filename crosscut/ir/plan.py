@@ -97,8 +97,8 @@ class PlanNode:
     param_bytes: int = 0  # parameter (= gradient) bytes: what a batch-split group all-reduces
     shard: str = "full"  # in a channel split: "split" | "channel" | "full" (problem.SHARD_KINDS)
     channels: int = 0  # output channels a channel split divides (0: unknown)
-    # one tensor with the micro-batch as dim 0: a batch-split stage may hand it on
-    batch_major: bool = True
+    batch_major: bool = True  # one tensor, micro-batch as dim 0: a batch split may hand it on
+    messages: int = 1  # its tensor leaves: the messages it crosses a cut as, each way
     # samples (as a string) -> device kind -> per-sample slowdown of running only that many
     # samples of the micro-batch: what a batch-split group's share costs, beyond its
     # fraction of time_s (empty: priced linearly; cost_models/table.py, with_share_scales)

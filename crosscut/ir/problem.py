@@ -16,8 +16,17 @@ The model (``docs/ARCHITECTURE.md``, "The partition problem"):
   ``s(u) <= s(v)``; stage ``k`` runs on device ``stage_device[k]``.
 * a node ``u`` whose output is read in a later stage ``k`` is sent once to
   each such stage, directly (not relayed), costing
-  ``latency[a][b] + out_bytes[u] / bandwidth[a][b]`` between their devices;
-  in training its gradient flows back along the same pair.
+  ``latencies(u) * latency[a][b] + out_bytes[u] / bandwidth[a][b]`` between
+  their devices; in training its gradient flows back along the same pair.
+  ``latencies(u)`` counts messages, not values: the torchrun runtime sends
+  each tensor leaf of a value as its own message (``messages[u]`` of them) and
+  a gradient's leaves back the same way, plus one mask message (which leaves
+  had a gradient: ``runtime/dist/stage_io.send_grads``). A training round trip
+  is ``2 * messages[u] + 1`` messages; half the mask is priced on each
+  direction, so every price stays ``comm_multiplier * one way`` and the
+  simulator's forward and backward each carry half of it. (A value with no
+  gradient sends nothing back; it is priced as if it did, as before. The local
+  runtime sends no mask; its links' latencies are a few microseconds.)
 
 Cross-shaped (2-D) splits, opt-in (``partitioner/group_costs.py`` prices them): a
 stage may run on a :class:`StageGroup` of ``w`` devices, split by ``batch``
@@ -123,6 +132,9 @@ class PartitionProblem:
     # width w -> [node][device] seconds of one of w channel shards of a shared node (split /
     # channel), priced from the nodes' channel_scale; a width without one: compute × share
     channel_compute: dict[int, list[list[float]]] = field(default_factory=dict)
+    # [node] messages its value crosses a cut as, one per tensor leaf (a tuple's
+    # elements each alone: runtime/dist/stage_io.py); empty: one each
+    messages: list[int] = field(default_factory=list)
 
     @property
     def n(self) -> int:
@@ -148,3 +160,15 @@ class PartitionProblem:
 
     def grad_bytes(self, v: int) -> int:
         return self.param_bytes[v] if self.param_bytes else 0
+
+    def messages_of(self, v: int) -> int:
+        return self.messages[v] if self.messages else 1
+
+    def latencies(self, v: int) -> float:
+        """The link latencies a one-way transfer of ``v``'s value pays: one per message.
+
+        A leaf is a message each way; training's backward adds a mask message,
+        half of it priced here, so ``2 * latencies(v)`` is the round trip's
+        ``2 * messages + 1`` exactly (the module docstring).
+        """
+        return self.messages_of(v) + (0.5 if self.training else 0.0)

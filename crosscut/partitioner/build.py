@@ -29,6 +29,7 @@ __all__ = [
     "plan_nodes",
     "plan_to_problem",
     "problem_from_parts",
+    "value_messages",
 ]
 
 
@@ -72,6 +73,7 @@ def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[
                 shard=shard,
                 channels=channels,
                 batch_major=batch_major_value(n, graph.batch_size),
+                messages=value_messages(n),
                 batch_scale={} if n.is_io else costs.batch_scale(n.name),
                 channel_scale={} if n.is_io else costs.channel_share_scale(n.name),
             )
@@ -88,6 +90,20 @@ def batch_major_value(node: OpNode, batch: int) -> bool:
         and bool(shapes)
         and all(len(s) >= 1 and int(s[0]) == batch for s in shapes)
     )
+
+
+def value_messages(node: OpNode) -> int:
+    """The messages a node's value crosses a cut as, each way: one per tensor leaf.
+
+    ``OpNode.shapes`` holds one shape per tensor leaf of the traced value, the
+    same pytree flattening ``runtime/dist/p2p.build_routes`` posts a message
+    for (a tuple of three tensors is three messages; a list of tensors
+    passed between layers is one value per producing node, each its own
+    transfer). A value with no tensor (``x.size(0)``) sends no message at run
+    time but is priced as one: a conservative floor that keeps every transfer
+    at least one latency, as before messages were counted.
+    """
+    return max(1, len(node.shapes))
 
 
 def assigned_names(nodes: Sequence[PlanNode]) -> list[str]:
@@ -171,6 +187,7 @@ def problem_from_parts(
         channels=[by_name[n].channels for n in names],
         param_bytes=[by_name[n].param_bytes for n in names],
         batch_major=[by_name[n].batch_major for n in names],
+        messages=[by_name[n].messages for n in names],
         batch=batch,
         graph_inputs=[(by_name[p].out_bytes, cs) for p, cs in readers.items() if cs],
         graph_outputs=returned,

@@ -10,43 +10,39 @@ The model (``PartitionProblem``'s docstring, DESIGN.md "The partition problem"):
 * stage ``k`` runs on device ``stage_device[k]``; its compute is the sum of
   ``compute[v][stage_device[k]]`` over its nodes.
 * for every node ``u`` and every distinct later stage ``k != s(u)`` that holds a
-  consumer of ``u``, one transfer of ``out_bytes[u]`` costing
-  ``latency + out_bytes / bandwidth`` between the two devices; the time counts
-  on the sender stage and on the receiver stage. When ``training`` every
-  transfer is counted twice (activation forward, gradient backward).
+  consumer of ``u``, one transfer of ``out_bytes[u]`` costing ``latencies(u) *
+  latency + out_bytes / bandwidth`` between the two devices (a latency per
+  message: ``PartitionProblem.latencies``), counted on the sender and on the
+  receiver stage, twice when ``training`` (activation forward, gradient backward).
 * ``stage_time = compute + comm`` (or ``max(compute, comm)`` with
-  ``overlap_comm``); the throughput objective is the bottleneck
-  ``max_k stage_time``.
+  ``overlap_comm``); the throughput objective is the bottleneck ``max_k stage_time``.
 * memory of the device of stage ``k`` (in a pipeline a device holds one stage;
   co-located group stages, below, add up on the devices they share):
   ``resident + inflight(k) * (activation + received bytes)`` when training,
   where ``inflight = microbatches`` for GPipe and ``min(microbatches, S - k)``
-  for 1F1B (``S`` = number of stages). In inference no activation is kept for
-  backward, so the activation term is 0 and each received tensor needs one
-  buffer: ``resident + received bytes``. A recomputing stage (every stage with
-  ``problem.recompute``, or those ``stage_recompute`` names) keeps one
-  micro-batch of activations, the one it re-runs in backward:
+  for 1F1B (``S`` = number of stages). In inference (no activation kept, one
+  buffer per received tensor): ``resident + received bytes``. A recomputing
+  stage (every stage with ``problem.recompute``, or those ``stage_recompute``
+  names) keeps one micro-batch of activations, the one it re-runs in backward:
   ``resident + activation + inflight(k) * received bytes``; its extra forward
   is already in ``compute``. A schedule that splits each backward into ``B`` and
   ``W`` (``zb-h1``, ``zb-h2``) also keeps, for each micro-batch between its
   ``B`` and its ``W`` (:func:`~crosscut.ir.schedule.pending_weights`), the
   gradient of every parametered node's output, which ``W`` restarts from:
   ``pending(k) * Σ out_bytes`` over the stage's nodes with parameters.
-* the latency objective is the makespan of one micro-batch: nodes are
-  list-scheduled in index (topological) order, each device runs one node at a
-  time in that order, a node starts when its device is free and its inputs
-  have arrived (producer finish, plus the transfer time when the producer is
-  on another stage). Node times are ``compute[v][d]`` as given (forward+backward
-  when training) and transfers are doubled when training, exactly as in the
-  throughput model; it approximates a training step's latency with one DAG pass.
+* the latency objective is the makespan of one micro-batch: nodes list-scheduled
+  in index (topological) order, each device running one node at a time, a node
+  starting when its device is free and its inputs have arrived (producer finish,
+  plus the transfer time from another stage). Node times and transfers are those
+  of the throughput model (both directions when training): one DAG pass
+  approximates a training step's latency.
 * cross-shaped stages (``groups``: a stage on several devices, split by batch or
   by channel) follow the formulas in ``partitioner/group_costs.py``; when every
   stage is one device they reduce to the ones above, and the plain path is used.
   Consecutive stages may share one group of two or more devices (co-located
   stages, e.g. batch-split convolutions followed by a channel-split classifier
   on the same devices); a device then works for every stage it serves, so the
-  throughput bottleneck is the busiest *device*: ``max_d Σ stage_time`` over
-  the stages on ``d`` (the max stage time when no device is shared).
+  throughput bottleneck is the busiest *device*: ``max_d Σ stage_time`` of its stages.
 """
 
 from __future__ import annotations
@@ -78,6 +74,7 @@ __all__ = [
     "comm_multiplier",
     "consumers",
     "evaluate",
+    "link_time",
     "lower_bound",
     "relative_speeds",
     "renumber",
@@ -121,7 +118,13 @@ def comm_multiplier(problem: PartitionProblem) -> int:
 
 def transfer_time(problem: PartitionProblem, node: int, src: int, dst: int) -> float:
     """Seconds to move ``node``'s output from device ``src`` to ``dst`` once, one way."""
-    return problem.latency[src][dst] + problem.out_bytes[node] / problem.bandwidth[src][dst]
+    return link_time(problem, node, problem.latency[src][dst], problem.bandwidth[src][dst])
+
+
+def link_time(problem: PartitionProblem, node: int, latency: float, bandwidth: float) -> float:
+    """``node``'s output one way over a link: a latency per message, then its bytes (what
+    every solver's price or bound of a transfer reads, so they agree with evaluate)."""
+    return problem.latencies(node) * latency + problem.out_bytes[node] / bandwidth
 
 
 def single_groups(stage_device: Sequence[int]) -> list[StageGroup]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -52,17 +53,20 @@ def device_order(problem: PartitionProblem) -> list[int]:
     """Devices in the order stages should use them: the path with the cheapest links.
 
     Consecutive stages exchange most of the traffic, so the path minimises the
-    sum of one typical transfer (median output size) over consecutive pairs.
+    sum of one typical transfer (median output size, median latencies per
+    transfer) over consecutive pairs.
     Exact over subsets for up to 12 devices (a Held-Karp path), greedy above.
     Ties keep the natural order, so identical devices come out as 0, 1, 2, ...
     """
     num = problem.num_devices
     sizes = sorted(b for b in problem.out_bytes if b > 0) or [0]
     ref = sizes[len(sizes) // 2]
+    lats = sorted(problem.latencies(v) for v in range(problem.n)) or [1.0]
+    ref_lat = lats[len(lats) // 2]
 
     def link(a: int, b: int) -> int:
         # integer picoseconds: exact sums, so equal paths tie exactly and keep natural order
-        return round(1e12 * (problem.latency[a][b] + ref / problem.bandwidth[a][b]))
+        return round(1e12 * (ref_lat * problem.latency[a][b] + ref / problem.bandwidth[a][b]))
 
     if num <= 2:
         return list(range(num))
@@ -193,9 +197,13 @@ def time_balanced(problem: PartitionProblem, order: list[int] | None = None) -> 
 _CELL_S = 1.5e-7
 
 
-def _comm_matrices(problem: PartitionProblem) -> tuple[np.ndarray, ...]:
+def _comm_matrices(
+    problem: PartitionProblem, weights: Sequence[float] | None = None
+) -> tuple[np.ndarray, ...]:
     """For every chunk ``[a, b)``: count and bytes received from before ``a`` and sent past ``b``.
 
+    A transfer of node ``u`` counts ``weights[u]`` (default 1): with
+    ``PartitionProblem.latencies`` the counts are the latencies the link charges.
     The received part is exact. The sent part charges each node once if any
     consumer lies past ``b`` — exact unless a node feeds two or more later
     stages, where it is a lower bound (the DP then is a heuristic; evaluate()
@@ -213,9 +221,10 @@ def _comm_matrices(problem: PartitionProblem) -> tuple[np.ndarray, ...]:
         maxc = cons[-1]
         rows = np.arange(u + 1, maxc + 1)
         nxt = arr[np.searchsorted(arr, rows)]
-        np.add.at(rc, (rows, nxt + 1), 1.0)
+        count = 1.0 if weights is None else float(weights[u])
+        np.add.at(rc, (rows, nxt + 1), count)
         np.add.at(rb, (rows, nxt + 1), float(problem.out_bytes[u]))
-        for mat, val in ((sc, 1.0), (sb, float(problem.out_bytes[u]))):
+        for mat, val in ((sc, count), (sb, float(problem.out_bytes[u]))):
             mat[0, u + 1] += val
             mat[0, maxc + 1] -= val
             mat[u + 1, u + 1] -= val
@@ -282,7 +291,7 @@ def _chain_dp_plans(
     n = problem.n
     t0 = time.perf_counter()
     mult = comm_multiplier(problem)
-    rc, rb, sc, sb = _comm_matrices(problem)
+    rc, rb, sc, sb = _comm_matrices(problem, [problem.latencies(v) for v in range(problem.n)])
     step_s = (time.perf_counter() - t0) / 4  # a DP step costs about a quarter of these
     ok = allowed_cuts(problem)
     comp = np.asarray(problem.compute, dtype=float)

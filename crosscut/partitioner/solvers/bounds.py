@@ -33,10 +33,11 @@ its receiver stage, as evaluate() does):
   smallest such ``B`` over ``S = 1 .. min(devices, nodes)``.
 
 "Cheapest transfer" is the fastest link between two different devices
-(``min latency + bytes / bandwidth``), doubled when training. Memory caps are
-ignored (a relaxation), so the bound holds for every plan the pipeline solvers
-can return. With ``overlap_comm`` (stage time = ``max(compute, comm)``) or the
-latency objective the argument does not apply and the plain bound is returned.
+(``min latencies(u) * latency + bytes / bandwidth``: a latency per message),
+doubled when training. Memory caps are ignored (a relaxation), so the bound
+holds for every plan the pipeline solvers can return. With ``overlap_comm``
+(stage time = ``max(compute, comm)``) or the latency objective the argument
+does not apply and the plain bound is returned.
 
 **Side trees** (:func:`tree_relaxation`). Removing nodes from a problem can
 only lower its optimum: a plan restricted to the remaining nodes (empty stages
@@ -68,7 +69,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from crosscut.ir.problem import PartitionProblem
-from crosscut.partitioner.evaluate import comm_multiplier, consumers, lower_bound
+from crosscut.partitioner.evaluate import comm_multiplier, consumers, link_time, lower_bound
 
 __all__ = [
     "Relaxation",
@@ -206,10 +207,10 @@ def _cheapest_transfers(pb: PartitionProblem) -> list[float]:
     return [
         mult
         * min(
-            (pb.latency[a][b] + nbytes / pb.bandwidth[a][b] for a, b in links),
+            (link_time(pb, u, pb.latency[a][b], pb.bandwidth[a][b]) for a, b in links),
             default=math.inf,
         )
-        for nbytes in pb.out_bytes
+        for u in range(pb.n)
     ]
 
 
@@ -375,6 +376,7 @@ def tree_relaxation(problem: PartitionProblem, fraction: float = 0.05) -> Relaxa
         channels=[pb.channels[v] for v in kept] if pb.channels else [],
         param_bytes=[pb.param_bytes[v] for v in kept] if pb.param_bytes else [],
         batch_major=[pb.batch_major[v] for v in kept] if pb.batch_major else [],
+        messages=[pb.messages[v] for v in kept] if pb.messages else [],
     )
     roots = [v for v in range(pb.n) if side[v] and not side[cons[v][0]]]
     floating = sum(size[v] - charge[v] for v in roots) if not pb.overlap_comm else 0.0

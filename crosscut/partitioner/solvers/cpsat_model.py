@@ -39,7 +39,7 @@ from ortools.sat.python import cp_model
 
 from crosscut.ir.problem import PartitionProblem
 from crosscut.partitioner.deadline import Deadline
-from crosscut.partitioner.evaluate import comm_multiplier, consumers, transfer_time
+from crosscut.partitioner.evaluate import comm_multiplier, consumers, link_time, transfer_time
 from crosscut.partitioner.solvers.bounds import stage_windows
 from crosscut.partitioner.stage_memory import activation_factor, buffer_factor
 
@@ -139,7 +139,7 @@ class OrderModel:
         """Units to send ``u``'s output from stage ``j`` to stage ``k``."""
         pb = self.problem
         if self.classes:
-            sec = self.mult * (self.link[0] + pb.out_bytes[u] / self.link[1])
+            sec = self.mult * link_time(pb, u, *self.link)
         else:
             sec = self.mult * transfer_time(pb, u, self.order[j], self.order[k])
         return round(sec / self.unit)

@@ -203,10 +203,10 @@ class _Search:
         com = np.zeros((n + 1, n + 1))
         if link_in:
             src = order[d - 1]
-            com += tb.rc * pb.latency[src][lead] + tb.rb / pb.bandwidth[src][lead]
+            com += tb.rl * pb.latency[src][lead] + tb.rb / pb.bandwidth[src][lead]
         if link_out:
             dst = order[d + w]
-            com += tb.sc * pb.latency[lead][dst] + tb.sb / pb.bandwidth[lead][dst]
+            com += tb.sl * pb.latency[lead][dst] + tb.sb / pb.bandwidth[lead][dst]
         com = comm_multiplier(pb) * com + sh.coll
         t = np.maximum(sh.compute, com) if pb.overlap_comm else sh.compute + com
         af = activation_factor(pb, k, self.total)

@@ -76,11 +76,16 @@ class ChunkTables:
     sb: np.ndarray
     chan: tuple[np.ndarray, np.ndarray]  # channel split: (count, bytes) of collectives
     io: tuple[np.ndarray, np.ndarray]  # batch split: (count, bytes) of model inputs/outputs
+    # the latencies the link between stages charges for what ``rc``/``sc`` count: a value
+    # is one collective inside a group but a message per leaf (and mask) on that link
+    rl: np.ndarray
+    sl: np.ndarray
 
     @classmethod
     def build(cls, pb: PartitionProblem) -> ChunkTables:
         n, cons = pb.n, consumers(pb)
         rc, rb, sc, sb = _comm_matrices(pb)
+        rl, _, sl, _ = _comm_matrices(pb, [pb.latencies(u) for u in range(n)])
         sharded = [pb.shard_of(u) != "full" for u in range(n)]
         needs = [any(pb.shard_of(v) != "channel" for v in cons[u]) for u in range(n)]
         items: list[tuple[int, int, float]] = []
@@ -113,7 +118,7 @@ class ChunkTables:
             n, [(u, f, 1.0) for u, f, _ in out_b]
         )
         chan = (gather_c + recv_c + bcast_c, gather_b + recv_b + bcast_b)
-        return cls(pb, cons, rc, rb, sc, sb, chan, (io_c, io_b))
+        return cls(pb, cons, rc, rb, sc, sb, chan, (io_c, io_b), rl, sl)
 
 
 def _prefix(values: list[float]) -> np.ndarray:

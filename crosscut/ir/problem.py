@@ -136,6 +136,12 @@ class PartitionProblem:
     # [node] messages its value crosses a cut as, one per tensor leaf (a tuple's
     # elements each alone: runtime/dist/stage_io.py); empty: one each
     messages: list[int] = field(default_factory=list)
+    # node -> its autograd readers as (reader, node it reads: itself, or an op that hands
+    # its value through), in program order, for every value codegen/fanout.py may give one
+    # alias per reader (frontend/readers.py: a tensor, not written in place, 3+ readers);
+    # a cut that breaks eager's gradient order sends it once per remote reader
+    # (partitioner/fanout_cost.py). Empty: no such value
+    fanout: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def n(self) -> int:

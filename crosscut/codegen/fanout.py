@@ -32,7 +32,11 @@ itself), and stages split across a device group (whose rewrite knows its own
 ops) are left as they are, and so are values that are not tensors (a
 ``torch.Size``, a tuple of shapes: they carry no gradient, and ``view_as`` does
 not exist on them). The price: a remote reader's alias is its own transfer, so
-a stage with two readers of ``v`` receives ``v`` twice.
+a stage with two readers of ``v`` receives ``v`` twice. The half of the rule
+that needs no cut (which values, which readers) is ``frontend/readers.py``,
+the order test ``ir/problem.sums_like_eager``: the cost model reads both
+(``PartitionProblem.fanout``, ``partitioner/fanout_cost.py``) and prices
+that second transfer.
 
 A parameter or buffer (a ``get_attr`` node) read on several stages is the
 same case in another guise: the plan puts its node on one stage and prices an
@@ -53,106 +57,19 @@ from collections.abc import Collection
 from typing import Any
 
 import torch
-from torch import fx, nn
-from torch.utils._pytree import tree_flatten
+from torch import fx
 
 from crosscut.codegen.state_writes import state_writes
-from crosscut.frontend.alias import mutated_value, own_value
+from crosscut.frontend.alias import own_value
+from crosscut.frontend.readers import fanout_candidates
+from crosscut.ir.problem import sums_like_eager
 
 __all__ = ["separate_fanout", "share_state_reads"]
-
-_SKIP_OPS = ("placeholder", "get_attr", "output")
-
-
-def _sums_like_eager(home: int, reader_stages: list[int]) -> bool:
-    """Whether the pipeline already adds the readers' gradients in eager's order.
-
-    It does when the readers sit on the value's own stage and at most one
-    other, and that other stage's readers come last in program order: its
-    subtotal is eager's first partial sum, and the local readers follow in
-    eager's order.
-    """
-    remote = [i for i, s in enumerate(reader_stages) if s != home]
-    if not remote:
-        return True
-    if len({reader_stages[i] for i in remote}) > 1:
-        return False
-    return remote == list(range(len(reader_stages) - len(remote), len(reader_stages)))
-
-
-def _is_tensor_value(v: fx.Node) -> bool:
-    """Whether ``v`` makes a tensor, by the trace's record; a node without one counts as one.
-
-    Graphs made by a bare ``fx.symbolic_trace`` carry no values; there the alias
-    (``alias_of``) checks at run time instead.
-    """
-    for key in ("val", "example_value", "tensor_meta"):
-        if key in v.meta:
-            val = v.meta[key]
-            return isinstance(val, torch.Tensor) or type(val).__name__ == "TensorMetadata"
-    return True
 
 
 def alias_of(v: Any) -> Any:
     """``v.view_as(v)`` for a tensor (a new autograd node, no copy); anything else as it is."""
     return v.view_as(v) if isinstance(v, torch.Tensor) else v
-
-
-def _passes_through(gm: fx.GraphModule, u: fx.Node, p: fx.Node) -> bool:
-    """Whether ``u`` returns its input ``p`` itself: no autograd node, so not a reader.
-
-    By the trace's fake values (``nn.Identity``, ``contiguous()`` of a contiguous
-    tensor, dropout with ``p=0``: the op hands back the very object; nodes made
-    after the trace that copy get a value of their own, ``alias.own_value``),
-    or, on a graph without them, by ``nn.Identity``. In-place ops also return
-    their input; :func:`_autograd_readers` stops at them first.
-    """
-    if "val" in u.meta and "val" in p.meta:
-        return u.meta["val"] is p.meta["val"]
-    return u.op == "call_module" and isinstance(gm.get_submodule(str(u.target)), nn.Identity)
-
-
-def _holds_tensor(u: fx.Node) -> bool:
-    """Whether ``u``'s value holds a tensor (a node without a recorded value counts as one).
-
-    An op that makes only a ``torch.Size``, an int or a bool (``x.shape``,
-    ``x.size(0)``, ``x.dim()``) sends no gradient back: it is no reader for the
-    gradient's order, and needs no alias of its own.
-    """
-    if "val" not in u.meta:
-        return True
-    leaves, _ = tree_flatten(u.meta["val"])
-    return any(isinstance(t, torch.Tensor) for t in leaves)
-
-
-def _autograd_readers(
-    gm: fx.GraphModule, v: fx.Node, writes: Collection[fx.Node], written: Collection[fx.Node]
-) -> list[tuple[fx.Node, fx.Node]] | None:
-    """``(reader, node it reads)`` for each op whose backward adds into ``v``'s gradient.
-
-    Ops that return ``v`` itself are looked through: eager's gradient for ``v``
-    comes from THEIR readers, at those readers' places in program order (dla's
-    ``nn.Identity`` downsample read after a sibling convolution). ``None`` when
-    ``v`` is written in place on the way: a reader that writes (``writes``: an
-    in-place op also returns its input itself, but a reader rewired past it
-    would read ``v`` around the write), whose result is written (``written``),
-    or that orders a read after a write (``mutated_value``): such values are
-    left alone.
-    """
-    out: list[tuple[fx.Node, fx.Node]] = []
-    todo = [v]
-    while todo:
-        p = todo.pop()
-        for u in p.users:
-            if u.op == "output":
-                continue
-            if u in writes or u in written or u.target is mutated_value:
-                return None
-            if _passes_through(gm, u, p):
-                todo.append(u)
-            elif _holds_tensor(u):
-                out.append((u, p))
-    return out
 
 
 def _alias_readers(
@@ -232,20 +149,13 @@ def separate_fanout(
     whose reader's result they modify (a view written through), is left
     alone. ``grouped`` are stages split over a device group.
     """
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    mutated = {n.args[0] for n in mutators if n.args and isinstance(n.args[0], fx.Node)}
     added: dict[str, str] = {}
-    for v in list(gm.graph.nodes):
+    for v, reads in fanout_candidates(gm, mutators):  # the cut-free half of the rule
         home = stage_of.get(v.name)
-        if v.op in _SKIP_OPS or home is None or v in mutated or not _is_tensor_value(v):
-            continue  # model inputs: every stage reads its own copy already
-        found = _autograd_readers(gm, v, mutators, mutated)
-        if found is None or len(found) < 3:
-            continue  # written in place on the way, or two gradients: either order is eager's
-        reads = sorted(found, key=lambda r: order[r[0]])
-        readers = [u for u, _ in reads]
-        stages = {home, *(stage_of[u.name] for u in readers)}
-        if _sums_like_eager(home, [stage_of[u.name] for u in readers]) or stages & set(grouped):
+        if home is None:
+            continue
+        readers = [stage_of[u.name] for u, _ in reads]
+        if sums_like_eager(home, readers) or {home, *readers} & set(grouped):
             continue
         added |= _alias_readers(gm, v, reads, home, stage_of)
     if added:

@@ -99,12 +99,12 @@ class PlanNode:
     channels: int = 0  # output channels a channel split divides (0: unknown)
     batch_major: bool = True  # one tensor, micro-batch as dim 0: a batch split may hand it on
     messages: int = 1  # its tensor leaves: the messages it crosses a cut as, each way
+    # [reader, node it reads] per reader, if codegen/fanout.py may alias each (program order)
+    fanout: list[list[str]] = field(default_factory=list)
     # samples (as a string) -> device kind -> per-sample slowdown of running only that many
-    # samples of the micro-batch: what a batch-split group's share costs, beyond its
-    # fraction of time_s (empty: priced linearly; cost_models/table.py, with_share_scales)
+    # samples of the micro-batch: a batch-split share's cost beyond its fraction of time_s
     batch_scale: dict[str, dict[str, float]] = field(default_factory=dict)
-    # channel-split width (as a string) -> device kind -> how much more than 1/w of time_s
-    # one of w channel shards takes (launch overhead, lower occupancy; analytic.channel_scales)
+    # channel width (str) -> kind -> a shard's excess over 1/w of time_s (analytic.py)
     channel_scale: dict[str, dict[str, float]] = field(default_factory=dict)
     # kind -> [B, W]: a split backward's passes as fractions of bwd_s, where profiled
     # (may sum past 1); absent: priced by rule (partitioner/simulate.py, backward_split)

@@ -51,6 +51,7 @@ __all__ = [
     "SPLITS",
     "PartitionProblem",
     "StageGroup",
+    "sums_like_eager",
 ]
 
 OBJECTIVES = ("throughput", "latency")
@@ -135,6 +136,12 @@ class PartitionProblem:
     # [node] messages its value crosses a cut as, one per tensor leaf (a tuple's
     # elements each alone: runtime/dist/stage_io.py); empty: one each
     messages: list[int] = field(default_factory=list)
+    # node -> its autograd readers as (reader, node it reads: itself, or an op that hands
+    # its value through), in program order, for every value codegen/fanout.py may give one
+    # alias per reader (frontend/readers.py: a tensor, not written in place, 3+ readers);
+    # a cut that breaks eager's gradient order sends it once per remote reader
+    # (partitioner/fanout_cost.py). Empty: no such value
+    fanout: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -172,3 +179,22 @@ class PartitionProblem:
         ``2 * messages + 1`` exactly (the module docstring).
         """
         return self.messages_of(v) + (0.5 if self.training else 0.0)
+
+
+def sums_like_eager(home: int, reader_stages: list[int]) -> bool:
+    """Whether a pipeline already adds a value's readers' gradients in eager's order.
+
+    ``reader_stages``: the stage of each autograd reader, in program order;
+    ``home``: the value's own stage. It does when the readers sit on the
+    value's own stage and at most one other, and that other stage's readers
+    come last in program order: its subtotal is eager's first partial sum, and
+    the local readers follow in eager's order. Otherwise codegen/fanout.py gives
+    every reader its own alias, and the cost model prices one transfer per
+    remote reader; both read this one function.
+    """
+    remote = [i for i, s in enumerate(reader_stages) if s != home]
+    if not remote:
+        return True
+    if len({reader_stages[i] for i in remote}) > 1:
+        return False
+    return remote == list(range(len(reader_stages) - len(remote), len(reader_stages)))

@@ -49,6 +49,11 @@ class CostLookup(Protocol):
 def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[PlanNode]:
     """One PlanNode per graph node, with its time on every device kind in ``kinds``."""
     training = graph.mode == "train"
+    reads: dict[str, list[tuple[str, str]]] = {}
+    if graph.gm is not None:  # traced: torch is loaded already; plan readers never load it
+        from crosscut.frontend.readers import fanout_reads
+
+        reads = fanout_reads(graph.gm)
     out: list[PlanNode] = []
     for n in graph.nodes:
         fwd = {k: 0.0 if n.is_io else costs.fwd_s(n.name, k) for k in sorted(set(kinds))}
@@ -74,6 +79,7 @@ def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[
                 channels=channels,
                 batch_major=batch_major_value(n, graph.batch_size),
                 messages=value_messages(n),
+                fanout=[[r, p] for r, p in reads.get(n.name, [])],
                 batch_scale={} if n.is_io else costs.batch_scale(n.name),
                 channel_scale={} if n.is_io else costs.channel_share_scale(n.name),
             )
@@ -188,12 +194,26 @@ def problem_from_parts(
         param_bytes=[by_name[n].param_bytes for n in names],
         batch_major=[by_name[n].batch_major for n in names],
         messages=[by_name[n].messages for n in names],
+        fanout=_fanout([by_name[n] for n in names], index),
         batch=batch,
         graph_inputs=[(by_name[p].out_bytes, cs) for p, cs in readers.items() if cs],
         graph_outputs=returned,
         share_compute=_share_compute([by_name[n] for n in names], kinds, compute, options, batch),
         channel_compute=_channel_compute([by_name[n] for n in names], kinds, compute, options),
     )
+
+
+def _fanout(nodes: Sequence[PlanNode], index: dict[str, int]) -> dict[int, list[tuple[int, int]]]:
+    """``PartitionProblem.fanout`` from the nodes' ``fanout`` records, by problem index.
+
+    A record naming a node the problem does not place is dropped whole: its
+    value is then priced once per stage, as before fan-out was priced.
+    """
+    out: dict[int, list[tuple[int, int]]] = {}
+    for v, node in enumerate(nodes):
+        if node.fanout and all(r in index and p in index for r, p in node.fanout):
+            out[v] = [(index[r], index[p]) for r, p in node.fanout]
+    return out
 
 
 def _share_compute(

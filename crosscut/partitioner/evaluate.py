@@ -13,7 +13,8 @@ The model (``PartitionProblem``'s docstring, DESIGN.md "The partition problem"):
   consumer of ``u``, one transfer of ``out_bytes[u]`` costing ``latencies(u) *
   latency + out_bytes / bandwidth`` between the two devices (a latency per
   message: ``PartitionProblem.latencies``), counted on the sender and on the
-  receiver stage, twice when ``training`` (activation forward, gradient backward).
+  receiver stage, twice when ``training`` (activation forward, gradient backward);
+  one per remote reader where codegen gives each reader an alias (fanout_cost.py).
 * ``stage_time = compute + comm`` (or ``max(compute, comm)`` with
   ``overlap_comm``); the throughput objective is the bottleneck ``max_k stage_time``.
 * memory of the device of stage ``k`` (in a pipeline a device holds one stage;
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 
 from crosscut.ir.problem import PartitionProblem, StageGroup
 from crosscut.ir.schedule import placement, virtual_stages, workers
+from crosscut.partitioner.fanout_cost import cut_transfers
 from crosscut.partitioner.group_costs import (
     batch_split_exports,
     collective_time,
@@ -166,14 +168,12 @@ def evaluate(
         res[k] += problem.resident[v]
         held[k] += weight_grad_bytes(problem, v)
     transfers: list[tuple[int, int, int, float]] = []
-    for u, cons in enumerate(consumers(problem)):
-        j = stage_of[u]
-        for k in sorted({stage_of[v] for v in cons} - {j}):
-            t = mult * transfer_time(problem, u, stage_device[j], stage_device[k])
-            comm[j] += t
-            comm[k] += t
-            recv[k] += problem.out_bytes[u]
-            transfers.append((u, j, k, t))
+    for u, j, k in cut_transfers(problem, stage_of, consumers(problem)):  # fan-out's aliases too
+        t = mult * transfer_time(problem, u, stage_device[j], stage_device[k])
+        comm[j] += t
+        comm[k] += t
+        recv[k] += problem.out_bytes[u]
+        transfers.append((u, j, k, t))
     memory = [0] * problem.num_devices
     for k, d in enumerate(stage_device):
         memory[d] += (

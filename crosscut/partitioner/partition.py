@@ -79,9 +79,13 @@ def _coarse_nodes(
     coarse: OpGraph, members: dict[str, list[str]], fine: dict[str, PlanNode]
 ) -> list[PlanNode]:
     """PlanNodes of the coarse graph: members' times and memory summed."""
+    owner = {m: c for c, ms in members.items() for m in ms}
     out: list[PlanNode] = []
     for cn in coarse.nodes:
         group = [fine[m] for m in members.get(cn.name, [cn.name])]
+        # a chain's fanned-out member hands its value to the chain's end (nn.Identity);
+        # the first one's readers are all of them (coarsen keeps branches apart)
+        fan = next((g.fanout for g in group if g.fanout), [])
         kinds = group[0].time_s.keys()
         out.append(
             PlanNode(
@@ -99,6 +103,7 @@ def _coarse_nodes(
                 # conservative: a member's value may be what leaves the coarse node
                 batch_major=all(g.batch_major for g in group),
                 messages=group[-1].messages,  # what leaves it: its last member's value
+                fanout=[[owner.get(r, r), owner.get(p, p)] for r, p in fan],
             )
         )
     return out

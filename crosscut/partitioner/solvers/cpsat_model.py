@@ -5,7 +5,10 @@ injective stage→device map is the prefix of some order (the driver in
 ``cpsat.py`` enumerates orders where devices differ). The model is written
 data → variables → constraints → objective; each constraint carries the
 equation it implements. Times are integers in units of ``unit`` seconds;
-evaluate() re-prices the answer in float seconds.
+evaluate() re-prices the answer in float seconds. One transfer per (value,
+stage): the extra ones codegen's fan-out aliases make where readers are cut out
+of eager's gradient order (``partitioner/fanout_cost.py``) are not modelled, so
+the model's objective is a lower bound on evaluate's there (equal elsewhere).
 
 Variables (throughput and latency):
 

@@ -24,6 +24,16 @@ from crosscut.partitioner.solvers.cross import cross_dp, data_parallel
 GB = 1 << 30
 
 
+def _checked_dp(pb: PartitionProblem) -> tuple[list[int], list[StageGroup], list[int]]:
+    """The group DP's plan for ``pb`` (stages, groups, leaders), checked well formed."""
+    found = cross_dp(pb)
+    assert found is not None
+    stage_of, groups = found
+    leaders = [g.leader for g in groups]
+    assert not check(pb, stage_of, leaders, groups)
+    return stage_of, list(groups), leaders
+
+
 def make(
     rng: random.Random,
     n: int,
@@ -242,11 +252,7 @@ def test_group_dp_prices_a_latency_per_message_as_evaluate_does(seed: int) -> No
         messages=[rng.choice((1, 4, 12)) for _ in range(pb.n)],
     )
     brute = brute_force_groups(pb)
-    found = cross_dp(pb)
-    assert found is not None
-    stage_of, groups = found
-    leaders = [g.leader for g in groups]
-    assert not check(pb, stage_of, leaders, groups)
+    stage_of, groups, leaders = _checked_dp(pb)
     assert evaluate(pb, stage_of, leaders, groups).objective == pytest.approx(
         brute.objective, rel=1e-9
     )
@@ -425,11 +431,7 @@ def test_batch_split_stages_never_hand_on_values_that_are_not_batch_major(seed: 
         batch_major=[rng.random() < 0.6 for _ in range(pb.n)],
     )
     brute = brute_force_groups(pb)
-    found = cross_dp(pb)
-    assert found is not None
-    stage_of, groups = found
-    leaders = [g.leader for g in groups]
-    assert not check(pb, stage_of, leaders, groups)
+    stage_of, groups, leaders = _checked_dp(pb)
     for k, g in enumerate(groups):
         if g.split == "batch":
             assert batch_split_exports(pb, stage_of, k) == []

@@ -11,8 +11,11 @@ and the per-node record (``PlanNode.fanout``) to the plan file.
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections import Counter
 
+import pytest
 import torch
 import torchvision
 from torch import nn
@@ -62,12 +65,14 @@ def _problem(graph: OpGraph) -> PartitionProblem:
     )
 
 
-def _priced(problem: PartitionProblem, stage_of: dict[str, int], stages: int) -> Counter:
+def _priced(
+    problem: PartitionProblem, stage_of: dict[str, int], stages: int
+) -> Counter[tuple[str, int]]:
     ev = evaluate(problem, [stage_of[n] for n in problem.names], list(range(stages)))
     return Counter((problem.names[u], k) for u, _, k, _ in ev.transfers)
 
 
-def _sent(graph: OpGraph, stage_of: dict[str, int], stages: int) -> Counter:
+def _sent(graph: OpGraph, stage_of: dict[str, int], stages: int) -> Counter[tuple[str, int]]:
     """(value, destination stage) per edge codegen makes, an alias counted as its value."""
     program = build_stages(graph.gm, stage_of, ["cpu"] * stages)
     return Counter(
@@ -179,3 +184,60 @@ def test_densenet_recuts_are_priced_as_the_edges_codegen_makes() -> None:
         assert priced == sent, schedule
         aliased = max(aliased, max(priced.values()))
     assert aliased > 1  # some value does cross to one stage more than once
+
+
+def _random_cut(
+    problem: PartitionProblem, stages: int, rng: random.Random
+) -> tuple[dict[str, int], int]:
+    """A stage per node, never before its inputs' stages, and how many stages it uses
+    (renumbered in order: codegen refuses an empty stage). The stages follow program
+    order, but a node runs a stage ahead at random, so parallel branches land on
+    different stages and one value's readers are spread out of program order too."""
+    inputs: dict[int, list[int]] = {}
+    for u, v in problem.edges:
+        inputs.setdefault(v, []).append(u)
+    stage: list[int] = []
+    for v in range(problem.n):
+        lo = max((stage[u] for u in inputs.get(v, [])), default=0)
+        ahead = int(rng.random() < 0.1)  # a branch a stage ahead of program order
+        stage.append(min(stages - 1, max(lo, stages * v // problem.n + ahead)))
+    used = {k: i for i, k in enumerate(sorted(set(stage)))}
+    return {n: used[k] for n, k in zip(problem.names, stage, strict=True)}, len(used)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    [
+        "googlenet",
+        "inception_v3",
+        "densenet121",
+        "squeezenet1_0",
+        "efficientnet_b0",
+        "regnet_y_400mf",
+        "shufflenet_v2_x0_5",
+    ],
+)
+def test_random_cuts_of_a_family_are_priced_as_the_edges_codegen_makes(name: str) -> None:
+    """Over whole families and cuts nobody chose (any stage at or after the inputs'), the
+    transfers ``evaluate`` prices are the edges the staged program makes, alias by alias."""
+    inception = name in ("googlenet", "inception_v3")
+    kw = {"aux_logits": False, "init_weights": False} if inception else {}
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(name, weights=None, num_classes=10, **kw)
+    size = 96 if name == "inception_v3" else 64  # its stem needs 75 px or more
+    graph = trace(model, torch.randn(2, 3, size, size))
+    problem = problem_from_parts(
+        plan_nodes(graph, _Flat(), ["cpu"]), _cluster(6), PlanOptions(), training=True
+    )
+    rng = random.Random(name)
+    once_per_stage = dataclasses.replace(problem, fanout={})
+    differs = 0
+    for _ in range(4):  # six stages: densenet's third block spans three of them
+        stage_of, stages = _random_cut(problem, 6, rng)
+        assert stages > 1
+        priced = _priced(problem, stage_of, stages)
+        assert priced == _sent(graph, stage_of, stages)
+        differs += priced != _priced(once_per_stage, stage_of, stages)
+    if name in ("googlenet", "inception_v3", "densenet121"):  # 3+ readers, several stages
+        assert differs, "no cut drawn where a value crosses once per reader"

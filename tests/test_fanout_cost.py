@@ -241,3 +241,26 @@ def test_random_cuts_of_a_family_are_priced_as_the_edges_codegen_makes(name: str
         differs += priced != _priced(once_per_stage, stage_of, stages)
     if name in ("googlenet", "inception_v3", "densenet121"):  # 3+ readers, several stages
         assert differs, "no cut drawn where a value crosses once per reader"
+
+
+def test_a_proof_for_the_solvers_model_is_not_called_optimal_once_aliases_add_time() -> None:
+    """CP-SAT prices a fanned-out value once per stage, a lower bound on what codegen
+    sends. A plan it proved optimal for that model, whose aliases then cost more, is
+    reported FEASIBLE with a note saying why: "OPTIMAL" must hold for the plan as priced.
+    Without fan-out (or when the aliases add nothing) the verdict is unchanged."""
+    from crosscut.partitioner.solvers.cpsat import _Coverage, _verdict
+    from crosscut.partitioner.solvers.cpsat_search import Incumbent
+
+    problem = _problem(trace(Three(), torch.randn(2, 3, 4, 4)))
+    assert problem.fanout
+    plan = ([0] * problem.n, [0])
+
+    def verdict(pb: PartitionProblem, objective: float, notes: list[str]) -> str:
+        cov = _Coverage(orders=[], exhaustive=True, static_lb=0.5, global_bound=1.0)
+        return _verdict(pb, Incumbent(plan, objective, True), cov, notes, 10.0)[1]
+
+    notes: list[str] = []
+    assert verdict(problem, 1.0, notes) == "OPTIMAL" and not notes
+    assert verdict(problem, 1.3, notes) == "FEASIBLE"
+    assert any("fanned-out" in n and "0.3 s" in n for n in notes), notes
+    assert verdict(dataclasses.replace(problem, fanout={}), 1.3, []) == "OPTIMAL"

@@ -31,6 +31,7 @@ from crosscut.cost_models.efficiency import (
     GENERATIONS,
     GROUP_OUT_HALF,
     GROUPED_TF32,
+    HOST_DISPATCH_S,
     TENSOR_MIN_CHANNELS,
     WINOGRAD,
     Efficiency,
@@ -39,6 +40,7 @@ from crosscut.cost_models.efficiency import (
     math_mode,
     sm_count,
 )
+from crosscut.cost_models.host_flow import flow_charges, launches
 from crosscut.cost_models.memory import _VIEW, _key, activation_bytes, is_alias, resident_bytes
 from crosscut.cost_models.op_terms import (
     bn_channel_occupancy,
@@ -56,6 +58,7 @@ __all__ = [
     "analytic_costs",
     "bn_kernels",
     "channel_scales",
+    "host_dispatch_s",
     "narrow_input",
     "nchw_transposes",
     "node_times",
@@ -292,6 +295,38 @@ def node_times(
     return fwd, (BWD_BYTES_FACTOR * moved + cast) / bw + kernels * launch
 
 
+def host_dispatch_s(spec: DeviceSpec) -> float:
+    """Host seconds to issue one kernel on ``spec`` (0 on a CPU, whose dispatch is its
+    ``launch_overhead_s``): :data:`~crosscut.cost_models.efficiency.HOST_DISPATCH_S`."""
+    return HOST_DISPATCH_S["cpu" if spec.device.startswith("cpu") else "gpu"]
+
+
+def _charge_host(
+    graph: OpGraph, nodes: dict[str, NodeCost], kind: str, dispatch: float, readers: dict[str, int]
+) -> None:
+    """Re-charge ``kind``'s node times as the host/GPU flow shop finishes them
+    (:mod:`~crosscut.cost_models.host_flow`): forward in program order, then backward
+    in reverse; a no-op where the host issues for free."""
+    if dispatch <= 0:
+        return
+    count = {n.name: launches(graph, n, readers.get(n.name, 0)) for n in graph.nodes}
+    order = [
+        (n.name, nodes[n.name].fwd[kind], count[n.name][0] * dispatch, count[n.name][0])
+        for n in graph.nodes
+    ]
+    if graph.mode == "train":
+        order += [
+            (n.name, nodes[n.name].bwd[kind], count[n.name][1] * dispatch, count[n.name][1])
+            for n in reversed(graph.nodes)
+        ]
+    charges = flow_charges(order)
+    for (name, *_), charge, i in zip(order, charges, range(len(order))):
+        if i < len(graph.nodes):
+            nodes[name].fwd[kind] = charge
+        else:
+            nodes[name].bwd[kind] = charge
+
+
 def _modes(graph: OpGraph, spec: DeviceSpec, flags: MathFlags) -> list[str]:
     """The math modes ``graph``'s matmuls run in on ``spec``, and the layout cost if any."""
     per_node = [(n, node_mode(n, spec, flags)) for n in graph.nodes if n.fwd_flops > 0]
@@ -320,10 +355,12 @@ def rates_summary(graph: OpGraph, spec: DeviceSpec, flags: MathFlags | None = No
     flags = flags or MathFlags.from_torch()
     eff = efficiency_of(spec.kind, spec.device)
     modes = _modes(graph, spec, flags)
+    host = host_dispatch_s(spec)
+    issue = f"; host {host * 1e6:.0f} µs a kernel issued" if host > 0 else ""
     return (
         f"{spec.kind}: {', '.join(modes) or 'no matmuls'}; efficiency '{eff.generation}' "
         f"(fma {eff.fma:.2f}, tensor {eff.tensor:.2f}, memory {eff.memory:.2f} of "
-        f"{spec.mem_bw / 1e9:.0f} GB/s) from {eff.source}"
+        f"{spec.mem_bw / 1e9:.0f} GB/s) from {eff.source}{issue}"
     )
 
 
@@ -409,7 +446,7 @@ def analytic_costs(
     for d in cluster.devices:
         specs.setdefault(d.kind, d)
     acts = activation_bytes(graph)
-    readers = consumers(graph) if graph.mode == "train" else {}
+    readers = consumers(graph)
     nodes: dict[str, NodeCost] = {}
     for n in graph.nodes:
         cost = NodeCost(resident=0 if n.is_io else resident_bytes(n, graph.mode, optimizer))
@@ -417,8 +454,11 @@ def analytic_costs(
         for kind, spec in specs.items():
             fwd, bwd = node_times(graph, n, spec, flags)
             cost.fwd[kind] = fwd
-            cost.bwd[kind] = bwd + fan_out_seconds(n, readers.get(n.name, 0), spec)
+            fan_out = fan_out_seconds(n, readers.get(n.name, 0), spec)
+            cost.bwd[kind] = bwd + (fan_out if graph.mode == "train" else 0.0)
         nodes[n.name] = cost
+    for kind, spec in specs.items():
+        _charge_host(graph, nodes, kind, host_dispatch_s(spec), readers)
     meta = {
         "fingerprint": graph.fingerprint(),
         "batch_size": graph.batch_size,

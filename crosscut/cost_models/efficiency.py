@@ -43,6 +43,7 @@ __all__ = [
     "GENERATIONS",
     "GROUPED_TF32",
     "GROUP_OUT_HALF",
+    "HOST_DISPATCH_S",
     "STEP_OVERHEAD_S",
     "TENSOR_MIN_CHANNELS",
     "WINOGRAD",
@@ -171,6 +172,18 @@ TILE_OUTPUTS = 4096  # outputs per SM for half occupancy: one 64x64 tile
 # the optimizer's and the loss scaler's dispatch, the loss read-back and the data
 # loader hand-off; ~1 ms per step in PyTorch eager on a GPU (assumed, not fitted).
 STEP_OVERHEAD_S = {"gpu": 1e-3, "cpu": 0.0}
+
+# The host's seconds to issue one kernel in eager PyTorch on a GPU: the Python call, the
+# dispatcher, autograd's bookkeeping and the launch itself (``host_flow``: a node costs
+# its kernels' time unless the host falls behind them). Measured on the lent H200's host
+# (benchmarks/gpu_kernels.py, docs/BENCHMARKS.md): the step at batch 8, where the GPU
+# keeps up, over the kernels the profiler counted, 25-44 µs in 28 steps of 23 models
+# (an upper bound: it includes the GPU's own time and a sync). Set to 28 µs, where the
+# first call's 16 steps (15 models) are priced at 0.63-1.13 of measured (median 1.0); the second
+# call's eight new models were held out (0.73-1.08). One constant of the host class,
+# not of the GPU: a faster host issues faster. On a CPU the host *is* the device, and
+# its dispatch is the spec's ``launch_overhead_s``.
+HOST_DISPATCH_S = {"gpu": 28e-6, "cpu": 0.0}
 
 # The stage engine's host work per schedule action (one F, B or W of one stage and
 # micro-batch) beyond its nodes' kernels: choosing the action, waiting for and

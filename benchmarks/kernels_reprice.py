@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import calibration as calib
-from gpu_kernels import CLASSES, node_class
+from gpu_kernels import CLASSES, _build, node_class
 
 from crosscut.cost_models.analytic import MathFlags, node_times
 from crosscut.cost_models.cluster import Cluster
@@ -28,7 +28,7 @@ __all__ = ["priced_classes", "report"]
 
 def priced_classes(row: dict[str, Any], kind: str, size: int = 224) -> dict[str, Any]:
     """The analytic seconds per op class of ``row``'s step, kernels only (no launches)."""
-    model = calib.build_model(row["model"])
+    model = _build(row["model"])
     x = torch.empty(row["batch"], 3, size, size, device="meta")
     if row["layout"] == "nhwc":
         model = model.to(memory_format=torch.channels_last)

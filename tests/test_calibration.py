@@ -200,7 +200,12 @@ def test_lambda_one_gpu_resnet50_point(point: object) -> None:
     assert abs(got / point.images_per_s - 1) <= TOL, got  # type: ignore[attr-defined]
 
 
-_MEASURED_OUT = {
+_MEASURED_OUT: dict[tuple[str, ...], str] = {
+    ("H200", "resnext101_32x4d", "fp16", "nhwc"): "priced 0.85 since the host is priced "
+    "(28 µs a kernel, this session's H200 host): its 45.8 ms step is barely more than its "
+    "1,540 kernels' issue time at that rate, so that call's host issued faster, or the "
+    "kernels ran quicker than priced; no kernel profile of it separates the two (the "
+    "H100's row is at 0.88, ResNeXt-50's measured step on this host at 0.97)",
     ("resnet50", "fp32", "nhwc"): "channels-last fp32 runs 1.26x faster than priced: cuDNN's "
     "NHWC TF32 convolutions (43.7 ms against 63.0 ms NCHW, per-node profiles summed) and "
     "persistent batch norm (33.1 against 49.3 ms); every fitted fp32 point ran NCHW",
@@ -216,7 +221,8 @@ _MEASURED_OUT = {
         pytest.param(
             p,
             marks=[pytest.mark.xfail(strict=True, reason=_MEASURED_OUT[key])]
-            if (key := (p.model, p.precision, p.layout)) in _MEASURED_OUT
+            if (key := (p.kind, p.model, p.precision, p.layout)) in _MEASURED_OUT
+            or (key := (p.model, p.precision, p.layout)) in _MEASURED_OUT
             else [],
             id=f"{p.kind}-{p.model}-{p.precision}-{p.layout}-{p.batch}"
             + ("" if p.tf32 else "-notf32"),
@@ -240,7 +246,7 @@ def test_batch_norm_is_priced_by_the_kernels_pytorch_runs_it_with() -> None:
     (whose fitted points ran NCHW), inference and a CPU keep theirs."""
     from crosscut.cost_models.analytic import BN_16BIT_KERNELS, MathFlags, bn_kernels, node_times
     from crosscut.cost_models.devices import preset
-    from crosscut.cost_models.op_terms import bn_channel_occupancy
+    from crosscut.cost_models.op_terms import bn_channel_occupancy, bn_nhwc_occupancy
 
     def bn_time(precision: str, last: bool, kind: str, mode: str = "train") -> float:
         net = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64))
@@ -256,6 +262,9 @@ def test_batch_norm_is_priced_by_the_kernels_pytorch_runs_it_with() -> None:
         gpu_train = kind != "cpu" and mode == "train"
         kernels = BN_16BIT_KERNELS.get((bn.dtype, last), 1.0) if gpu_train else 1.0
         occupancy = bn_channel_occupancy(bn, spec) if gpu_train and not last else 1.0
+        if gpu_train and last and precision != "fp32":  # 64 channels: short 16-bit rows
+            occupancy = bn_nhwc_occupancy(bn)
+            assert 1.05 < occupancy < 1.1
         assert bn_kernels(g, bn, spec) == pytest.approx(kernels * occupancy)
         return sum(node_times(g, bn, spec, MathFlags()))
 

@@ -30,6 +30,7 @@ from crosscut.cost_models.devices import PRESETS, DeviceSpec
 from crosscut.cost_models.efficiency import (
     GENERATIONS,
     GROUP_OUT_HALF,
+    GROUP_OUT_HALF_TENSOR,
     GROUPED_TF32,
     HOST_DISPATCH_S,
     TENSOR_MIN_CHANNELS,
@@ -44,6 +45,7 @@ from crosscut.cost_models.host_flow import flow_charges, launches
 from crosscut.cost_models.memory import _VIEW, _key, activation_bytes, is_alias, resident_bytes
 from crosscut.cost_models.op_terms import (
     bn_channel_occupancy,
+    bn_nhwc_occupancy,
     consumers,
     fan_out_seconds,
     max_pool_bytes,
@@ -189,10 +191,19 @@ def _compute_rate(
         if mode.unit == "fma" and winograd(node):
             frac *= WINOGRAD  # FLOPs counted as direct convolution, run with fewer (cuDNN)
     if _groups(node) > 1 and node.shapes[0]:
-        # each input a kernel loads feeds only its group's output channels (GPU or CPU)
-        per_group = node.shapes[0][1] / _groups(node)
-        frac *= per_group / (per_group + GROUP_OUT_HALF)
+        frac *= _group_fraction(node, eff, mode)
     return mode.peak * max(frac, 1e-6)
+
+
+def _group_fraction(node: OpNode, eff: Efficiency, mode: MathMode) -> float:
+    """The share of a dense kernel's rate a grouped convolution reaches: each input a
+    kernel loads feeds only its group's ``n`` output channels, ``n / (n + half)``, with
+    the half of the kernels that run it: :data:`GROUP_OUT_HALF`, or on a GPU's tensor
+    cores :data:`GROUP_OUT_HALF_TENSOR` (an MMA tile is wider than a small group)."""
+    per_group = node.shapes[0][1] / _groups(node)
+    tensor = eff.generation != "cpu" and mode.unit == "tensor"
+    half = GROUP_OUT_HALF_TENSOR if tensor else GROUP_OUT_HALF
+    return per_group / (per_group + half)
 
 
 def nchw_transposes(node: OpNode, part: float = 1.0) -> tuple[float, float]:
@@ -214,14 +225,17 @@ def nchw_transposes(node: OpNode, part: float = 1.0) -> tuple[float, float]:
 
 def bn_kernels(graph: OpGraph, node: OpNode, spec: DeviceSpec) -> float:
     """How much longer a training batch norm of ``node``'s dtype and ``graph``'s layout
-    takes on a GPU than fp16 channels-last (:data:`BN_16BIT_KERNELS`), times its NCHW
-    channel occupancy (:func:`bn_channel_occupancy`); 1 on a CPU and in inference (one
+    takes on a GPU than fp16 channels-last of many channels (:data:`BN_16BIT_KERNELS`),
+    times its channel occupancy: NCHW's (:func:`bn_channel_occupancy`), or 16-bit
+    channels-last's (:func:`bn_nhwc_occupancy`); 1 on a CPU and in inference (one
     elementwise pass, measured in neither layout)."""
     if not _gpu_training(graph, spec):
         return 1.0
     factor = BN_16BIT_KERNELS.get((node.dtype, graph.channels_last), 1.0)
     if not graph.channels_last:
         factor *= bn_channel_occupancy(node, spec)
+    elif node.dtype in _HALF:
+        factor *= bn_nhwc_occupancy(node)
     return factor
 
 

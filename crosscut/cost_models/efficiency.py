@@ -43,6 +43,7 @@ __all__ = [
     "GENERATIONS",
     "GROUPED_TF32",
     "GROUP_OUT_HALF",
+    "GROUP_OUT_HALF_TENSOR",
     "HOST_DISPATCH_S",
     "STEP_OVERHEAD_S",
     "TENSOR_MIN_CHANNELS",
@@ -92,6 +93,12 @@ WINOGRAD = 2.25
 # kernel's rate (depthwise: n = 1). Fitted with the ResNeXt-101 32x4d points; the CPU
 # preset uses it too (MobileNetV2 on dev-2c: 1.70-2.45x its step before, 0.90-0.97 after).
 GROUP_OUT_HALF = 16.0
+# The same on tensor cores (16-bit grouped convolutions on a GPU): an MMA tile is 64 or
+# more output channels wide, so a group of n fills n / (n + 64) of it. Measured on an
+# H200 (benchmarks/gpu_kernels.py, per-shape kernel times, fp16 channels-last): group
+# widths 4, 8, 16 and 32 ran their 3x3 convolutions at 23, 28-38, 68-97 and 142 TFLOPS,
+# where this gives 25, 47, 85 and 142 (with 16 the price had been 1.7-3.3x too fast).
+GROUP_OUT_HALF_TENSOR = 64.0
 # whether cuDNN runs grouped convolutions on TF32 tensor cores: no (fitted, ResNeXt-101
 # 32x4d on A100: priced in TF32 it is 1.3x faster than published)
 GROUPED_TF32 = False
@@ -112,7 +119,7 @@ EFFICIENCIES: dict[str, Efficiency] = {
     "volta": Efficiency(
         "volta",
         0.756,
-        0.626,
+        0.718,
         0.88,
         DEPTH_HALF,
         "NVIDIA DeepLearningExamples PyTorch, DGX-1 V100 (ResNet-50, ResNeXt-101), 21.03",
@@ -121,7 +128,7 @@ EFFICIENCIES: dict[str, Efficiency] = {
     "ampere": Efficiency(
         "ampere",
         0.5,
-        0.432,
+        0.487,
         0.90,
         DEPTH_HALF,
         "NVIDIA DeepLearningExamples PyTorch, DGX A100 (ResNet-50, ResNeXt-101), 21.03",
@@ -131,7 +138,7 @@ EFFICIENCIES: dict[str, Efficiency] = {
     "hopper": Efficiency(
         "hopper",
         0.5,
-        0.432,
+        0.487,
         0.90,
         DEPTH_HALF,
         "assumed: Ampere's fractions, not fitted; checked against Lambda's H100 rows and "
@@ -179,8 +186,8 @@ STEP_OVERHEAD_S = {"gpu": 1e-3, "cpu": 0.0}
 # (benchmarks/gpu_kernels.py, docs/BENCHMARKS.md): the step at batch 8, where the GPU
 # keeps up, over the kernels the profiler counted, 25-44 µs in 28 steps of 23 models
 # (an upper bound: it includes the GPU's own time and a sync). Set to 28 µs, where the
-# first call's 16 steps (15 models) are priced at 0.63-1.13 of measured (median 1.0); the second
-# call's eight new models were held out (0.73-1.08). One constant of the host class,
+# first call's 16 steps (15 models) are priced at 0.62-1.14 of measured (median 1.0); the
+# second call's eight new models were held out (0.73-1.10). One constant of the host class,
 # not of the GPU: a faster host issues faster. On a CPU the host *is* the device, and
 # its dispatch is the spec's ``launch_overhead_s``.
 HOST_DISPATCH_S = {"gpu": 28e-6, "cpu": 0.0}

@@ -1,4 +1,4 @@
-"""Per-op GPU terms the whole-model fits cannot see, each measured on an H100.
+"""Per-op GPU terms the whole-model fits cannot see, each measured on an H100 or an H200.
 
 Why a module of its own: a whole training step can be priced within 10 % while
 single ops are off by 3x in both directions, and the planner cuts stages where
@@ -21,8 +21,10 @@ from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = [
     "BN_NCHW_CHANNEL_RATE",
+    "BN_NHWC_FILL_CHANNELS",
     "INDEX_BYTES",
     "bn_channel_occupancy",
+    "bn_nhwc_occupancy",
     "consumers",
     "fan_out_seconds",
     "max_pool_bytes",
@@ -54,6 +56,29 @@ def bn_channel_occupancy(node: OpNode, spec: DeviceSpec) -> float:
         return 1.0
     fill = spec.mem_bw * efficiency_of(spec.kind, spec.device).memory / BN_NCHW_CHANNEL_RATE
     return math.sqrt(1.0 + (fill / shape[1]) ** 2)
+
+
+# channels a 16-bit channels-last training batch norm needs to stream at the price's rate
+# (bn_nhwc_occupancy); fitted to an H200's per-shape kernel times
+BN_NHWC_FILL_CHANNELS = 26.0
+
+
+def bn_nhwc_occupancy(node: OpNode) -> float:
+    """How much longer a 16-bit channels-last training batch norm of ``C`` channels takes
+    than one of many channels: ``sqrt(1 + (BN_NHWC_FILL_CHANNELS / C)^2)``.
+
+    Why: channels-last rows are ``C`` elements long, and cuDNN's kernels reduce each
+    channel's statistics and gradient sums across rows; with few channels a row is a
+    few 16-byte loads, and the reductions' work per byte grows as the rows shorten.
+    Measured on an H200 (benchmarks/gpu_kernels.py, the per-shape kernel times of 23
+    models' batch norms over 8 MB, docs/BENCHMARKS.md), forward and backward against
+    the same batch norm at 64 or more channels: C = 8 3.8x and 3.2x, 16 2.0x and 1.8x,
+    24 1.7x and 1.3x, 32 1.3x and 1.2x; this curve gives 3.4, 1.9, 1.5 and 1.3, and
+    1.08 at 64 channels."""
+    shape = node.shapes[0] if node.shapes else []
+    if len(shape) < 3 or shape[1] <= 0:
+        return 1.0
+    return math.sqrt(1.0 + (BN_NHWC_FILL_CHANNELS / shape[1]) ** 2)
 
 
 def max_pool_bytes(node: OpNode, part: float = 1.0) -> tuple[float, float]:

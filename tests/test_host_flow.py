@@ -149,3 +149,16 @@ def test_priced_steps_against_an_h200s_host_bound_and_gpu_bound_steps() -> None:
     assert abs(statistics.median(s for _, s in seen.values()) - 1) <= 0.10
     new = {k: v for k, v in held.items() if not any(k == s for s in seen)}
     assert len(new) >= 8 and all(0.7 <= s <= 1.1 for _, s in new.values()), new
+
+
+def test_the_plan_says_what_the_host_was_priced_at() -> None:
+    """A GPU plan's record of its rates names the host's issue time; a CPU's does not."""
+    from crosscut.cost_models.analytic import priced_rate
+    from crosscut.cost_models.devices import preset
+
+    model, x = _se_block()
+    g = trace(model, x, mode="train")
+    gpu = str(priced_rate(g, preset("H200"))["efficiency"])
+    assert f"host: {HOST_DISPATCH_S['gpu'] * 1e6:.0f} µs to issue a kernel" in gpu
+    cpu = Cluster.from_spec("1xcpu").devices[0]
+    assert "host:" not in str(priced_rate(g, cpu)["efficiency"])

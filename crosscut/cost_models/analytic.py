@@ -13,8 +13,11 @@ autocast every 16-bit op with weights also casts them (fp32 read, 16-bit
 write) forward and casts the weight gradient back. A tensor-core convolution
 of a model in PyTorch's default NCHW layout also pays cuDNN's transposes to
 NHWC and back (:func:`nchw_transposes`). Placeholders, the output and
-``get_attr`` cost nothing. ``profiled.py`` replaces all of it with
-measurements.
+``get_attr`` cost nothing. On a GPU the host issues those kernels one after
+another, tens of microseconds each, and a step of short kernels waits for it:
+:func:`analytic_costs` charges every node what it adds to a host/GPU flow shop
+(``host_flow.py``), which is the roofline where kernels are long.
+``profiled.py`` replaces all of it with measurements.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ from crosscut.cost_models.op_terms import (
     bn_nhwc_occupancy,
     consumers,
     fan_out_seconds,
+    inputs_per_group,
     max_pool_bytes,
     passes_gradient_through,
 )
@@ -141,7 +142,7 @@ def narrow_input(node: OpNode) -> bool:
     on the CUDA cores for their own reason."""
     if node.conv is None or _groups(node) > 1 or not node.shapes or not node.shapes[0]:
         return False
-    return 0 < round(_inputs_per_group(node)) < TENSOR_MIN_CHANNELS
+    return 0 < round(inputs_per_group(node)) < TENSOR_MIN_CHANNELS
 
 
 def _depthwise(node: OpNode) -> bool:
@@ -149,16 +150,7 @@ def _depthwise(node: OpNode) -> bool:
     g = _groups(node)
     if g == 1 or node.conv is None or not node.shapes or len(node.shapes[0]) < 2:
         return False
-    return int(node.shapes[0][1]) == g and round(_inputs_per_group(node)) == 1
-
-
-def _inputs_per_group(node: OpNode) -> float:
-    """A convolution's input channels per group, from its FLOPs: multiply-adds per output
-    = input channels per group × kernel taps."""
-    assert node.conv is not None
-    outputs = _elements(node)
-    taps = math.prod(int(k) for k in node.conv["kernel"])
-    return node.fwd_flops / (2.0 * outputs * taps) if outputs and taps else 0.0
+    return int(node.shapes[0][1]) == g and round(inputs_per_group(node)) == 1
 
 
 def _groups(node: OpNode) -> int:
@@ -337,11 +329,11 @@ def _charge_host(
             for n in reversed(graph.nodes)
         ]
     charges = flow_charges(order)
-    for (name, *_), charge, i in zip(order, charges, range(len(order))):
-        if i < len(graph.nodes):
-            nodes[name].fwd[kind] = charge
-        else:
-            nodes[name].bwd[kind] = charge
+    ahead = len(graph.nodes)
+    for (name, *_), charge in zip(order[:ahead], charges[:ahead]):
+        nodes[name].fwd[kind] = charge
+    for (name, *_), charge in zip(order[ahead:], charges[ahead:]):
+        nodes[name].bwd[kind] = charge
 
 
 def _modes(graph: OpGraph, spec: DeviceSpec, flags: MathFlags) -> list[str]:

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import math
 
-from crosscut.cost_models.op_terms import passes_gradient_through
+from crosscut.cost_models.op_terms import inputs_per_group, passes_gradient_through
 from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = ["VIEW_KINDS", "flow_charges", "launches"]
 
-# ops autograd and the dispatcher handle without a kernel (a view of their input)
+# ops autograd and the dispatcher handle without a kernel (a view of their input). Not
+# memory._VIEW: that counts ``contiguous`` as an alias (its result may share storage),
+# but on a non-contiguous input it launches a copy kernel (ShuffleNet's channel shuffle)
 VIEW_KINDS = frozenset(
     {"view", "flatten", "getitem", "reshape", "transpose", "permute", "chunk", "split"}
     | {"size", "squeeze", "unsqueeze", "expand", "narrow", "select", "t", "unbind"}
@@ -44,9 +46,7 @@ def _conv_bias(node: OpNode) -> bool:
     if len(shape) < 2 or node.param_bytes <= 0:
         return False
     taps = math.prod(int(k) for k in node.conv["kernel"])
-    outputs = math.prod(shape)
-    per_group = node.fwd_flops / (2.0 * outputs * taps) if outputs and taps else 0.0
-    weight = int(shape[1]) * round(per_group) * taps
+    weight = int(shape[1]) * round(inputs_per_group(node)) * taps
     return node.param_bytes / 4 > weight  # fp32 parameters
 
 

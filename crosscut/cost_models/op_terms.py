@@ -27,6 +27,7 @@ __all__ = [
     "bn_nhwc_occupancy",
     "consumers",
     "fan_out_seconds",
+    "inputs_per_group",
     "max_pool_bytes",
     "passes_gradient_through",
 ]
@@ -79,6 +80,15 @@ def bn_nhwc_occupancy(node: OpNode) -> float:
     if len(shape) < 3 or shape[1] <= 0:
         return 1.0
     return math.sqrt(1.0 + (BN_NHWC_FILL_CHANNELS / shape[1]) ** 2)
+
+
+def inputs_per_group(node: OpNode) -> float:
+    """A convolution's input channels per group, from its FLOPs: multiply-adds per output
+    = input channels per group × kernel taps."""
+    assert node.conv is not None
+    outputs = math.prod(node.shapes[0]) if node.shapes and node.shapes[0] else 0
+    taps = math.prod(int(k) for k in node.conv["kernel"])
+    return node.fwd_flops / (2.0 * outputs * taps) if outputs and taps else 0.0
 
 
 def max_pool_bytes(node: OpNode, part: float = 1.0) -> tuple[float, float]:

@@ -178,7 +178,9 @@ def test_auto_makes_an_infeasible_case_feasible() -> None:
     assert always.assignment == plan.assignment and all(s.recompute for s in always.stages)
     assert plan.predicted.step_time_s <= always.predicted.step_time_s
     assert sum(s.compute_s for s in plan.stages) < sum(s.compute_s for s in always.stages)
-    assert plan.solver.objective <= always.solver.objective
+    # never worse; equal up to the order floats were summed in when the recomputing stage
+    # is not the bottleneck
+    assert plan.solver.objective <= always.solver.objective * (1 + 1e-12)
 
 
 def test_keep_needed_drops_every_stage_that_fits(two: Plan) -> None:

@@ -54,12 +54,14 @@ from crosscut.cost_models.op_terms import (
     inputs_per_group,
     max_pool_bytes,
     passes_gradient_through,
+    unary_backward,
 )
 from crosscut.cost_models.table import CostTable, NodeCost
 from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = [
     "BN_16BIT_KERNELS",
+    "UNARY_BWD_BYTES_FACTOR",
     "MathFlags",
     "analytic_costs",
     "bn_kernels",
@@ -68,12 +70,14 @@ __all__ = [
     "narrow_input",
     "nchw_transposes",
     "node_times",
+    "pays_transposes",
     "priced_rate",
     "rates_summary",
     "winograd",
 ]
 
 BWD_BYTES_FACTOR = 2.0
+UNARY_BWD_BYTES_FACTOR = 1.5  # op_terms.unary_backward: grad and a saved tensor in, grad out
 BN_FWD_PASSES = 1.5  # training batch norm reads its input twice: (2 reads + 1 write) / 2
 # Training batch norm of a 16-bit tensor on a GPU, by the kernels PyTorch runs it with, as
 # time relative to fp16 channels-last (cuDNN's persistent kernels: what the fitted AMP
@@ -205,17 +209,26 @@ def nchw_transposes(node: OpNode, part: float = 1.0) -> tuple[float, float]:
     """(forward, backward) bytes cuDNN moves to run an NCHW convolution on tensor cores.
 
     Tensor cores take NHWC tiles, so for a model left in PyTorch's default NCHW
-    layout cuDNN transposes around each 16-bit convolution: forward its input
+    layout cuDNN transposes around each 16-bit or TF32 convolution: forward its input
     and its output (each read and written once); backward the incoming
     gradient for each of the data- and weight-gradient kernels, the input for
     the weight gradient, and the input gradient it writes. Priced as that
     memory traffic (a shard transposes its whole input, ``part`` of its
     output). Checked against NCHW AMP measurements in docs/BENCHMARKS.md (the
     ``lambda`` and DLPerf rows): it accounts for the V100's gap, most of the
-    A100's and H100's."""
+    A100's and H100's. TF32 pays the same since the sixteenth session: an H100
+    ran ResNet-50's TF32 convolutions 19 ms (1.44x) slower NCHW than
+    channels-last, and with no transposes priced, VGG-16 and channels-last TF32
+    were priced 0.77-0.82 of their measured speed."""
     inp = max(0, node.read_bytes - node.param_bytes)
     out = node.out_bytes * part
     return 2.0 * (inp + out), 2.0 * (inp + 2.0 * out)
+
+
+def pays_transposes(graph: OpGraph, node: OpNode, mode: MathMode) -> bool:
+    """Whether ``node`` is a convolution cuDNN runs on tensor cores (16-bit or TF32) in a
+    model left NCHW: tensor-core kernels take NHWC tiles (:func:`nchw_transposes`)."""
+    return mode.unit in ("tensor", "tf32") and node.conv is not None and not graph.channels_last
 
 
 def bn_kernels(graph: OpGraph, node: OpNode, spec: DeviceSpec) -> float:
@@ -283,7 +296,7 @@ def node_times(
         mode = node_mode(node, spec, flags or MathFlags.from_torch())
         rate = _compute_rate(node, spec, eff, mode, part)
         t_fwd = t_bwd = 0.0  # NCHW transposes around a tensor-core convolution
-        if mode.unit == "tensor" and node.conv is not None and not graph.channels_last:
+        if pays_transposes(graph, node, mode):
             b_fwd, b_bwd = nchw_transposes(node, part)
             t_fwd = b_fwd / bw + NCHW_FWD_KERNELS * launch
             t_bwd = b_bwd / bw + NCHW_BWD_KERNELS * launch
@@ -301,7 +314,8 @@ def node_times(
         return fwd, 0.0
     if passes_gradient_through(graph, node):
         return fwd, 0.0
-    return fwd, (BWD_BYTES_FACTOR * moved + cast) / bw + kernels * launch
+    factor = UNARY_BWD_BYTES_FACTOR if unary_backward(graph, node) else BWD_BYTES_FACTOR
+    return fwd, (factor * moved + cast) / bw + kernels * launch
 
 
 def host_dispatch_s(spec: DeviceSpec) -> float:
@@ -340,9 +354,7 @@ def _modes(graph: OpGraph, spec: DeviceSpec, flags: MathFlags) -> list[str]:
     """The math modes ``graph``'s matmuls run in on ``spec``, and the layout cost if any."""
     per_node = [(n, node_mode(n, spec, flags)) for n in graph.nodes if n.fwd_flops > 0]
     modes = sorted({mode.name for _, mode in per_node})
-    transposed = not graph.channels_last and any(
-        n.conv is not None and mode.unit == "tensor" for n, mode in per_node
-    )
+    transposed = any(pays_transposes(graph, n, mode) for n, mode in per_node)
     if transposed:
         modes.append("NCHW: cuDNN's transposes priced (channels_last avoids them)")
     norms = [n for n in graph.nodes if "batch_norm" in n.kind] if _gpu_training(graph, spec) else []

@@ -85,7 +85,7 @@ class Published:
     optimizer: str = "momentum"  # the update the run's step includes
     # the tensors' layout: DeepLearningExamples' configs.yml runs every AMP configuration
     # channels-last ("nhwc") and leaves FP32/TF32 at its main.py's default, "nchw", as
-    # tf_cnn_benchmarks does on a GPU; in "nchw" 16-bit convolutions pay cuDNN's
+    # tf_cnn_benchmarks does on a GPU; in "nchw" 16-bit and TF32 convolutions pay cuDNN's
     # transposes (analytic.nchw_transposes) and batch norm its channel occupancy
     # (analytic.bn_channel_occupancy)
     layout: str = "nhwc"

@@ -106,10 +106,10 @@ EFFICIENCIES: dict[str, Efficiency] = {
     # memory: BabelStream/STREAM triad as a fraction of the datasheet bandwidth
     # (K20c ~145/208 with ECC, P100 ~550/732, P40 ~260/346, V100 ~800/900,
     # A100 ~1,400/1,555, H100 ~3,000/3,350).
-    "kepler": Efficiency("kepler", 0.65, 0.0, 0.70, DEPTH_HALF, "assumed: Pascal's fma"),
+    "kepler": Efficiency("kepler", 0.636, 0.0, 0.70, DEPTH_HALF, "assumed: Pascal's fma"),
     "pascal": Efficiency(
         "pascal",
-        0.65,
+        0.636,
         0.0,
         0.75,
         DEPTH_HALF,
@@ -118,8 +118,8 @@ EFFICIENCIES: dict[str, Efficiency] = {
     ),
     "volta": Efficiency(
         "volta",
-        0.756,
-        0.718,
+        0.738,
+        0.660,
         0.88,
         DEPTH_HALF,
         "NVIDIA DeepLearningExamples PyTorch, DGX-1 V100 (ResNet-50, ResNeXt-101), 21.03",
@@ -128,22 +128,22 @@ EFFICIENCIES: dict[str, Efficiency] = {
     "ampere": Efficiency(
         "ampere",
         0.5,
-        0.487,
+        0.455,
         0.90,
         DEPTH_HALF,
         "NVIDIA DeepLearningExamples PyTorch, DGX A100 (ResNet-50, ResNeXt-101), 21.03",
         ("fma", "tensor", "tf32"),
-        tf32=0.258,
+        tf32=0.402,
     ),
     "hopper": Efficiency(
         "hopper",
         0.5,
-        0.487,
+        0.455,
         0.90,
         DEPTH_HALF,
         "assumed: Ampere's fractions, not fitted; checked against Lambda's H100 rows and "
         "crosscut's own H100 measurements (calibration.MEASURED; its H200 rows held out)",
-        tf32=0.258,
+        tf32=0.402,
     ),
     # the cpu preset's rates (devices.py) are already achieved rates
     "cpu": Efficiency("cpu", 1.0, 1.0, 1.0, 0.0, "devices.cpu_spec: achieved rates"),

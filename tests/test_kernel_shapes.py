@@ -173,3 +173,60 @@ def test_activation_backwards_run_at_their_price_across_families() -> None:
     assert abs(statistics.median(ratios.values()) - 1) <= 0.10, ratios
     near = [r for r in ratios.values() if abs(r - 1) <= 0.25]
     assert len(near) >= 0.75 * len(ratios), ratios
+
+
+@pytest.mark.slow
+def test_max_pool_forwards_are_priced_by_their_outputs() -> None:
+    """Every max pool forward of over 4 M outputs measured on the H200 (3x3 stride 2,
+    3x3 stride 1, 2x2; fp16 channels-last and fp32 NCHW): measured over priced with a
+    median within 15 % of 1 and each within 0.6-1.6. Priced by their bytes alone
+    they were 2.8-5.2x their price."""
+    spec = _spec()
+    ratios: list[float] = []
+    rows = [r for p in DATA for r in json.loads(p.read_text())["rows"]]
+    seen: set[tuple[str, str]] = set()
+    for row in rows:
+        key = (str(row["model"]), str(row["precision"]))
+        if key in seen:
+            continue
+        seen.add(key)
+        measured: dict[tuple[int, ...], float] = defaultdict(float)
+        for op, shapes, _count, us in row["shaped"]:  # type: ignore[attr-defined]
+            if op == "aten::max_pool2d_with_indices":
+                measured[tuple(json.loads(shapes)[0])] += us * 1e-6
+        if not measured:
+            continue
+        g = _graph(row) if row["layout"] == "nhwc" else _graph_nchw(row)
+        pools: dict[tuple[int, ...], list[object]] = defaultdict(list)
+        for n in g.nodes:
+            if n.kind == "max_pool2d" and math.prod(n.shapes[0]) >= 4e6:
+                pools[tuple(g.node(n.inputs[0]).shapes[0])].append(n)
+        for shape, nodes in pools.items():
+            if shape in measured:
+                price = sum(node_times(g, n, spec, MathFlags())[0] for n in nodes)  # type: ignore[arg-type]
+                ratios.append(measured[shape] / price)
+    assert len(ratios) >= 20, ratios
+    assert abs(statistics.median(ratios) - 1) <= 0.15, ratios
+    assert all(0.6 <= r <= 1.6 for r in ratios), ratios
+
+
+def _graph_nchw(row: dict[str, object]) -> OpGraph:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_kernels import _build
+
+    x = torch.empty(int(str(row["batch"])), 3, 224, 224, device="meta")
+    return trace(_build(str(row["model"])), x, mode="train", precision=str(row["precision"]))
+
+
+def test_a_channel_shard_of_a_max_pool_moves_its_share() -> None:
+    """Half of a max pool's channels move half its bytes and take half its forward floor
+    (the element size and index count scale with the shard, not only the tensors)."""
+    from crosscut.cost_models.op_terms import max_pool_bytes, max_pool_forward_floor
+
+    g = trace(torch.nn.MaxPool2d(3, 2, 1), torch.empty(32, 64, 56, 56, device="meta"), mode="train")
+    pool = next(n for n in g.nodes if n.kind == "max_pool2d")
+    spec = _spec()
+    whole, half = max_pool_bytes(pool), max_pool_bytes(pool, 0.5)
+    assert half == pytest.approx((whole[0] / 2, whole[1] / 2))
+    floor = max_pool_forward_floor(pool, spec)  # type: ignore[arg-type]
+    assert floor > 0 and max_pool_forward_floor(pool, spec, 0.5) == pytest.approx(floor / 2)  # type: ignore[arg-type]

@@ -53,6 +53,7 @@ from crosscut.cost_models.op_terms import (
     fan_out_seconds,
     inputs_per_group,
     max_pool_bytes,
+    max_pool_forward_floor,
     passes_gradient_through,
     unary_backward,
 )
@@ -308,7 +309,8 @@ def node_times(
         return fwd, bwd + (bwd_kernels + kernels - 1.0) * launch + t_bwd
     if train and node.pool is not None and eff.generation != "cpu":
         fwd_b, bwd_b = max_pool_bytes(node, part)
-        return fwd_b / bw + launch, bwd_b / bw + 2.0 * launch  # zero-fill, then the gather
+        fwd = max(fwd_b / bw, max_pool_forward_floor(node, spec, part))
+        return fwd + launch, bwd_b / bw + 2.0 * launch  # zero-fill, then the gather
     fwd = moved / bw + cast / bw + kernels * launch
     if not train:
         return fwd, 0.0

@@ -119,7 +119,7 @@ EFFICIENCIES: dict[str, Efficiency] = {
     "volta": Efficiency(
         "volta",
         0.738,
-        0.660,
+        0.661,
         0.88,
         DEPTH_HALF,
         "NVIDIA DeepLearningExamples PyTorch, DGX-1 V100 (ResNet-50, ResNeXt-101), 21.03",
@@ -128,7 +128,7 @@ EFFICIENCIES: dict[str, Efficiency] = {
     "ampere": Efficiency(
         "ampere",
         0.5,
-        0.455,
+        0.459,
         0.90,
         DEPTH_HALF,
         "NVIDIA DeepLearningExamples PyTorch, DGX A100 (ResNet-50, ResNeXt-101), 21.03",
@@ -138,7 +138,7 @@ EFFICIENCIES: dict[str, Efficiency] = {
     "hopper": Efficiency(
         "hopper",
         0.5,
-        0.455,
+        0.459,
         0.90,
         DEPTH_HALF,
         "assumed: Ampere's fractions, not fitted; checked against Lambda's H100 rows and "

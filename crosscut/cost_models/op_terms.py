@@ -5,9 +5,10 @@ single ops are off by 3x in both directions, and the planner cuts stages where
 the per-op prices say they balance (``benchmarks/per_op.py`` measures how far
 they do against an H100's per-node times). These terms are the physics of five
 op groups whose price was wrong that way: batch norm in NCHW, which cannot fill
-the GPU with few channels; max pool, whose backward is a gather; ``add``, whose
-backward runs no kernel; one-input ops (activations), whose backward moves three
-tensors, not four; and the gradient sums where a tensor has several readers.
+the GPU with few channels; max pool, whose forward is bound by its outputs and
+whose backward is a gather; ``add``, whose backward runs no kernel; one-input ops
+(activations), whose backward moves three tensors, not four; and the gradient sums
+where a tensor has several readers.
 ``analytic.node_times`` and ``analytic.analytic_costs`` apply them.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 
 from crosscut.cost_models.devices import DeviceSpec
-from crosscut.cost_models.efficiency import efficiency_of
+from crosscut.cost_models.efficiency import efficiency_of, sm_count
 from crosscut.cost_models.memory import _key
 from crosscut.ir.graph import OpGraph, OpNode
 
@@ -24,12 +25,14 @@ __all__ = [
     "BN_NCHW_CHANNEL_RATE",
     "BN_NHWC_FILL_CHANNELS",
     "INDEX_BYTES",
+    "POOL_OUTPUTS_PER_SM_S",
     "bn_channel_occupancy",
     "bn_nhwc_occupancy",
     "consumers",
     "fan_out_seconds",
     "inputs_per_group",
     "max_pool_bytes",
+    "max_pool_forward_floor",
     "passes_gradient_through",
     "unary_backward",
 ]
@@ -38,6 +41,9 @@ __all__ = [
 # fitted to the H100's per-node times, 164 channels fill its 3.0 TB/s
 BN_NCHW_CHANNEL_RATE = 18.4e9
 INDEX_BYTES = 8.0  # a max pool's saved argmax, int64
+# max pool outputs one SM computes per second in a training forward (max_pool_forward_floor):
+# the median of 25 pools measured on an H200, 0.34-0.66e9 (3x3 stride 2 at 0.40-0.48)
+POOL_OUTPUTS_PER_SM_S = 0.48e9
 
 
 def bn_channel_occupancy(node: OpNode, spec: DeviceSpec) -> float:
@@ -106,13 +112,26 @@ def max_pool_bytes(node: OpNode, part: float = 1.0) -> tuple[float, float]:
     assert node.pool is not None
     inp = float(max(0, node.read_bytes - node.param_bytes)) * part
     out = float(node.out_bytes) * part
-    elems_out = math.prod(node.shapes[0]) if node.shapes and node.shapes[0] else 0 * part
+    elems_out = (math.prod(node.shapes[0]) if node.shapes and node.shapes[0] else 0) * part
     elem = out / elems_out if elems_out else 4.0
     elems_in = inp / elem
     cover = math.prod(k / max(1, s) for k, s in zip(node.pool["kernel"], node.pool["stride"]))
     fwd = inp + out + INDEX_BYTES * elems_out
     bwd = elems_in * (max(1.0, cover) * (INDEX_BYTES + elem) + elem)
     return fwd, bwd
+
+
+def max_pool_forward_floor(node: OpNode, spec: DeviceSpec, part: float = 1.0) -> float:
+    """Seconds a GPU's training max pool forward takes at least: its outputs at
+    :data:`POOL_OUTPUTS_PER_SM_S` per SM, whatever their bytes.
+
+    Why: each output scans its window and records the argmax, work per output that
+    the bytes do not show. On an H200 (kernels by shape, 25 pools of 12 models) the
+    forward ran 2.8-5x its bytes' price, fp32 NCHW as slowly as fp16 channels-last
+    (ResNet-50: 0.81 and 0.83 ms for twice the bytes), and an H100, with the same SMs
+    and 0.7x the bandwidth, took the same time: bound by the SMs, not by memory."""
+    outputs = (math.prod(node.shapes[0]) if node.shapes and node.shapes[0] else 0) * part
+    return outputs / (sm_count(spec.kind) * POOL_OUTPUTS_PER_SM_S)
 
 
 def passes_gradient_through(graph: OpGraph, node: OpNode) -> bool:

@@ -31,12 +31,16 @@ def _rows(models: tuple[str, ...]) -> list[dict[str, object]]:
 
 
 def _graph(row: dict[str, object]) -> OpGraph:
+    """The step ``row`` measured, traced in its layout and precision."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_kernels import _build
 
-    model = _build(str(row["model"])).to(memory_format=torch.channels_last)
+    model = _build(str(row["model"]))
     x = torch.empty(int(str(row["batch"])), 3, 224, 224, device="meta")
-    return trace(model, x.to(memory_format=torch.channels_last), mode="train", precision="fp16")
+    if row["layout"] == "nhwc":
+        model = model.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    return trace(model, x, mode="train", precision=str(row["precision"]).split("-")[0])
 
 
 def _spec() -> object:
@@ -196,7 +200,7 @@ def test_max_pool_forwards_are_priced_by_their_outputs() -> None:
                 measured[tuple(json.loads(shapes)[0])] += us * 1e-6
         if not measured:
             continue
-        g = _graph(row) if row["layout"] == "nhwc" else _graph_nchw(row)
+        g = _graph(row)
         pools: dict[tuple[int, ...], list[object]] = defaultdict(list)
         for n in g.nodes:
             if n.kind == "max_pool2d" and math.prod(n.shapes[0]) >= 4e6:
@@ -208,25 +212,3 @@ def test_max_pool_forwards_are_priced_by_their_outputs() -> None:
     assert len(ratios) >= 20, ratios
     assert abs(statistics.median(ratios) - 1) <= 0.15, ratios
     assert all(0.6 <= r <= 1.6 for r in ratios), ratios
-
-
-def _graph_nchw(row: dict[str, object]) -> OpGraph:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_kernels import _build
-
-    x = torch.empty(int(str(row["batch"])), 3, 224, 224, device="meta")
-    return trace(_build(str(row["model"])), x, mode="train", precision=str(row["precision"]))
-
-
-def test_a_channel_shard_of_a_max_pool_moves_its_share() -> None:
-    """Half of a max pool's channels move half its bytes and take half its forward floor
-    (the element size and index count scale with the shard, not only the tensors)."""
-    from crosscut.cost_models.op_terms import max_pool_bytes, max_pool_forward_floor
-
-    g = trace(torch.nn.MaxPool2d(3, 2, 1), torch.empty(32, 64, 56, 56, device="meta"), mode="train")
-    pool = next(n for n in g.nodes if n.kind == "max_pool2d")
-    spec = _spec()
-    whole, half = max_pool_bytes(pool), max_pool_bytes(pool, 0.5)
-    assert half == pytest.approx((whole[0] / 2, whole[1] / 2))
-    floor = max_pool_forward_floor(pool, spec)  # type: ignore[arg-type]
-    assert floor > 0 and max_pool_forward_floor(pool, spec, 0.5) == pytest.approx(floor / 2)  # type: ignore[arg-type]

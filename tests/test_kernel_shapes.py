@@ -212,3 +212,17 @@ def test_max_pool_forwards_are_priced_by_their_outputs() -> None:
     assert len(ratios) >= 20, ratios
     assert abs(statistics.median(ratios) - 1) <= 0.15, ratios
     assert all(0.6 <= r <= 1.6 for r in ratios), ratios
+
+
+def test_a_channel_shard_of_a_max_pool_moves_its_share() -> None:
+    """Half of a max pool's channels move half its bytes and take half its forward floor
+    (the element size and index count scale with the shard, not only the tensors)."""
+    from crosscut.cost_models.op_terms import max_pool_bytes, max_pool_forward_floor
+
+    g = trace(torch.nn.MaxPool2d(3, 2, 1), torch.empty(32, 64, 56, 56, device="meta"), mode="train")
+    pool = next(n for n in g.nodes if n.kind == "max_pool2d")
+    spec = _spec()
+    whole, half = max_pool_bytes(pool), max_pool_bytes(pool, 0.5)
+    assert half == pytest.approx((whole[0] / 2, whole[1] / 2))
+    floor = max_pool_forward_floor(pool, spec)  # type: ignore[arg-type]
+    assert floor > 0 and max_pool_forward_floor(pool, spec, 0.5) == pytest.approx(floor / 2)  # type: ignore[arg-type]

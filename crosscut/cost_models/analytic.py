@@ -47,10 +47,13 @@ from crosscut.cost_models.efficiency import (
 from crosscut.cost_models.host_flow import flow_charges, launches
 from crosscut.cost_models.memory import _VIEW, _key, activation_bytes, is_alias, resident_bytes
 from crosscut.cost_models.op_terms import (
+    _HALF,
+    BN_16BIT_KERNELS,
     bn_channel_occupancy,
-    bn_nhwc_occupancy,
+    bn_kernels,
     consumers,
     fan_out_seconds,
+    gpu_training,
     inputs_per_group,
     max_pool_bytes,
     max_pool_forward_floor,
@@ -80,24 +83,9 @@ __all__ = [
 BWD_BYTES_FACTOR = 2.0
 UNARY_BWD_BYTES_FACTOR = 1.5  # op_terms.unary_backward: grad and a saved tensor in, grad out
 BN_FWD_PASSES = 1.5  # training batch norm reads its input twice: (2 reads + 1 write) / 2
-# Training batch norm of a 16-bit tensor on a GPU, by the kernels PyTorch runs it with, as
-# time relative to fp16 channels-last (cuDNN's persistent kernels: what the fitted AMP
-# points ran). Measured on an H100 by benchmarks/gpu_check.py, ResNet-50 at batch 256,
-# per-node profiles summed over the 53 batch norms (forward + backward): fp16 NHWC
-# 21.6 ms, fp16 NCHW 42.3 ms (cuDNN's non-persistent kernels), bf16 NHWC 28.2 ms and bf16
-# NCHW 62.5 ms. The NCHW factors are those ratios (1.96, 2.89) over the mean channel
-# occupancy of ResNet-50's batch norms (1.41), which bn_kernels applies on its own. fp32
-# channels-last is left at 1 (measured 0.9-1.1 of its price).
-BN_16BIT_KERNELS = {
-    ("float16", True): 1.0,
-    ("float16", False): 1.39,
-    ("bfloat16", True): 1.31,
-    ("bfloat16", False): 2.06,
-}
 # NCHW tensor-core convolutions: tensors cuDNN transposes to NHWC and back (read + write
 # each), and the transpose kernels, per pass (nchw_transposes)
 NCHW_FWD_KERNELS, NCHW_BWD_KERNELS = 2.0, 3.0
-_HALF = ("float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -232,26 +220,6 @@ def pays_transposes(graph: OpGraph, node: OpNode, mode: MathMode) -> bool:
     return mode.unit in ("tensor", "tf32") and node.conv is not None and not graph.channels_last
 
 
-def bn_kernels(graph: OpGraph, node: OpNode, spec: DeviceSpec) -> float:
-    """How much longer a training batch norm of ``node``'s dtype and ``graph``'s layout
-    takes on a GPU than fp16 channels-last of many channels (:data:`BN_16BIT_KERNELS`),
-    times its channel occupancy: NCHW's (:func:`bn_channel_occupancy`), or 16-bit
-    channels-last's (:func:`bn_nhwc_occupancy`); 1 on a CPU and in inference (one
-    elementwise pass, measured in neither layout)."""
-    if not _gpu_training(graph, spec):
-        return 1.0
-    factor = BN_16BIT_KERNELS.get((node.dtype, graph.channels_last), 1.0)
-    if not graph.channels_last:
-        factor *= bn_channel_occupancy(node, spec)
-    elif node.dtype in _HALF:
-        factor *= bn_nhwc_occupancy(node)
-    return factor
-
-
-def _gpu_training(graph: OpGraph, spec: DeviceSpec) -> bool:
-    return graph.mode == "train" and efficiency_of(spec.kind, spec.device).generation != "cpu"
-
-
 def _is_view(node: OpNode) -> bool:
     kind, tgt = _key(node)
     return kind in _VIEW or tgt in _VIEW
@@ -359,7 +327,7 @@ def _modes(graph: OpGraph, spec: DeviceSpec, flags: MathFlags) -> list[str]:
     transposed = any(pays_transposes(graph, n, mode) for n, mode in per_node)
     if transposed:
         modes.append("NCHW: cuDNN's transposes priced (channels_last avoids them)")
-    norms = [n for n in graph.nodes if "batch_norm" in n.kind] if _gpu_training(graph, spec) else []
+    norms = [n for n in graph.nodes if "batch_norm" in n.kind] if gpu_training(graph, spec) else []
     slow = {BN_16BIT_KERNELS.get((n.dtype, graph.channels_last), 1.0) for n in norms} - {1.0}
     layout = "channels-last" if graph.channels_last else "NCHW"
     if slow:  # 16-bit NCHW or bf16 batch norm (BN_16BIT_KERNELS)

@@ -38,7 +38,7 @@ momentum, no loss scaling, the median of three runs of ten steps (the mean of
 two calls where a configuration ran in both). They add what no published
 table holds: bf16, fp32 with TF32 off (``tf32=False``), channels-last fp32, and
 NCHW against NHWC on one machine. The ResNet-50 16-bit rows set
-``analytic.BN_16BIT_KERNELS`` through their per-node profiles and are marked
+``op_terms.BN_16BIT_KERNELS`` through their per-node profiles and are marked
 fitted; the rest are held out.
 
 The step predicted for a point is the single-device training step: forward +

@@ -22,14 +22,17 @@ from crosscut.cost_models.memory import _key
 from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = [
+    "BN_16BIT_KERNELS",
     "BN_NCHW_CHANNEL_RATE",
     "BN_NHWC_FILL_CHANNELS",
     "INDEX_BYTES",
     "POOL_OUTPUTS_PER_SM_S",
     "bn_channel_occupancy",
+    "bn_kernels",
     "bn_nhwc_occupancy",
     "consumers",
     "fan_out_seconds",
+    "gpu_training",
     "inputs_per_group",
     "max_pool_bytes",
     "max_pool_forward_floor",
@@ -45,6 +48,22 @@ INDEX_BYTES = 8.0  # a max pool's saved argmax, int64
 # the median of 25 pools measured on an H200, 0.34-0.66e9 (3x3 stride 2 at 0.40-0.48)
 POOL_OUTPUTS_PER_SM_S = 0.48e9
 
+# Training batch norm of a 16-bit tensor on a GPU, by the kernels PyTorch runs it with, as
+# time relative to fp16 channels-last (cuDNN's persistent kernels: what the fitted AMP
+# points ran). Measured on an H100 by benchmarks/gpu_check.py, ResNet-50 at batch 256,
+# per-node profiles summed over the 53 batch norms (forward + backward): fp16 NHWC
+# 21.6 ms, fp16 NCHW 42.3 ms (cuDNN's non-persistent kernels), bf16 NHWC 28.2 ms and bf16
+# NCHW 62.5 ms. The NCHW factors are those ratios (1.96, 2.89) over the mean channel
+# occupancy of ResNet-50's batch norms (1.41), which bn_kernels applies on its own. fp32
+# channels-last is left at 1 (measured 0.9-1.1 of its price).
+BN_16BIT_KERNELS = {
+    ("float16", True): 1.0,
+    ("float16", False): 1.39,
+    ("bfloat16", True): 1.31,
+    ("bfloat16", False): 2.06,
+}
+_HALF = ("float16", "bfloat16")
+
 
 def bn_channel_occupancy(node: OpNode, spec: DeviceSpec) -> float:
     """How much longer an NCHW training batch norm of ``C`` channels takes than its bytes
@@ -58,7 +77,7 @@ def bn_channel_occupancy(node: OpNode, spec: DeviceSpec) -> float:
     images are. Channels-last reduces across the contiguous channels and has no such
     limit. Measured on an H100, ResNet-50 at batch 256, NCHW against the price of the
     same bytes: C = 64 2.8-2.9x, 128 1.5-1.8x, 256 1.1-1.2x, 512 and more 1.0 (fp32;
-    16-bit alike once ``analytic.BN_16BIT_KERNELS`` is set apart); this curve gives
+    16-bit alike once :data:`BN_16BIT_KERNELS` is set apart); this curve gives
     2.75, 1.62, 1.19 and 1.05 there. Channels-last measured flat at 0.9-1.1."""
     shape = node.shapes[0] if node.shapes else []
     if len(shape) < 3 or shape[1] <= 0:
@@ -182,3 +201,24 @@ def fan_out_seconds(node: OpNode, readers: int, spec: DeviceSpec) -> float:
         return 0.0
     bw = spec.mem_bw * efficiency_of(spec.kind, spec.device).memory
     return (readers - 1) * (3.0 * node.out_bytes / bw + spec.launch_overhead_s)
+
+
+def bn_kernels(graph: OpGraph, node: OpNode, spec: DeviceSpec) -> float:
+    """How much longer a training batch norm of ``node``'s dtype and ``graph``'s layout
+    takes on a GPU than fp16 channels-last of many channels (:data:`BN_16BIT_KERNELS`),
+    times its channel occupancy: NCHW's (:func:`bn_channel_occupancy`), or 16-bit
+    channels-last's (:func:`bn_nhwc_occupancy`); 1 on a CPU and in inference (one
+    elementwise pass, measured in neither layout)."""
+    if not gpu_training(graph, spec):
+        return 1.0
+    factor = BN_16BIT_KERNELS.get((node.dtype, graph.channels_last), 1.0)
+    if not graph.channels_last:
+        factor *= bn_channel_occupancy(node, spec)
+    elif node.dtype in _HALF:
+        factor *= bn_nhwc_occupancy(node)
+    return factor
+
+
+def gpu_training(graph: OpGraph, spec: DeviceSpec) -> bool:
+    """Whether ``graph`` trains on a GPU: where the batch-norm kernels' terms apply."""
+    return graph.mode == "train" and efficiency_of(spec.kind, spec.device).generation != "cpu"

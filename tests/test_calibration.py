@@ -530,7 +530,8 @@ def test_max_pool_backward_is_priced_as_its_gather() -> None:
     """The tracer records a max pool's window; on a GPU its training backward reads, per
     input element, the int64 index and the gradient of each covering window
     (``prod(kernel / stride)``), so ResNet's overlapping 3x3/2 pool costs more than a
-    2x2/2 one of the same tensors, and a CPU keeps the elementwise price."""
+    2x2/2 one of the same tensors; a CPU prices its outputs (``cpu_terms``)."""
+    from crosscut.cost_models import cpu_terms as ct
     from crosscut.cost_models.analytic import MathFlags, node_times
     from crosscut.cost_models.devices import preset
     from crosscut.cost_models.op_terms import max_pool_bytes
@@ -547,8 +548,13 @@ def test_max_pool_backward_is_priced_as_its_gather() -> None:
     spec, flags = preset("H100"), MathFlags()
     assert node_times(g3, p3, spec, flags)[1] > 1.5 * node_times(g2, p2, spec, flags)[1]  # type: ignore[arg-type]
     cpu = Cluster.from_spec("1xcpu").devices[0]
-    elementwise = node_times(g3, p3, cpu, flags)  # type: ignore[arg-type]
-    assert elementwise[1] == pytest.approx(2 * elementwise[0], rel=0.01)
+    fwd, bwd = node_times(g3, p3, cpu, flags)  # type: ignore[arg-type]
+    outputs = inp / 4
+    launch = cpu.launch_overhead_s
+    rate = cpu.peak("float32")
+    per_output = ct.CPU_POOL_OUTPUT_FLOPS + 9 * ct.CPU_POOL_TAP_FLOPS  # a 3x3 window
+    assert fwd == pytest.approx(outputs * per_output / rate + launch)
+    assert bwd == pytest.approx(outputs * ct.CPU_POOL_BWD_FLOPS / rate + launch)
 
 
 def test_an_add_passes_its_gradient_and_fan_out_pays_the_sum() -> None:

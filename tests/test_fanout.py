@@ -165,9 +165,10 @@ def test_googlenet_on_two_gloo_ranks_is_bit_exact(tmp_path: Path) -> None:
     from crosscut.api import partition
 
     x, y = batch(16, 64)
-    plan = partition(
-        build("googlenet"), ["cpu", "cpu"], x, microbatches=4, replicas=1, time_limit=5
-    )
+    plan = partition(  # 1f1b, as the ranks run it: the cut below is a 2-stage pipeline's
+        build("googlenet"), ["cpu", "cpu"], x, microbatches=4, replicas=1, time_limit=5,
+        schedule="1f1b",
+    )  # fmt: skip
     gm = fx.symbolic_trace(build("googlenet"))
     plan.assignment = inception_cut(gm, ("inception3b_branch1", "inception3b_branch3"))
     plan.save(tmp_path / "plan.json")

@@ -20,6 +20,7 @@ from torch import nn
 import crosscut
 from crosscut.cost_models.analytic import analytic_costs, priced_rate
 from crosscut.cost_models.cluster import Cluster
+from crosscut.cost_models.devices import cpu_spec
 from crosscut.cost_models.table import CostTable, NodeCost
 from crosscut.errors import PlanError
 from crosscut.frontend.tracer import trace
@@ -75,6 +76,19 @@ def test_each_kind_says_its_preset_math_and_where_its_efficiency_came_from() -> 
     h100 = str(_rate("H100")["efficiency"])
     assert h100.startswith("analytic default") and "Ampere" in h100
     assert "not calibrated" in str(_rate("cpu")["efficiency"])
+
+
+def test_a_cpu_says_whose_rates_price_it() -> None:
+    """The reference core's rates are not this machine's, and the record says so; a CPU
+    measured here (or described in a JSON) is named by its own rates."""
+    graph = trace(_cnn(), _x())
+    ref = Cluster.from_spec("1xcpu").devices[0]
+    said = str(priced_rate(graph, ref)["efficiency"])
+    assert "reference core" in said and f"{ref.peak('float32') / 1e9:.0f} GFLOP/s" in said
+    own = cpu_spec(ref.name, peak=123e9, mem_bw=45e9)
+    said = str(priced_rate(graph, own)["efficiency"])
+    assert "123 GFLOP/s and 45 GB/s, measured or described" in said
+    assert "not calibrated" not in said
 
 
 def test_a_device_described_by_hand_has_no_preset() -> None:

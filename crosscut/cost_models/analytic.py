@@ -2,8 +2,9 @@
 
 ``time = max(flops / achieved[math mode], bytes / achieved_bw) + kernels × launch``
 (``efficiency.py`` says what a generation achieves and which math PyTorch
-uses). Forward moves what the node reads plus what it writes; backward does
-``bwd_flops`` and moves about twice the forward bytes (read the saved tensors
+uses; a CPU core adds the two terms instead, ``cpu_terms.roofline``). Forward
+moves what the node reads plus what it writes; backward does ``bwd_flops``
+and moves about twice the forward bytes (read the saved tensors
 and the incoming gradient, write input and weight gradients). Batch norm in
 training reads its input twice (statistics, then normalisation). In-place ops
 (``relu_``, ``inplace=True``) are elementwise kernels that read and write
@@ -16,8 +17,8 @@ NHWC and back (:func:`nchw_transposes`). Placeholders, the output and
 ``get_attr`` cost nothing. On a GPU the host issues those kernels one after
 another, tens of microseconds each, and a step of short kernels waits for it:
 :func:`analytic_costs` charges every node what it adds to a host/GPU flow shop
-(``host_flow.py``), which is the roofline where kernels are long.
-``profiled.py`` replaces all of it with measurements.
+(``host_flow.py``), which is the roofline where kernels are long. A CPU prices NCHW
+max pools and training batch norms by ``cpu_terms.py``; ``profiled.py`` measures.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from typing import Any
 import torch
 
 from crosscut.cost_models.cluster import Cluster
-from crosscut.cost_models.devices import PRESETS, DeviceSpec
+from crosscut.cost_models.cpu_terms import cpu_node_times, roofline
+from crosscut.cost_models.devices import PRESETS, DeviceSpec, cpu_spec
 from crosscut.cost_models.efficiency import (
     GENERATIONS,
     GROUP_OUT_HALF,
@@ -247,6 +249,8 @@ def node_times(
     if node.fwd_flops == 0 and is_alias(graph, node) and _is_view(node):
         return launch, launch if train else 0.0
     eff = efficiency_of(spec.kind, spec.device)
+    if eff.generation == "cpu" and (on_cpu := cpu_node_times(graph, node, spec, part)):
+        return on_cpu  # an NCHW max pool or a training batch norm (cpu_terms.py)
     bw = spec.mem_bw * eff.memory
     if node.fwd_flops == 0 and is_alias(graph, node):  # in place: read and write the tensor
         moved = 2.0 * node.out_bytes * part
@@ -269,11 +273,13 @@ def node_times(
             b_fwd, b_bwd = nchw_transposes(node, part)
             t_fwd = b_fwd / bw + NCHW_FWD_KERNELS * launch
             t_bwd = b_bwd / bw + NCHW_BWD_KERNELS * launch
-        fwd = max(node.fwd_flops * part / rate, moved / bw) + cast / bw + kernels * launch + t_fwd
+        cpu = eff.generation == "cpu"  # arithmetic and data movement add up on a CPU core
+        fwd = roofline(node.fwd_flops * part / rate, moved / bw, cpu) + cast / bw + t_fwd
+        fwd += kernels * launch
         if not train:
             return fwd, 0.0
         bwd_kernels = 2.0 if node.param_bytes > 0 else 1.0  # data and weight gradients
-        bwd = max(node.bwd_flops * part / rate, BWD_BYTES_FACTOR * moved / bw) + cast / bw
+        bwd = roofline(node.bwd_flops * part / rate, BWD_BYTES_FACTOR * moved / bw, cpu) + cast / bw
         return fwd, bwd + (bwd_kernels + kernels - 1.0) * launch + t_bwd
     if train and node.pool is not None and eff.generation != "cpu":
         fwd_b, bwd_b = max_pool_bytes(node, part)
@@ -355,6 +361,16 @@ def rates_summary(graph: OpGraph, spec: DeviceSpec, flags: MathFlags | None = No
     )
 
 
+def _cpu_rates(spec: DeviceSpec) -> str:
+    """A CPU's two rates, and whether they are the reference core's (``devices.cpu_spec``,
+    not this machine's) or its own (``Cluster.from_devices(..., measure=True)``, a JSON)."""
+    ref = cpu_spec(spec.name)
+    own = (spec.peak("float32"), spec.mem_bw) != (ref.peak("float32"), ref.mem_bw)
+    return f"{spec.peak('float32') / 1e9:.0f} GFLOP/s and {spec.mem_bw / 1e9:.0f} GB/s, " + (
+        "measured or described" if own else "the reference core's, not calibrated on this machine"
+    )
+
+
 def priced_rate(graph: OpGraph, spec: DeviceSpec, flags: MathFlags | None = None) -> dict[str, Any]:
     """The record ``Plan.rates`` keeps for ``spec``: preset, math modes, efficiency source.
 
@@ -374,7 +390,9 @@ def priced_rate(graph: OpGraph, spec: DeviceSpec, flags: MathFlags | None = None
         f"memory {eff.memory:.2f} of {spec.mem_bw / 1e9:.0f} GB/s"
     )
     if eff.generation == "cpu":
-        where = f"analytic: {eff.source} (not calibrated on this machine)"
+        where = (
+            f"analytic: {_cpu_rates(spec)}; NCHW max pools and training batch norms by cpu_terms"
+        )
     elif spec.kind not in GENERATIONS:
         where = f"analytic default: '{eff.generation}' fractions ({fractions}), kind not a preset"
     elif eff.fitted:

@@ -189,12 +189,16 @@ def compute_threads() -> int:
     return max(1, min(cores, int(env))) if env.isdigit() and int(env) > 0 else cores
 
 
-def cpu_spec(name: str = "cpu0", *, share: int = 1, peak: float | None = None) -> DeviceSpec:
+def cpu_spec(
+    name: str = "cpu0", *, share: int = 1, peak: float | None = None, mem_bw: float | None = None
+) -> DeviceSpec:
     """The CPU of this machine at torch's threads; ``share`` virtual devices split its RAM evenly.
 
     Virtual CPU devices (``["cpu", "cpu"]``) exist so the partitioner and the
     runtime can be tested without GPUs. They share one pool of RAM, so each gets
     ``1/share`` of it: a plan that fits every cap then also fits the machine.
+    ``peak`` and ``mem_bw`` replace the reference core's rates with measured ones
+    (``Cluster.from_devices(..., measure=True)``).
     """
     cores = compute_threads()
     fp32 = peak if peak is not None else CPU_FLOPS_PER_CORE * cores
@@ -203,7 +207,7 @@ def cpu_spec(name: str = "cpu0", *, share: int = 1, peak: float | None = None) -
         kind="cpu",
         device="cpu",
         peak_flops={"float32": fp32, "bfloat16": fp32},
-        mem_bw=min(CPU_BW_PER_CORE * cores, 40e9),
+        mem_bw=mem_bw if mem_bw is not None else min(CPU_BW_PER_CORE * cores, 40e9),
         mem_cap=max(physical_memory_bytes() // max(share, 1), 1),
         launch_overhead_s=CPU_LAUNCH_S,
     )

@@ -25,6 +25,8 @@ __all__ = [
     "LinkSpec",
     "default_link",
     "fit_alpha_beta",
+    "measure_copy_rate",
+    "measure_cpu_rates",
     "measure_link",
     "measure_matmul_flops",
     "network_link",
@@ -214,3 +216,29 @@ def measure_matmul_flops(dev: torch.device, n: int = 1024, repeats: int = 5) -> 
             torch.cuda.synchronize(dev)
         best = min(best, time.perf_counter() - t0)
     return 2.0 * n**3 / max(best, 1e-9)
+
+
+def measure_copy_rate(dev: torch.device, mib: int = 64, repeats: int = 5) -> float:
+    """Bytes/s a ``mib`` MiB fp32 copy reads and writes on ``dev``, the best of
+    ``repeats``: what ``DeviceSpec.mem_bw`` means for a CPU, whose elementwise prices
+    and bytes-equivalent terms (``cpu_terms.py``) all divide by it."""
+    a = torch.ones(mib * 2**20 // 4, device=dev)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        _sync(dev)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        _sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * a.numel() * 4 / max(best, 1e-9)
+
+
+def measure_cpu_rates(tries: int = 3) -> tuple[float, float]:
+    """(GEMM FLOP/s, copy bytes/s) of this CPU at torch's threads, each the best of
+    ``tries`` probes (about 0.1 s in all): the two rates the ``cpu`` preset prices
+    with, measured here instead of the reference core's (``devices.cpu_spec``). The
+    best, because a shared machine's other work only ever slows a probe down."""
+    cpu = torch.device("cpu")
+    flops = max(measure_matmul_flops(cpu) for _ in range(tries))
+    return flops, max(measure_copy_rate(cpu) for _ in range(tries))

@@ -1,0 +1,191 @@
+"""CPU kernels the roofline misprices: max pool and training batch norm, timed by shape.
+
+``cost_models/cpu_terms.py`` prices an NCHW max pool and a training batch norm on
+a CPU in *FLOP-equivalents*: seconds × the CPU's GEMM rate. This measures what
+those are on this machine, with the GEMM and copy rates measured in the same run
+(``links.measure_cpu_rates``, the best of three, before and after):
+
+* each max pool (NCHW, and channels-last for contrast) forward and backward;
+* each batch norm (NCHW, training) forward and backward (input and weight
+  gradients, one autograd call);
+* per row: the time, FLOP-equivalents per output (pool) or per element (batch
+  norm), the bytes-equivalents of the forward (seconds × the copy rate), and the
+  analytic price's ratio to the time at this machine's two rates.
+
+``--out FILE`` writes the rows as JSON; ``tests/test_cpu_terms.py`` re-prices the
+recorded file (``docs/benchmarks/cpu-kernels.json``) with the current model.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_kernels.py \\
+        --out docs/benchmarks/cpu-kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from crosscut.cost_models.analytic import node_times
+from crosscut.cost_models.devices import cpu_spec
+from crosscut.cost_models.links import measure_cpu_rates
+from crosscut.frontend.tracer import trace
+
+__all__ = ["BN_SHAPES", "POOL_SHAPES", "cpu_name", "main", "priced"]
+
+# (batch, channels, height, kernel, stride, padding): LeNet's, ResNet's and
+# GoogLeNet's pools among them (28² 2x2; 32-112² 3x3 stride 2; 3x3 stride 1)
+POOL_SHAPES = (
+    (64, 32, 28, 2, 2, 0),
+    (64, 64, 14, 2, 2, 0),
+    (16, 256, 16, 2, 2, 0),
+    (16, 64, 32, 3, 2, 1),
+    (8, 64, 112, 3, 2, 1),
+    (16, 128, 32, 3, 1, 1),
+)
+# (batch, channels, height): ResNet-18 and MobileNetV2 at 64 px, and LeNet's sizes
+BN_SHAPES = (
+    (16, 64, 32),
+    (16, 64, 16),
+    (64, 32, 28),
+    (16, 144, 16),
+    (16, 128, 8),
+    (16, 256, 4),
+    (16, 512, 2),
+    (16, 960, 2),
+)
+
+
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's machine type."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def priced(
+    module: nn.Module, shape: tuple[int, ...], flops: float, mem_bw: float, channels_last: bool
+) -> tuple[float, float]:
+    """(forward, backward) analytic seconds of ``module``'s one node at ``shape`` on
+    the cpu preset at ``flops`` and ``mem_bw``: the price the current model gives it."""
+    x = torch.randn(*shape)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    graph = trace(nn.Sequential(module).train(), x, mode="train")
+    spec = cpu_spec("cpu", peak=flops, mem_bw=mem_bw)
+    (node,) = [n for n in graph.nodes if n.op == "call_module"]
+    return node_times(graph, node, spec)
+
+
+def _time(
+    module: nn.Module, shape: tuple[int, ...], channels_last: bool, repeats: int
+) -> tuple[float, float, int]:
+    x = torch.randn(*shape)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_(True)
+    module.train()
+    fwd = _median_s(lambda: module(x), repeats)
+    y = module(x)
+    grad = torch.randn_like(y)
+    wrt = [x, *module.parameters()]
+    bwd = _median_s(lambda: torch.autograd.grad(y, wrt, grad, retain_graph=True), repeats)
+    return fwd, bwd, y.numel()
+
+
+def _cases() -> list[tuple[str, nn.Module, tuple[int, ...], bool, list[int]]]:
+    cases: list[tuple[str, nn.Module, tuple[int, ...], bool, list[int]]] = []
+    for n, c, h, k, s, p in POOL_SHAPES:
+        for cl in (False, True):
+            cases.append(("max_pool2d", nn.MaxPool2d(k, s, p), (n, c, h, h), cl, [k, s, p]))
+    for n, c, h in BN_SHAPES:
+        cases.append(("batch_norm", nn.BatchNorm2d(c), (n, c, h, h), False, []))
+    return cases
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    flops, bw = measure_cpu_rates()
+    print(
+        f"{cpu_name()}, torch on {torch.get_num_threads()} thread(s); load "
+        f"{os.getloadavg()[0]:.2f}; GEMM {flops / 1e9:.1f} GFLOP/s, copies {bw / 1e9:.1f} GB/s"
+    )
+    print(
+        f"{'op':<11}{'shape':<16}{'layout':>7}{'fwd ms':>8}{'bwd ms':>8}"
+        f"{'fwd F/unit':>11}{'bwd F/unit':>11}{'fwd B/unit':>11}"
+        f"{'price/fwd':>10}{'price/bwd':>10}"
+    )
+    rows: list[dict[str, Any]] = []
+    for op, module, shape, cl, window in _cases():
+        fwd, bwd, outputs = _time(module, shape, cl, args.repeats)
+        units = outputs if op == "max_pool2d" else math.prod(shape)
+        p_fwd, p_bwd = priced(module, shape, flops, bw, cl)
+        row = {
+            "op": op,
+            "shape": list(shape),
+            "channels_last": cl,
+            "pool": window,
+            "fwd_s": fwd,
+            "bwd_s": bwd,
+            "units": units,
+            "fwd_flops_per_unit": fwd * flops / units,
+            "bwd_flops_per_unit": bwd * flops / units,
+            "fwd_bytes_per_unit": fwd * bw / units,
+            "priced": [p_fwd, p_bwd],
+        }
+        rows.append(row)
+        print(
+            f"{op:<11}{'x'.join(map(str, shape)):<16}{'NHWC' if cl else 'NCHW':>7}"
+            f"{fwd * 1e3:>8.3f}{bwd * 1e3:>8.3f}{row['fwd_flops_per_unit']:>11.0f}"
+            f"{row['bwd_flops_per_unit']:>11.0f}{row['fwd_bytes_per_unit']:>11.1f}"
+            f"{p_fwd / fwd:>10.2f}{p_bwd / bwd:>10.2f}",
+            flush=True,
+        )
+    after = measure_cpu_rates()
+    print(f"rates after: GEMM {after[0] / 1e9:.1f} GFLOP/s, copies {after[1] / 1e9:.1f} GB/s")
+    if args.out:
+        meta = {
+            "cpu": cpu_name(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "gemm_flops_per_s": flops,
+            "copy_bytes_per_s": bw,
+            "after": list(after),
+            "load": os.getloadavg()[0],
+            "command": "OMP_NUM_THREADS=1 python benchmarks/cpu_kernels.py --out FILE",
+        }
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

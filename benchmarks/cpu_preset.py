@@ -8,14 +8,20 @@ For each small CNN this prints, side by side:
 * the analytic step: forward + backward of every node (``analytic_costs`` on
   ``Cluster.from_spec("1xcpu")``), the optimizer update
   (``calibration.update_seconds``) and the per-iteration overhead;
-* the same with this machine's rates measured right before (a 1024² fp32
-  GEMM's FLOP/s, ``links.measure_matmul_flops``, and a 64 MB copy's bytes
-  moved per second): what the preset would say if it were measured here, under
-  whatever load the machine has at that moment;
+* the same with this machine's rates measured right before, as
+  ``Cluster.from_devices(["cpu"], measure=True)`` measures them (the best of
+  three 1024² fp32 GEMMs' FLOP/s and of three 64 MB copies' bytes moved per
+  second, ``links.measure_cpu_rates``): the preset of this CPU, under whatever
+  load the machine has at that moment;
 * the measured step: median wall time of whole training steps (forward,
   backward, ``SGD(momentum=0.9).step()``) after warm-up.
 
-Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_preset.py``. On a
+With ``--per-op`` it also prints, per op kind, each model's nodes timed inside whole
+training steps (``profile_costs``, the profiled cost model) against their prices at
+the rates measured here: where a wrong price sits (``cost_models/cpu_terms.py``
+holds the two kinds this found far off).
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_preset.py [--per-op]``. On a
 shared, loaded VM the measured side moves by tens of percent between runs:
 docs/BENCHMARKS.md records the figures with the machine's load.
 """
@@ -23,6 +29,7 @@ docs/BENCHMARKS.md records the figures with the machine's load.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import time
@@ -36,10 +43,11 @@ from crosscut.cost_models.analytic import analytic_costs
 from crosscut.cost_models.calibration import step_overhead_s, update_seconds
 from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.devices import DeviceSpec
-from crosscut.cost_models.links import measure_matmul_flops
+from crosscut.cost_models.profiled import profile_costs
+from crosscut.cpu_malloc import keep_freed_memory
 from crosscut.frontend.tracer import trace
 
-__all__ = ["MODELS", "main", "measured_step", "predicted_step"]
+__all__ = ["MODELS", "main", "measured_step", "per_op", "predicted_step"]
 
 
 def _lenet() -> nn.Module:
@@ -85,43 +93,68 @@ def predicted_step(model: nn.Module, x: torch.Tensor, spec: DeviceSpec) -> float
     return table.total("cpu", "train") + update + step_overhead_s("cpu")
 
 
+def per_op(model: nn.Module, x: torch.Tensor, spec: DeviceSpec) -> dict[str, list[float]]:
+    """Op kind -> [nodes, measured fwd, measured bwd, priced fwd, priced bwd] (seconds):
+    every node timed inside whole training steps against its analytic price on ``spec``."""
+    graph = trace(model, x, mode="train")
+    measured = profile_costs(graph, "cpu", cache_dir=None)
+    cluster = Cluster.from_spec("1xcpu")
+    cluster.devices[0] = replace(spec, name=cluster.devices[0].name)
+    priced = analytic_costs(graph, cluster, optimizer="momentum")
+    kinds: dict[str, list[float]] = {}
+    for node in graph.nodes:
+        if node.name not in measured.nodes or node.name not in priced.nodes:
+            continue
+        m, p = measured.nodes[node.name], priced.nodes[node.name]
+        row = kinds.setdefault(node.kind, [0.0] * 5)
+        times = (m.fwd, m.bwd, p.fwd, p.bwd)
+        for i, v in enumerate((1.0, *(t.get("cpu", 0.0) for t in times))):
+            row[i] += v
+    return kinds
+
+
+def _print_per_op(kinds: dict[str, list[float]]) -> None:
+    for kind, (n, m_f, m_b, p_f, p_b) in sorted(kinds.items(), key=lambda kv: -kv[1][1] - kv[1][2]):
+        if m_f + m_b < 2e-4:
+            continue
+        print(
+            f"    {kind:<20}{int(n):>4} nodes  measured {m_f * 1e3:7.2f} + {m_b * 1e3:7.2f} ms  "
+            f"priced/measured fwd {p_f / max(m_f, 1e-9):5.2f} bwd {p_b / max(m_b, 1e-9):5.2f}"
+        )
+
+
 def measured_step(model: nn.Module, x: torch.Tensor, steps: int) -> float:
-    """Median seconds of whole training steps (forward, backward, SGD with momentum)."""
+    """Median seconds of whole training steps (forward, cross-entropy, backward, SGD with
+    momentum). A classification loss, not ``output.sum()``: descending a sum drives
+    every logit down and kills the ReLUs within a few steps, and an NCHW max pool over
+    zeros runs 2.8x faster than over live activations (its compares stop
+    mispredicting), so the step measured would be one no real training runs."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    target = torch.randint(0, 10, (x.shape[0],), generator=torch.Generator().manual_seed(0))
     times: list[float] = []
     for i in range(steps + 2):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        model(x).sum().backward()  # type: ignore[no-untyped-call]
+        nn.functional.cross_entropy(model(x), target).backward()  # type: ignore[no-untyped-call]
         opt.step()
         if i >= 2:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
-    """Bytes/s a large tensor copy moves (read + write), best of ``repeats``."""
-    a = torch.ones(nbytes // 4)
-    b = torch.empty_like(a)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * nbytes / max(best, 1e-9)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--per-op", action="store_true", help="also price each op kind")
     args = ap.parse_args(argv)
+    keep_freed_memory()  # as crosscut's runtimes and profiler run: no page faults per step
     torch.manual_seed(0)
     preset = Cluster.from_spec("1xcpu").devices[0]
     # the preset counts the threads torch computes on (devices.compute_threads)
     cores, threads = os.cpu_count() or 1, torch.get_num_threads()
-    flops, bw = measure_matmul_flops(torch.device("cpu")), copy_bandwidth()
-    here = replace(preset, peak_flops={k: flops for k in preset.peak_flops}, mem_bw=bw)
+    here = Cluster.from_devices(["cpu"], measure=True).devices[0]  # this CPU's own rates
+    flops, bw = here.peak("float32"), here.mem_bw
     print(
         f"{cores} cores, torch on {threads} thread(s); load average "
         f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}; preset "
@@ -138,12 +171,15 @@ def main(argv: list[str] | None = None) -> None:
         x = torch.randn(batch, *shape)
         pred = predicted_step(model, x, preset)
         pred_h = predicted_step(model, x, here)
+        fresh = copy.deepcopy(model)  # per_op profiles the untrained model
         meas = measured_step(model, x, args.steps)
         print(
             f"{name:<16}{batch:>6}{pred:>10.4f}{pred_h:>8.4f}{meas:>11.4f}"
             f"{pred / meas:>12.2f}{pred_h / meas:>10.2f}",
             flush=True,
         )
+        if args.per_op:
+            _print_per_op(per_op(fresh, x, here))
 
 
 if __name__ == "__main__":

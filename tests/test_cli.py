@@ -147,6 +147,10 @@ def test_diff(plan_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str
         (["partition", LENET, "--devices", "3xQuantumChip", *SMALL, "-o", "x.json"], "QuantumChip"),
         (["show", "does/not/exist.json"], "existing file"),
         (["partition", "nonsense", "--devices", "cpu", "-o", "x.json"], "model reference"),
+        (
+            ["partition", LENET, "--devices", "2xV100", "--measure", *SMALL, "-o", "x.json"],
+            "device list",
+        ),
     ],
 )
 def test_user_errors_are_one_line(
@@ -157,6 +161,21 @@ def test_user_errors_are_one_line(
     assert err.startswith("crosscut: error:")
     assert needle in err
     assert "\n" not in err and "Traceback" not in err
+
+
+def test_partition_measure_prices_this_cpu(tmp_path: Path) -> None:
+    """--measure prices the device list at the rates measured here, not the reference
+    core's, and the plan's record says so."""
+    out = tmp_path / "measured.json"
+    argv = ["partition", LENET, "--devices", "cpu,cpu", *SMALL, "--time-limit", "5"]
+    assert main([*argv, "--measure", "-o", str(out)]) == 0
+    plan = Plan.load(out)
+    (rate,) = plan.rates
+    assert "measured or described" in rate.efficiency
+    assert plan.cluster.devices[0].peak_flops > 0 and plan.cluster.devices[0].mem_bw > 0
+    assert main([*argv, "-o", str(tmp_path / "preset.json")]) == 0
+    (rate,) = Plan.load(tmp_path / "preset.json").rates
+    assert "reference core" in rate.efficiency
 
 
 def test_malformed_json_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

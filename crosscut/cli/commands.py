@@ -83,6 +83,12 @@ def _partition_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--time-limit", type=_positive_float, default=10.0, help="solver seconds")
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="sgd")
     p.add_argument("--cost", choices=["analytic", "profiled"], default="analytic")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="with a device list (cpu,cpu): price a CPU at the GEMM and copy rates measured "
+        "here, and time the links, instead of the presets' (about a second)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--cross-shaped",
@@ -236,10 +242,11 @@ def _cmd_partition(args: argparse.Namespace) -> int:
                 f"gap {gap:.1%}, {wall:.1f} s"
             )
 
+        devices = _measured(args.devices) if args.measure else args.devices
         status.update("tracing, pricing and solving ...")
         plan = crosscut.partition(
             model,
-            args.devices,
+            devices,
             x,
             model_name=args.model,
             progress=progress,
@@ -249,6 +256,21 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     print_summary(plan)
     console.print(f"plan written to {args.output} in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _measured(devices: str) -> Any:
+    """The cluster of the device list ``devices``, its CPU rates and links timed here."""
+    from crosscut.cost_models.cluster import Cluster
+    from crosscut.errors import DeviceError
+
+    listed = Cluster.from_any(devices).meta.get("detected")
+    if not listed:
+        raise DeviceError(
+            "--measure times the devices of this machine: it needs a device list",
+            value=devices,
+            remedy="pass --devices cpu,cpu (or cuda:0,cuda:1), or drop --measure",
+        )
+    return Cluster.from_devices(listed, measure=True)
 
 
 def _cmd_show(args: argparse.Namespace) -> int:

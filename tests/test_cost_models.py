@@ -416,6 +416,10 @@ def test_a_cached_profile_is_retimed_and_profiled_again_when_the_machine_moved(
     assert len(calls) >= 2  # re-timed, then profiled again for real
     assert again.meta["cache_hit"] is False
     assert again.meta["steps"] != data["meta"]["steps"]
+    # the fresh profile says why it was taken: the re-timing that rejected the cache
+    assert again.meta["recheck"]["steps"] == [now] * 3
+    ratio, tolerance = again.meta["recheck"]["ratio"], again.meta["recheck"]["tolerance"]
+    assert ratio == pytest.approx(1 / 30, rel=0.5) and 1 / ratio - 1 > tolerance
     # the machine as it was: re-timed steps equal to the cached ones reuse the cache
     # (the steps are patched in: real ones of a millisecond drift with the machine's load)
 

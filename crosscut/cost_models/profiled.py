@@ -5,20 +5,18 @@ memory-bound elementwise ops, per-op dispatch), so ``profile_costs`` runs each
 fx node alone with real random tensors of the traced shapes: forward, then
 backward through ``torch.autograd.grad`` on that node's output with a random
 gradient. Each is warmed up, then the median of ``repeats`` timed runs is kept
-(``torch.cuda.synchronize`` around CUDA timings). Results are cached as JSON,
-keyed by graph fingerprint, device kind, batch size, dtype and mode, and by
-what else sets the times (the torch version, the CPU thread count, the GPU's
-name), because a ResNet-50 profile takes tens of seconds on a CPU; a corrupt
-cache file is ignored with a warning and rewritten.
+(synchronized on a GPU). Results are cached as JSON, keyed by graph fingerprint,
+device kind, batch size, dtype and mode, and by what else sets the times (the
+torch version, the CPU thread count, the GPU's name), because a ResNet-50
+profile takes tens of seconds on a CPU; a corrupt cache file is rewritten.
 
 A cached profile is a measurement of the machine as it was. Before one is
-reused, a few whole steps are timed again (:func:`_still_holds`): if they have
-moved further than both measurements' own noise — the cache was written
-while the machine was busy, or is busy now — the graph is profiled again.
-Without that check one strategy search compared a data-parallel price read
-from a profile taken under load (7.8 s a step) with pipeline prices profiled
-on a quiet machine, and chose the pipeline that then ran 18 % slower than
-DistributedDataParallel; profiled afresh, the same step was priced 5.8 s.
+reused, a few whole steps are timed again (:func:`_still_holds`): moved further
+than both measurements' own noise (the cache written while the machine was busy,
+or busy now), the graph is profiled again and ``meta["recheck"]`` says why.
+Without it one search compared a data-parallel price profiled under load (7.8 s
+a step) with pipeline prices profiled quiet, and chose a pipeline that ran 18 %
+slower than DistributedDataParallel; profiled afresh, that step was 5.8 s.
 """
 
 from __future__ import annotations
@@ -372,13 +370,16 @@ def profile_costs(
     stem = f"{cache_key(graph, kind, dev)}-{method}-{CACHE_FORMAT}"
     path = Path(cache_dir) / f"{stem}.json" if cache_dir is not None else None
     cached = _load_cache(path, graph) if path is not None else None
+    recheck = None
     if cached is not None and method == "context" and not _still_holds(cached, graph, dev, path):
-        cached = None
+        recheck, cached = cached.meta.get("recheck"), None  # profiled again below: say why
     if cached is not None:  # a cache written before the record: say how it was priced
         cached.meta.setdefault("priced", _priced(kind, str(dev), method, graph.precision))
         return _with_memory(cached, graph, optimizer)
     table = _measured(graph, dev, kind, method, warmup, repeats)
     table.optimizer = optimizer
+    if recheck is not None:
+        table.meta["recheck"] = recheck
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

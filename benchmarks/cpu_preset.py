@@ -21,7 +21,8 @@ training steps (``profile_costs``, the profiled cost model) against their prices
 the rates measured here: where a wrong price sits (``cost_models/cpu_terms.py``
 holds the two kinds this found far off).
 
-Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_preset.py [--per-op]``. On a
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_preset.py [--per-op]``
+(``--models zoo``: one model of each of twelve torchvision families instead). On a
 shared, loaded VM the measured side moves by tens of percent between runs:
 docs/BENCHMARKS.md records the figures with the machine's load.
 """
@@ -47,7 +48,7 @@ from crosscut.cost_models.profiled import profile_costs
 from crosscut.cpu_malloc import keep_freed_memory
 from crosscut.frontend.tracer import trace
 
-__all__ = ["MODELS", "main", "measured_step", "per_op", "predicted_step"]
+__all__ = ["MODELS", "ZOO", "main", "measured_step", "per_op", "predicted_step"]
 
 
 def _lenet() -> nn.Module:
@@ -70,6 +71,28 @@ MODELS: dict[str, tuple[type[nn.Module] | object, tuple[int, ...], int]] = {
     "lenet-28": (_lenet, (1, 28, 28), 64),
     "resnet18-64": (lambda: torchvision.models.resnet18(num_classes=10), (3, 64, 64), 16),
     "mobilenet_v2-64": (lambda: torchvision.models.mobilenet_v2(num_classes=10), (3, 64, 64), 16),
+}
+
+
+def _tv(arch: str, **kwargs: object) -> object:
+    return lambda: getattr(torchvision.models, arch)(num_classes=10, **kwargs)
+
+
+# ``--models zoo``: one model of each torchvision CNN family, at batch 8 and sizes a
+# CPU trains in seconds, to check the prices across families rather than on three.
+ZOO: dict[str, tuple[type[nn.Module] | object, tuple[int, ...], int]] = {
+    "resnet50-128": (_tv("resnet50"), (3, 128, 128), 8),
+    "mobilenet_v2-224": (_tv("mobilenet_v2"), (3, 224, 224), 8),
+    "mobilenet_v3_small-224": (_tv("mobilenet_v3_small"), (3, 224, 224), 8),
+    "efficientnet_b0-128": (_tv("efficientnet_b0"), (3, 128, 128), 8),
+    "densenet121-64": (_tv("densenet121"), (3, 64, 64), 8),
+    "vgg11_bn-64": (_tv("vgg11_bn"), (3, 64, 64), 8),
+    "shufflenet_v2_x1_0-128": (_tv("shufflenet_v2_x1_0"), (3, 128, 128), 8),
+    "squeezenet1_1-128": (_tv("squeezenet1_1"), (3, 128, 128), 8),
+    "mnasnet1_0-128": (_tv("mnasnet1_0"), (3, 128, 128), 8),
+    "regnet_y_400mf-128": (_tv("regnet_y_400mf"), (3, 128, 128), 8),
+    "googlenet-128": (_tv("googlenet", aux_logits=False, init_weights=True), (3, 128, 128), 8),
+    "convnext_tiny-64": (_tv("convnext_tiny"), (3, 64, 64), 8),
 }
 
 
@@ -144,7 +167,7 @@ def measured_step(model: nn.Module, x: torch.Tensor, steps: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated names, or 'zoo'")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--per-op", action="store_true", help="also price each op kind")
     args = ap.parse_args(argv)
@@ -162,11 +185,12 @@ def main(argv: list[str] | None = None) -> None:
         f"measured here {flops / 1e9:.1f} GFLOP/s, {bw / 1e9:.1f} GB/s"
     )
     print(
-        f"{'model':<16}{'batch':>6}{'preset s':>10}{'here s':>8}"
+        f"{'model':<24}{'batch':>6}{'preset s':>10}{'here s':>8}"
         f"{'measured s':>11}{'preset/meas':>12}{'here/meas':>10}"
     )
-    for name in args.models.split(","):
-        factory, shape, batch = MODELS[name]
+    names = list(ZOO) if args.models == "zoo" else args.models.split(",")
+    for name in names:
+        factory, shape, batch = {**MODELS, **ZOO}[name]
         model = factory().train()  # type: ignore[operator]
         x = torch.randn(batch, *shape)
         pred = predicted_step(model, x, preset)
@@ -174,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         fresh = copy.deepcopy(model)  # per_op profiles the untrained model
         meas = measured_step(model, x, args.steps)
         print(
-            f"{name:<16}{batch:>6}{pred:>10.4f}{pred_h:>8.4f}{meas:>11.4f}"
+            f"{name:<24}{batch:>6}{pred:>10.4f}{pred_h:>8.4f}{meas:>11.4f}"
             f"{pred / meas:>12.2f}{pred_h / meas:>10.2f}",
             flush=True,
         )

@@ -1,21 +1,39 @@
 """Keep freed CPU memory in the process, so a step does not page-fault its buffers back.
 
-Why: glibc's malloc gives large blocks back to the kernel when they are freed
-(``munmap``, or trimming the top of the heap) and its thresholds for doing so move
-with the process's history. A training step frees and reallocates the same
-tensors every iteration; each time memory went back, the next step faults every
-page in again. On dev-2c this made one thread's ResNet-18 weight-gradient pass
-(``W`` of a zero-bubble schedule) 30 % slower in a fresh profiling process than
-in a pipeline rank that had held more memory (docs/BENCHMARKS.md), so the
-profile priced zero bubble slower than it ran, and 1F1B steps themselves ran
-15-20 % faster once memory was kept.
+Why: glibc's malloc gives large blocks back to the kernel when they are freed, and
+the next step faults every page in again. A page fault costs about 1.8 µs per 4 KiB
+page on dev-2c (a VM), about 2.3 GB/s, ten times slower than writing memory that is
+already mapped. glibc gives memory back three ways, and each one has cost a
+training step:
 
-:func:`keep_freed_memory` sets glibc's trim threshold to 1 GiB and its mmap
-threshold to its maximum (32 MiB), which also stops their drift; it is what
-PyTorch's caching allocator does on a GPU, and what jemalloc or tcmalloc give a
-CPU process. crosscut calls it where it profiles or runs on the CPU
-(``cost_models.profiled.profile_costs``, ``crosscut.distributed.init`` with
-gloo), so prices and steps see the same allocator. The benchmarks call it in
+* **a block of its own** (``mmap``) for each allocation above the mmap threshold,
+  unmapped on free. The threshold's largest accepted value is 32 MiB, so a tensor
+  above it (VGG-11's 392 MiB classifier weight gradient, the first activations of a
+  ResNet-50 at batch 32) is mapped and faulted afresh every step;
+* **trimming** the top of the heap once more than the trim threshold is free there:
+  VGG-11's three 392 MiB blocks, freed at the end of each step, went back to the
+  kernel with a 1 GiB threshold (1.2 GB faulted per step);
+* **per-thread arenas**: each thread (the local runtime's one worker per device)
+  gets heaps of its own, at most 64 MiB each, which cannot hold such a block either.
+
+:func:`keep_freed_memory` therefore turns all three off: no block is mapped on its
+own (``M_MMAP_MAX`` 0, so every block comes from the heap), the heap is never trimmed
+(``M_TRIM_THRESHOLD`` -1), and every thread allocates from the one main heap
+(``M_ARENA_MAX`` 1). Measured on dev-2c (one thread, batch 8,
+``benchmarks/page_faults.py``), against the trim and mmap thresholds it set before:
+eager VGG-11-BN at 64 px went from 116,749 faults and 791 ms a step to 0 and 595 ms,
+MobileNetV2 at 224 px from 18,819 and 532 ms to 0 and 490 ms; crosscut's local
+runtime on two CPU devices ran VGG-11-BN's step 1.49x faster. The cost is memory:
+what a process freed stays resident until it exits, and PyTorch's 64-byte aligned
+requests are padded beyond a block just freed, so the heap grows for a few steps
+until freed neighbours merge. Peak resident memory moved by -5 to +3 % on
+MobileNetV2 and ResNet-50, and by +31 % (3.7 to 4.9 GiB) on the local runtime's
+VGG-11-BN. This is what PyTorch's caching allocator does on a GPU, and what
+jemalloc or tcmalloc give a CPU process.
+
+crosscut calls it where it profiles or runs on the CPU
+(``cost_models.profiled.profile_costs``, the local runtime, ``crosscut.distributed.init``
+with gloo), so prices and steps see the same allocator. The benchmarks call it in
 every baseline they compare against, so a comparison stays fair.
 ``CROSSCUT_CPU_MALLOC=0`` turns it off. Where the C library is not glibc it does
 nothing.
@@ -28,21 +46,27 @@ import ctypes.util
 import os
 import sys
 
-__all__ = ["ENV", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory"]
+__all__ = ["ENV", "SETTINGS", "keep_freed_memory"]
 
 ENV = "CROSSCUT_CPU_MALLOC"
-TRIM_THRESHOLD = 1 << 30  # free memory above the heap's top kept up to 1 GiB
-MMAP_THRESHOLD = 32 << 20  # glibc's largest accepted value (HEAP_MAX_SIZE / 2 on 64-bit)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
+# <malloc.h> parameter -> value: never trim the heap, map no block on its own, one arena.
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+SETTINGS: dict[str, tuple[int, int]] = {
+    "M_TRIM_THRESHOLD": (_M_TRIM_THRESHOLD, -1),
+    "M_MMAP_MAX": (_M_MMAP_MAX, 0),
+    "M_ARENA_MAX": (_M_ARENA_MAX, 1),
+}
 
 _done: bool | None = None
 
 
 def keep_freed_memory() -> bool:
-    """Set glibc's thresholds once per process; True where they are set (now or before).
+    """Set glibc's malloc parameters once per process; True where they are set (now or
+    before).
 
     False where the C library is not glibc, where ``CROSSCUT_CPU_MALLOC=0``, or where
-    ``mallopt`` refused."""
+    ``mallopt`` refused one of them. Threads started before the call keep the arenas
+    they already have; crosscut calls it before it starts its own."""
     global _done
     if _done is not None:
         return _done
@@ -53,9 +77,8 @@ def keep_freed_memory() -> bool:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
             return False
-        trimmed = libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-        mapped = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        accepted = [libc.mallopt(param, value) for param, value in SETTINGS.values()]
     except OSError:
         return False
-    _done = bool(trimmed) and bool(mapped)
+    _done = all(accepted)
     return _done

@@ -3,9 +3,11 @@
 Why it matters: glibc gives large freed blocks back to the kernel and a fresh
 process then page-faults them in again every step; a CPU profile taken that way
 priced zero-bubble's weight-gradient pass 30 % slower than the pipeline ranks ran
-it. These tests check the setting's effect on glibc itself (a 20 MiB block comes
-from the heap, not from a fresh mapping), its off switch, and that the profiler
-and the local runtime apply it.
+it, and VGG-11's 392 MiB gradients cost its steps 1.2 GB of page faults each.
+These tests check the setting's effect on glibc itself (blocks below and above
+glibc's 32 MiB mmap cap come from the heap, a freed 1.5 GiB stays in it, a
+worker thread's block is reused without faults), its off switch, and that the
+profiler and the local runtime apply it.
 """
 
 from __future__ import annotations
@@ -46,18 +48,76 @@ _PROBE = textwrap.dedent(
     libc.free.argtypes = [ctypes.c_void_p]
     from crosscut.cpu_malloc import keep_freed_memory
     kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+    size = int(sys.argv[2]) << 20
     before = libc.mallinfo2().hblkhd
-    block = libc.malloc(20 << 20)
+    block = libc.malloc(size)
     grown = libc.mallinfo2().hblkhd - before
     libc.free(block)
     print(kept, grown)
     """
 )
 
+# A 1.5 GiB block freed at the top of the heap: how much of the heap glibc kept. Not
+# written to, so it costs address space, not memory.
+_TRIM_PROBE = textwrap.dedent(
+    """
+    import ctypes, sys
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                    "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = Info
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    from crosscut.cpu_malloc import keep_freed_memory
+    if sys.argv[1] == "keep":
+        keep_freed_memory()
+    before = libc.mallinfo2().arena
+    libc.free(libc.malloc(3 << 29))
+    print(libc.mallinfo2().arena - before)
+    """
+)
 
-def _probe(mode: str, **env: str) -> tuple[str, int]:
+# Page faults of a worker thread's last two "steps", each of which allocates three 64 MiB
+# tensors and frees them, as the local runtime's threads allocate a step's buffers again
+# every step. (A block freed alone is not always reused at once: PyTorch asks for 64-byte
+# aligned blocks, and glibc pads such a request beyond the block it just freed until
+# neighbouring free blocks have merged. Here that settles after three or four steps.)
+_THREAD_PROBE = textwrap.dedent(
+    """
+    import resource, sys, threading, torch
+    from crosscut.cpu_malloc import keep_freed_memory
+    if sys.argv[1] == "keep":
+        keep_freed_memory()
+    faults = []
+    def work():
+        for _ in range(8):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            step = [torch.empty(16 << 20).fill_(1.0) for _ in range(3)]
+            del step
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    print(max(faults[-2:]))
+    """
+)
+
+
+def _run(probe: str, *args: str, **env: str) -> list[str]:
+    return subprocess.run(
+        [sys.executable, "-c", probe, *args],
+        env=dict(os.environ, **env),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.split()
+
+
+def _probe(mode: str, mib: int = 20, **env: str) -> tuple[str, int]:
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE, mode],
+        [sys.executable, "-c", _PROBE, mode, str(mib)],
         env=dict(os.environ, **env),
         capture_output=True,
         text=True,
@@ -73,6 +133,29 @@ def test_a_large_block_comes_from_the_heap_once_memory_is_kept() -> None:
     ``keep_freed_memory`` it comes from the heap, where a freed block stays."""
     assert _probe("default")[1] >= 20 << 20  # a mapping of its own, header page included
     assert _probe("keep") == ("True", 0)
+
+
+@glibc
+def test_a_block_above_glibcs_mmap_cap_comes_from_the_heap_too() -> None:
+    """glibc's mmap threshold cannot go above 32 MiB, so a 64 MiB block was mapped (and
+    faulted) afresh every time until mapping was turned off."""
+    assert _probe("default", mib=64)[1] >= 64 << 20
+    assert _probe("keep", mib=64) == ("True", 0)
+
+
+@glibc
+def test_a_large_block_freed_at_the_heaps_top_stays_in_the_process() -> None:
+    """Trimming gave VGG-11's freed gradients back to the kernel every step."""
+    assert int(_run(_TRIM_PROBE, "default")[0]) < 1 << 30  # trimmed
+    assert int(_run(_TRIM_PROBE, "keep")[0]) >= 3 << 29
+
+
+@glibc
+def test_a_worker_threads_tensor_is_reused_without_page_faults() -> None:
+    """A thread's own arena holds at most 64 MiB heaps; with one arena its blocks come
+    from the main heap and are reused: a 64 MiB tensor is 16,384 pages."""
+    assert int(_run(_THREAD_PROBE, "default")[0]) >= 3 * 16_000
+    assert int(_run(_THREAD_PROBE, "keep")[0]) < 1_000
 
 
 @glibc

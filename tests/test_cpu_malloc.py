@@ -36,7 +36,8 @@ glibc = pytest.mark.skipif(
     reason="needs glibc 2.33+ (mallinfo2) to observe where malloc puts a block",
 )
 
-_PROBE = textwrap.dedent(
+# glibc's own account of its heap (mallinfo2), and keep_freed_memory, in a fresh process.
+_LIBC_HEADER = textwrap.dedent(
     """
     import ctypes, sys
     class Info(ctypes.Structure):
@@ -47,6 +48,11 @@ _PROBE = textwrap.dedent(
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
     from crosscut.cpu_malloc import keep_freed_memory
+    """
+)
+
+_PROBE = _LIBC_HEADER + textwrap.dedent(
+    """
     kept = keep_freed_memory() if sys.argv[1] == "keep" else None
     size = int(sys.argv[2]) << 20
     before = libc.mallinfo2().hblkhd
@@ -59,17 +65,8 @@ _PROBE = textwrap.dedent(
 
 # A 1.5 GiB block freed at the top of the heap: how much of the heap glibc kept. Not
 # written to, so it costs address space, not memory.
-_TRIM_PROBE = textwrap.dedent(
+_TRIM_PROBE = _LIBC_HEADER + textwrap.dedent(
     """
-    import ctypes, sys
-    class Info(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
-                    "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = Info
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    from crosscut.cpu_malloc import keep_freed_memory
     if sys.argv[1] == "keep":
         keep_freed_memory()
     before = libc.mallinfo2().arena
@@ -116,14 +113,7 @@ def _run(probe: str, *args: str, **env: str) -> list[str]:
 
 
 def _probe(mode: str, mib: int = 20, **env: str) -> tuple[str, int]:
-    out = subprocess.run(
-        [sys.executable, "-c", _PROBE, mode, str(mib)],
-        env=dict(os.environ, **env),
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout.split()
+    out = _run(_PROBE, mode, str(mib), **env)
     return out[0], int(out[1])
 
 

@@ -30,6 +30,7 @@ from crosscut.cost_models.analytic import analytic_costs
 from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.memory import peak_memory
 from crosscut.cost_models.profiled import profile_costs
+from crosscut.cpu_malloc import keep_freed_memory
 from crosscut.frontend.tracer import trace
 
 __all__ = ["main", "measure_peak", "measure_step"]
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
     ap.add_argument("--no-cache", action="store_true")
     args = ap.parse_args(argv)
+    keep_freed_memory()  # the allocator profiles and crosscut's CPU runs use (cpu_malloc.py)
     torch.manual_seed(0)
     rows: list[tuple[str, float, float, float, float, float, float, float, float]] = []
     for name in args.models.split(","):

@@ -29,7 +29,8 @@ requests are padded beyond a block just freed, so the heap grows for a few steps
 until freed neighbours merge. Peak resident memory moved by -5 to +3 % on
 MobileNetV2 and ResNet-50, and by +31 % (3.7 to 4.9 GiB) on the local runtime's
 VGG-11-BN. This is what PyTorch's caching allocator does on a GPU, and what
-jemalloc or tcmalloc give a CPU process.
+jemalloc or tcmalloc give a CPU process. Like ``torch.cuda.empty_cache``, each call
+of :func:`keep_freed_memory` gives the free part back (below).
 
 crosscut calls it where it profiles or runs on the CPU
 (``cost_models.profiled.profile_costs``, the local runtime, ``crosscut.distributed.init``
@@ -58,27 +59,39 @@ SETTINGS: dict[str, tuple[int, int]] = {
 }
 
 _done: bool | None = None
+_libc: ctypes.CDLL | None = None
 
 
 def keep_freed_memory() -> bool:
-    """Set glibc's malloc parameters once per process; True where they are set (now or
-    before).
+    """Set glibc's malloc parameters once per process, and give back what is free now;
+    True where the parameters are set (now or before).
+
+    Each call (not only the first) also returns to the kernel the memory the process
+    has freed so far (``malloc_trim(0)``): crosscut calls it where one job starts (a
+    profile, a compile, a rank's init), so the heap kept for one model's steps does
+    not stay with a long-lived process (a notebook, a test session) for every model
+    after it. Kept alone, a test session's worker grew past 7 GiB and was killed for
+    memory.
 
     False where the C library is not glibc, where ``CROSSCUT_CPU_MALLOC=0``, or where
-    ``mallopt`` refused one of them. Threads started before the call keep the arenas
-    they already have; crosscut calls it before it starts its own."""
-    global _done
-    if _done is not None:
-        return _done
-    _done = False
+    ``mallopt`` refused one of them. Threads started before the first call keep the
+    arenas they already have; crosscut calls it before it starts its own."""
+    global _done, _libc
+    if _done is None:
+        _done, _libc = _configure()
+    if _done and _libc is not None:
+        _libc.malloc_trim(0)
+    return _done
+
+
+def _configure() -> tuple[bool, ctypes.CDLL | None]:
     if os.environ.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
-        return False
+        return False, None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
-            return False
+        if not all(hasattr(libc, f) for f in ("gnu_get_libc_version", "mallopt", "malloc_trim")):
+            return False, None
         accepted = [libc.mallopt(param, value) for param, value in SETTINGS.values()]
     except OSError:
-        return False
-    _done = all(accepted)
-    return _done
+        return False, None
+    return all(accepted), libc

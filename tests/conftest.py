@@ -22,6 +22,17 @@ if os.environ.get("CI"):
 __all__ = ["SEGMENTATION", "build_meta", "classification_names", "graphviz", "input_size"]
 
 
+@pytest.fixture(autouse=True)
+def _release_freed_memory() -> Iterator[None]:
+    """A test worker runs hundreds of models; crosscut keeps its freed CPU memory
+    (``crosscut/cpu_malloc.py``) until the next job starts, so give it back after each
+    test: kept alone, a worker grew past 7 GiB and the OOM killer took it."""
+    yield
+    from crosscut.cpu_malloc import release_freed_memory
+
+    release_freed_memory()
+
+
 @pytest.fixture
 def graphviz() -> None:
     """Tests that draw SVG/PNG need Graphviz's ``dot``: skipped on a machine without it.

@@ -64,17 +64,22 @@ _PROBE = _LIBC_HEADER + textwrap.dedent(
 )
 
 # A 1.5 GiB block freed at the top of the heap: how much of the heap glibc kept, then
-# how much after the next keep_freed_memory call (a job's start). Not written to, so it
+# how much after the next keep_freed_memory call (a job's start), and after another such
+# block and release_freed_memory. Not written to, so it
 # costs address space, not memory.
 _TRIM_PROBE = _LIBC_HEADER + textwrap.dedent(
     """
     if sys.argv[1] == "keep":
         keep_freed_memory()
+    from crosscut.cpu_malloc import release_freed_memory
     before = libc.mallinfo2().arena
     libc.free(libc.malloc(3 << 29))
     kept = libc.mallinfo2().arena - before
     keep_freed_memory()
-    print(kept, libc.mallinfo2().arena - before)
+    after_keep = libc.mallinfo2().arena - before
+    libc.free(libc.malloc(3 << 29))
+    release_freed_memory()
+    print(kept, after_keep, libc.mallinfo2().arena - before)
     """
 )
 
@@ -142,8 +147,8 @@ def test_a_large_block_freed_at_the_heaps_top_stays_until_the_next_job() -> None
     kept goes back at the next job's start: a test session kept it all, and its
     worker was killed for memory."""
     assert int(_run(_TRIM_PROBE, "default")[0]) < 1 << 30  # trimmed
-    kept, after_next_call = (int(v) for v in _run(_TRIM_PROBE, "keep"))
-    assert kept >= 3 << 29 and after_next_call < 1 << 30
+    kept, after_keep, after_release = (int(v) for v in _run(_TRIM_PROBE, "keep"))
+    assert kept >= 3 << 29 and after_keep < 1 << 30 and after_release < 1 << 30
 
 
 @glibc

@@ -121,6 +121,10 @@ def init(
                 chosen, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
             )
             atexit.register(_leave_job)
+            # gloo's mesh is joined pairwise: a rank whose side is done could leave (a bad
+            # option refused at once) and close a pair that a slower rank was still
+            # connecting, which then failed its init instead of refusing the option alike
+            dist.barrier(device_ids=[dev.index or 0] if dev.type == "cuda" else None)
         except (RuntimeError, ValueError) as exc:
             raise DistributedError(
                 f"rank {rank} could not join the process group ({chosen}): "

@@ -5,9 +5,10 @@ not fault its buffers back every iteration. This measures what each setting cost
 step, each in a fresh process (malloc's settings are per process):
 
 * ``glibc``: glibc's defaults (``CROSSCUT_CPU_MALLOC=0``);
-* ``thresholds``: what ``keep_freed_memory`` set until 2026-11-28, a 1 GiB trim
-  threshold and glibc's largest mmap threshold (32 MiB);
-* ``kept``: what it sets now (no block mapped on its own, no trimming, one arena).
+* ``thresholds``: crosscut's default, a 1 GiB trim threshold and glibc's largest
+  mmap threshold (32 MiB);
+* ``kept``: ``CROSSCUT_CPU_MALLOC=kept`` (no block mapped on its own, no trimming,
+  one arena).
 
 Per model and setting: minor page faults per step (``getrusage``), the median step
 and the peak resident memory; then each setting's step over ``kept``'s. With
@@ -24,7 +25,6 @@ CPU devices (one worker thread each), a fixed 2-stage 1F1B plan with 4 micro-bat
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import resource
@@ -56,13 +56,12 @@ SEQUENCE = [("resnet18", 64, 16), ("vgg11_bn", 64, 8), ("densenet121", 64, 8),
 
 
 def _apply(setting: str) -> None:
-    if setting == "kept":
+    """Set ``setting`` in this process: its child was started with the matching
+    ``CROSSCUT_CPU_MALLOC`` (``_child``), so crosscut's own calls agree."""
+    if setting != "glibc":
         from crosscut.cpu_malloc import keep_freed_memory
 
         assert keep_freed_memory(), "keep_freed_memory refused: not glibc?"
-    elif setting == "thresholds":  # M_TRIM_THRESHOLD, M_MMAP_THRESHOLD as set before
-        libc = ctypes.CDLL("libc.so.6")
-        assert libc.mallopt(-1, 1 << 30) and libc.mallopt(-3, 32 << 20)
 
 
 def measure(name: str, setting: str, steps: int) -> dict[str, float]:
@@ -123,8 +122,7 @@ def sequence(setting: str) -> list[float]:
 
 def _child(name: str, setting: str, steps: int) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    if setting != "kept":  # so that crosscut.compile does not set its own
-        env["CROSSCUT_CPU_MALLOC"] = "0"
+    env["CROSSCUT_CPU_MALLOC"] = {"glibc": "0", "thresholds": "1", "kept": "kept"}[setting]
     run = subprocess.run(
         [sys.executable, __file__, "--child", name, setting, str(steps)],
         env=env,

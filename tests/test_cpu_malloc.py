@@ -4,10 +4,10 @@ Why it matters: glibc gives large freed blocks back to the kernel and a fresh
 process then page-faults them in again every step; a CPU profile taken that way
 priced zero-bubble's weight-gradient pass 30 % slower than the pipeline ranks ran
 it, and VGG-11's 392 MiB gradients cost its steps 1.2 GB of page faults each.
-These tests check the setting's effect on glibc itself (blocks below and above
-glibc's 32 MiB mmap cap come from the heap, a freed 1.5 GiB stays in it, a
-worker thread's block is reused without faults), its off switch, and that the
-profiler and the local runtime apply it.
+These tests check each setting's effect on glibc itself (a block below glibc's
+32 MiB mmap cap comes from the heap; under kept, one above it too, a freed
+1.5 GiB stays until the next job, a worker thread's block is reused without
+faults), its off switch, and that the profiler and the local runtime apply it.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ _THREAD_PROBE = textwrap.dedent(
 def _run(probe: str, *args: str, **env: str) -> list[str]:
     return subprocess.run(
         [sys.executable, "-c", probe, *args],
-        env=dict(os.environ, **env),
+        env={**os.environ, "CROSSCUT_CPU_MALLOC": "1", **env},
         capture_output=True,
         text=True,
         check=True,
@@ -130,33 +130,36 @@ def test_a_large_block_comes_from_the_heap_once_memory_is_kept() -> None:
     """By default glibc maps a 20 MiB block afresh (and unmaps it on free); after
     ``keep_freed_memory`` it comes from the heap, where a freed block stays."""
     assert _probe("default")[1] >= 20 << 20  # a mapping of its own, header page included
-    assert _probe("keep") == ("True", 0)
+    assert _probe("keep") == ("True", 0)  # the default setting: thresholds
+    assert _probe("keep", CROSSCUT_CPU_MALLOC="kept") == ("True", 0)
 
 
 @glibc
 def test_a_block_above_glibcs_mmap_cap_comes_from_the_heap_too() -> None:
-    """glibc's mmap threshold cannot go above 32 MiB, so a 64 MiB block was mapped (and
-    faulted) afresh every time until mapping was turned off."""
+    """glibc's mmap threshold cannot go above 32 MiB, so under the default setting a
+    64 MiB block is mapped (and faulted) afresh every time; kept turns mapping off."""
     assert _probe("default", mib=64)[1] >= 64 << 20
-    assert _probe("keep", mib=64) == ("True", 0)
+    assert _probe("keep", mib=64)[1] >= 64 << 20  # thresholds: above 32 MiB still mapped
+    assert _probe("keep", mib=64, CROSSCUT_CPU_MALLOC="kept") == ("True", 0)
 
 
 @glibc
 def test_a_large_block_freed_at_the_heaps_top_stays_until_the_next_job() -> None:
-    """Trimming gave VGG-11's freed gradients back to the kernel every step. What is
+    """Under kept, what trimming gave back every step (VGG-11's freed gradients) stays. What is
     kept goes back at the next job's start: a test session kept it all, and its
     worker was killed for memory."""
     assert int(_run(_TRIM_PROBE, "default")[0]) < 1 << 30  # trimmed
-    kept, after_keep, after_release = (int(v) for v in _run(_TRIM_PROBE, "keep"))
+    probe = _run(_TRIM_PROBE, "keep", CROSSCUT_CPU_MALLOC="kept")
+    kept, after_keep, after_release = (int(v) for v in probe)
     assert kept >= 3 << 29 and after_keep < 1 << 30 and after_release < 1 << 30
 
 
 @glibc
 def test_a_worker_threads_tensor_is_reused_without_page_faults() -> None:
-    """A thread's own arena holds at most 64 MiB heaps; with one arena its blocks come
+    """A thread's own arena holds at most 64 MiB heaps; under kept, with one arena, its blocks come
     from the main heap and are reused: a 64 MiB tensor is 16,384 pages."""
     assert int(_run(_THREAD_PROBE, "default")[0]) >= 3 * 16_000
-    assert int(_run(_THREAD_PROBE, "keep")[0]) < 1_000
+    assert int(_run(_THREAD_PROBE, "keep", CROSSCUT_CPU_MALLOC="kept")[0]) < 1_000
 
 
 @glibc
@@ -178,3 +181,14 @@ def test_the_profiler_and_the_local_runtime_keep_freed_memory(
     profiled.profile_costs(trace(model, x), "cpu", repeats=1, warmup=0, cache_dir=None)
     crosscut.compile(model, ["cpu", "cpu"], x, microbatches=2, replicas=1)
     assert calls[0] == "profile" and "runtime" in calls
+
+
+def test_an_unknown_setting_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from crosscut.cpu_malloc import mode
+
+    for value, chosen in (("0", "off"), ("1", "thresholds"), ("kept", "kept"), ("", "thresholds")):
+        monkeypatch.setenv("CROSSCUT_CPU_MALLOC", value)
+        assert mode() == chosen
+    monkeypatch.setenv("CROSSCUT_CPU_MALLOC", "always")
+    with pytest.raises(ValueError, match=r"CROSSCUT_CPU_MALLOC='always'.*kept"):
+        mode()

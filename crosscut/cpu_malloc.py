@@ -30,10 +30,10 @@ Two settings, chosen by ``CROSSCUT_CPU_MALLOC``:
   PyTorch's 64-byte aligned requests are padded beyond a block just freed. A
   training loop settles within a few steps (peak +31 % on VGG-11-BN's local
   runtime, -5 to +3 % elsewhere), but a process that runs varied work grows: a test
-  session's workers reached 9-14 GiB within single tests and one was killed for
-  memory. So under kept each :func:`keep_freed_memory` call also gives the free heap
-  back (``malloc_trim(0)``, as ``torch.cuda.empty_cache`` on a GPU), and
-  :func:`release_freed_memory` does it alone.
+  session's workers reached 9-14 GiB within single tests (7.5 under thresholds), and
+  one was killed for memory. So under kept each :func:`keep_freed_memory` call also
+  gives the free heap back (``malloc_trim(0)``, as ``torch.cuda.empty_cache`` on a
+  GPU), and :func:`release_freed_memory` does it alone.
 
 ``0`` turns both off (glibc's defaults). crosscut calls :func:`keep_freed_memory`
 where it profiles or runs on the CPU (``cost_models.profiled.profile_costs``, the

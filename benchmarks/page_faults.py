@@ -38,6 +38,8 @@ import torch
 import torchvision
 from torch import nn
 
+from crosscut.cpu_malloc import keep_freed_memory
+
 __all__ = ["MODELS", "SEQUENCE", "SETTINGS", "main", "measure", "sequence"]
 
 SETTINGS = ("glibc", "thresholds", "kept")
@@ -59,8 +61,6 @@ def _apply(setting: str) -> None:
     """Set ``setting`` in this process: its child was started with the matching
     ``CROSSCUT_CPU_MALLOC`` (``_child``), so crosscut's own calls agree."""
     if setting != "glibc":
-        from crosscut.cpu_malloc import keep_freed_memory
-
         assert keep_freed_memory(), "keep_freed_memory refused: not glibc?"
 
 
@@ -103,8 +103,6 @@ def sequence(setting: str) -> list[float]:
     resident = []
     for arch, size, batch in SEQUENCE * 2:
         if setting == "kept":
-            from crosscut.cpu_malloc import keep_freed_memory
-
             keep_freed_memory()  # where a job starts: what the last one freed goes back
         extra = {"aux_logits": False, "init_weights": True} if arch == "googlenet" else {}
         model = getattr(torchvision.models, arch)(num_classes=10, **extra).train()

@@ -49,6 +49,8 @@ import ctypes.util
 import os
 import sys
 
+from crosscut.errors import InputError
+
 __all__ = ["ENV", "SETTINGS", "keep_freed_memory", "mode", "release_freed_memory"]
 
 ENV = "CROSSCUT_CPU_MALLOC"
@@ -66,7 +68,7 @@ _kept = False  # the mode set was kept
 
 def mode() -> str:
     """The setting ``CROSSCUT_CPU_MALLOC`` asks for: ``"off"``, ``"thresholds"`` or
-    ``"kept"``; an unknown value raises ValueError naming the accepted ones."""
+    ``"kept"``; an unknown value raises InputError naming the accepted ones."""
     value = os.environ.get(ENV, "1").strip().lower()
     if value == "0":
         return "off"
@@ -74,7 +76,11 @@ def mode() -> str:
         return "thresholds"
     if value == "kept":
         return "kept"
-    raise ValueError(f"{ENV}={value!r}: must be 0 (off), 1 or thresholds (default), or kept")
+    raise InputError(
+        f"{ENV} must be 0 (off), 1 or thresholds (the default), or kept",
+        value=value,
+        remedy=f"unset {ENV}, or set it to one of those",
+    )
 
 
 def keep_freed_memory() -> bool:

@@ -24,9 +24,9 @@ __all__ = ["SEGMENTATION", "build_meta", "classification_names", "graphviz", "in
 
 @pytest.fixture(autouse=True)
 def _release_freed_memory() -> Iterator[None]:
-    """A test worker runs hundreds of models; crosscut keeps its freed CPU memory
-    (``crosscut/cpu_malloc.py``) until the next job starts, so give it back after each
-    test: kept alone, a worker grew past 7 GiB and the OOM killer took it."""
+    """Under ``CROSSCUT_CPU_MALLOC=kept`` crosscut keeps freed CPU memory until the next
+    job starts (``crosscut/cpu_malloc.py``); a test worker runs hundreds of models, so
+    give it back after each test. Under the default setting this does nothing."""
     yield
     from crosscut.cpu_malloc import release_freed_memory
 

@@ -156,8 +156,8 @@ def test_the_gpu_check_runs_its_parts_on_the_cpu(tmp_path: Path) -> None:
 def test_page_faults_benchmark_shows_the_kept_heap_faulting_less_than_glibcs() -> None:
     """The mechanism, not a timing: under glibc's defaults the local runtime's worker
     threads fault tens of thousands of pages per MobileNetV2 step (its buffers above
-    glibc's mmap threshold are mapped afresh); with ``keep_freed_memory`` a tenth of
-    that at most (none on this VM once settled)."""
+    glibc's mmap threshold are mapped afresh); under ``CROSSCUT_CPU_MALLOC=kept`` a
+    tenth of that at most (none on this VM once settled)."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "page_faults.py"),
            "--models", "mobilenet_v2-160 local", "--steps", "4"]  # fmt: skip
     rows = {}

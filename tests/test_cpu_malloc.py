@@ -190,5 +190,5 @@ def test_an_unknown_setting_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setenv("CROSSCUT_CPU_MALLOC", value)
         assert mode() == chosen
     monkeypatch.setenv("CROSSCUT_CPU_MALLOC", "always")
-    with pytest.raises(ValueError, match=r"CROSSCUT_CPU_MALLOC='always'.*kept"):
+    with pytest.raises(ValueError, match=r"CROSSCUT_CPU_MALLOC must be .*kept.*always"):
         mode()

@@ -22,7 +22,10 @@ the rates measured here: where a wrong price sits (``cost_models/cpu_terms.py``
 holds the two kinds this found far off).
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_preset.py [--per-op]``
-(``--models zoo``: one model of each of twelve torchvision families instead). On a
+(``--models zoo``: one model of each of twelve torchvision families instead;
+``--models faults``: four steps with blocks glibc maps afresh every step under the
+default ``CROSSCUT_CPU_MALLOC``, priced by ``cpu_terms.fresh_blocks`` at the page-fault
+rate ``links.measure_page_fault_rate`` measures). On a
 shared, loaded VM the measured side moves by tens of percent between runs:
 docs/BENCHMARKS.md records the figures with the machine's load.
 """
@@ -45,10 +48,10 @@ from crosscut.cost_models.calibration import step_overhead_s, update_seconds
 from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.devices import DeviceSpec
 from crosscut.cost_models.profiled import profile_costs
-from crosscut.cpu_malloc import keep_freed_memory
+from crosscut.cpu_malloc import keep_freed_memory, mode
 from crosscut.frontend.tracer import trace
 
-__all__ = ["MODELS", "ZOO", "main", "measured_step", "per_op", "predicted_step"]
+__all__ = ["FAULTS", "MODELS", "ZOO", "main", "measured_step", "per_op", "predicted_step"]
 
 
 def _lenet() -> nn.Module:
@@ -93,6 +96,17 @@ ZOO: dict[str, tuple[type[nn.Module] | object, tuple[int, ...], int]] = {
     "regnet_y_400mf-128": (_tv("regnet_y_400mf"), (3, 128, 128), 8),
     "googlenet-128": (_tv("googlenet", aux_logits=False, init_weights=True), (3, 128, 128), 8),
     "convnext_tiny-64": (_tv("convnext_tiny"), (3, 64, 64), 8),
+}
+
+
+# ``--models faults``: steps with blocks of 32 MiB and more, which glibc maps afresh under
+# the default CROSSCUT_CPU_MALLOC (cpu_terms.fresh_blocks prices them): a large classifier
+# weight gradient (VGG-11-BN, AlexNet) and large activations (ResNet-50 at 224 px).
+FAULTS: dict[str, tuple[type[nn.Module] | object, tuple[int, ...], int]] = {
+    "vgg11_bn-64": (_tv("vgg11_bn"), (3, 64, 64), 8),
+    "alexnet-128": (_tv("alexnet"), (3, 128, 128), 8),
+    "resnet50-224-b16": (_tv("resnet50"), (3, 224, 224), 16),
+    "resnet50-224-b32": (_tv("resnet50"), (3, 224, 224), 32),
 }
 
 
@@ -167,7 +181,9 @@ def measured_step(model: nn.Module, x: torch.Tensor, steps: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated names, or 'zoo'")
+    ap.add_argument(
+        "--models", default=",".join(MODELS), help="comma-separated names, 'zoo' or 'faults'"
+    )
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--per-op", action="store_true", help="also price each op kind")
     args = ap.parse_args(argv)
@@ -182,15 +198,18 @@ def main(argv: list[str] | None = None) -> None:
         f"{cores} cores, torch on {threads} thread(s); load average "
         f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}; preset "
         f"{preset.peak('float32') / 1e9:.0f} GFLOP/s, {preset.mem_bw / 1e9:.0f} GB/s; "
-        f"measured here {flops / 1e9:.1f} GFLOP/s, {bw / 1e9:.1f} GB/s"
+        f"measured here {flops / 1e9:.1f} GFLOP/s, {bw / 1e9:.1f} GB/s, page faults "
+        f"{here.page_fault_bw / 1e9:.2f} GB/s (preset {preset.page_fault_bw / 1e9:.1f}); "
+        f"CROSSCUT_CPU_MALLOC={mode()}"
     )
     print(
         f"{'model':<24}{'batch':>6}{'preset s':>10}{'here s':>8}"
         f"{'measured s':>11}{'preset/meas':>12}{'here/meas':>10}"
     )
-    names = list(ZOO) if args.models == "zoo" else args.models.split(",")
+    sets = {"zoo": list(ZOO), "faults": list(FAULTS)}
+    names = sets.get(args.models) or args.models.split(",")
     for name in names:
-        factory, shape, batch = {**MODELS, **ZOO}[name]
+        factory, shape, batch = {**MODELS, **ZOO, **FAULTS}[name]
         model = factory().train()  # type: ignore[operator]
         x = torch.randn(batch, *shape)
         pred = predicted_step(model, x, preset)

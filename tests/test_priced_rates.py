@@ -87,8 +87,12 @@ def test_a_cpu_says_whose_rates_price_it() -> None:
     assert "reference core" in said and f"{ref.peak('float32') / 1e9:.0f} GFLOP/s" in said
     own = cpu_spec(ref.name, peak=123e9, mem_bw=45e9)
     said = str(priced_rate(graph, own)["efficiency"])
-    assert "123 GFLOP/s and 45 GB/s, measured or described" in said
+    assert "123 GFLOP/s, 45 GB/s, page faults at 4.0 GB/s, measured or described" in said
     assert "not calibrated" not in said
+    faults = cpu_spec(ref.name, page_fault_bw=2e9)  # only the page-fault rate measured
+    assert "page faults at 2.0 GB/s, measured or described" in str(
+        priced_rate(graph, faults)["efficiency"]
+    )
 
 
 def test_a_device_described_by_hand_has_no_preset() -> None:

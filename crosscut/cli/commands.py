@@ -86,8 +86,8 @@ def _partition_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--measure",
         action="store_true",
-        help="with a device list (cpu,cpu): price a CPU at the GEMM and copy rates measured "
-        "here, and time the links, instead of the presets' (about a second)",
+        help="with a device list (cpu,cpu): price a CPU at the GEMM, copy and page-fault "
+        "rates measured here, and time the links, instead of the presets' (about a second)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
+from crosscut import cpu_malloc
 from crosscut.cost_models.cluster import Cluster
-from crosscut.cost_models.cpu_terms import cpu_node_times, roofline
+from crosscut.cost_models.cpu_terms import cpu_node_times, fresh_seconds, roofline
 from crosscut.cost_models.devices import PRESETS, DeviceSpec, cpu_spec
 from crosscut.cost_models.efficiency import (
     GENERATIONS,
@@ -365,8 +366,18 @@ def _cpu_rates(spec: DeviceSpec) -> str:
     """A CPU's two rates, and whether they are the reference core's (``devices.cpu_spec``,
     not this machine's) or its own (``Cluster.from_devices(..., measure=True)``, a JSON)."""
     ref = cpu_spec(spec.name)
-    own = (spec.peak("float32"), spec.mem_bw) != (ref.peak("float32"), ref.mem_bw)
-    return f"{spec.peak('float32') / 1e9:.0f} GFLOP/s and {spec.mem_bw / 1e9:.0f} GB/s, " + (
+    own = (spec.peak("float32"), spec.mem_bw, spec.page_fault_bw) != (
+        ref.peak("float32"),
+        ref.mem_bw,
+        ref.page_fault_bw,
+    )
+    faults = (
+        f"page faults at {spec.page_fault_bw / 1e9:.1f} GB/s"
+        if spec.page_fault_bw
+        else "no page faults"
+    )
+    rates = f"{spec.peak('float32') / 1e9:.0f} GFLOP/s, {spec.mem_bw / 1e9:.0f} GB/s, {faults}"
+    return f"{rates}, " + (
         "measured or described" if own else "the reference core's, not calibrated on this machine"
     )
 
@@ -391,7 +402,8 @@ def priced_rate(graph: OpGraph, spec: DeviceSpec, flags: MathFlags | None = None
     )
     if eff.generation == "cpu":
         where = (
-            f"analytic: {_cpu_rates(spec)}; NCHW max pools and training batch norms by cpu_terms"
+            f"analytic: {_cpu_rates(spec)}; NCHW max pools and training batch norms by "
+            f"cpu_terms; blocks glibc maps afresh under CROSSCUT_CPU_MALLOC={cpu_malloc.mode()}"
         )
     elif spec.kind not in GENERATIONS:
         where = f"analytic default: '{eff.generation}' fractions ({fractions}), kind not a preset"
@@ -463,11 +475,14 @@ def analytic_costs(
     acts = activation_bytes(graph)
     readers = consumers(graph)
     nodes: dict[str, NodeCost] = {}
+    fresh = {kind: fresh_seconds(graph, spec) for kind, spec in specs.items()}  # CPU faults
     for n in graph.nodes:
         cost = NodeCost(resident=0 if n.is_io else resident_bytes(n, graph.mode, optimizer))
         cost.activation = acts.get(n.name, 0)
         for kind, spec in specs.items():
             fwd, bwd = node_times(graph, n, spec, flags)
+            fault_fwd, fault_bwd = fresh[kind].get(n.name, (0.0, 0.0))
+            fwd, bwd = fwd + fault_fwd, bwd + fault_bwd
             cost.fwd[kind] = fwd
             fan_out = fan_out_seconds(n, readers.get(n.name, 0), spec)
             cost.bwd[kind] = bwd + (fan_out if graph.mode == "train" else 0.0)

@@ -31,6 +31,7 @@ from crosscut.cost_models.links import (
     default_link,
     measure_cpu_rates,
     measure_link,
+    measure_page_fault_rate,
     network_link,
 )
 from crosscut.cost_models.mixed_node import mixed_devices
@@ -291,8 +292,9 @@ class Cluster:
         CUDA devices may appear once each; ``"cpu"`` may repeat (virtual CPU
         devices named cpu0, cpu1, ... for tests). With ``measure=True`` the link
         matrix is timed with :func:`measure_link` instead of taken from presets,
-        and a CPU is priced at its own GEMM and copy rates (``measure_cpu_rates``)
-        instead of the reference core's.
+        and a CPU is priced at its own GEMM, copy and page-fault rates
+        (``measure_cpu_rates``, ``measure_page_fault_rate``) instead of the
+        reference core's.
         """
         if isinstance(devices, int):
             avail = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -320,11 +322,16 @@ class Cluster:
             )
         n_cpu = sum(1 for d in torch_devs if d.type == "cpu")
         peak, copies = measure_cpu_rates() if measure and n_cpu else (None, None)
+        faults = measure_page_fault_rate() if measure and n_cpu else None
         specs: list[DeviceSpec] = []
         cpu_i = 0
         for d in torch_devs:
             if d.type == "cpu":
-                specs.append(cpu_spec(f"cpu{cpu_i}", share=n_cpu, peak=peak, mem_bw=copies))
+                specs.append(
+                    cpu_spec(
+                        f"cpu{cpu_i}", share=n_cpu, peak=peak, mem_bw=copies, page_fault_bw=faults
+                    )
+                )
                 cpu_i += 1
             else:
                 specs.append(cuda_spec(d))

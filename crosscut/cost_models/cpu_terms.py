@@ -29,7 +29,18 @@ from __future__ import annotations
 
 import math
 
+from crosscut import cpu_malloc
 from crosscut.cost_models.devices import DeviceSpec
+from crosscut.cost_models.memory import (
+    _PASS_GRAD,
+    _VIEW,
+    _itemsize,
+    _key,
+    _matches,
+    _shares_storage,
+    is_alias,
+    saved_by,
+)
 from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = [
@@ -38,7 +49,10 @@ __all__ = [
     "CPU_POOL_BWD_FLOPS",
     "CPU_POOL_OUTPUT_FLOPS",
     "CPU_POOL_TAP_FLOPS",
+    "GLIBC_THRESHOLDS",
     "cpu_node_times",
+    "fresh_blocks",
+    "fresh_seconds",
     "roofline",
 ]
 
@@ -96,3 +110,77 @@ def roofline(compute_s: float, memory_s: float, cpu: bool) -> float:
     in whole steps went from 0.65-0.76x to 0.79-0.83x of their time, ResNet-18's 3x3
     ones (compute-bound) moved by 2 %."""
     return compute_s + memory_s if cpu else max(compute_s, memory_s)
+
+
+# glibc's malloc under each ``CROSSCUT_CPU_MALLOC`` setting (cpu_malloc.py): (mmap threshold,
+# trim threshold). A block of at least the mmap threshold gets a mapping of its own, and
+# the kernel faults its pages in at first touch, unless a free chunk of the heap holds it;
+# the heap's top goes back to the kernel once more than the trim threshold is free there.
+# glibc's own defaults ("off") raise the mmap threshold to the largest block freed, at most
+# 32 MiB, and the trim threshold to twice that. Under "kept" nothing is mapped on its own.
+GLIBC_THRESHOLDS: dict[str, tuple[int, int]] = {
+    "thresholds": (32 << 20, 1 << 30),
+    "off": (32 << 20, 64 << 20),
+}
+
+
+def _blocks(graph: OpGraph, node: OpNode) -> tuple[list[int], list[int]]:
+    """(blocks a forward allocates, blocks its backward allocates), in bytes."""
+    if node.is_io or node.op == "get_attr":
+        return [], []
+    fwd: list[int] = []
+    if not is_alias(graph, node):
+        fwd = [_elements(s) * _itemsize(node) for s in node.shapes] or [node.out_bytes]
+    elif not _shares_storage(graph, node):  # in place, but autograd saves a copy of the input
+        fwd = [node.out_bytes]
+    fwd += [extra] if (extra := saved_by(graph, node)[1]) else []
+    if graph.mode != "train":
+        return fwd, []
+    bwd = [node.param_bytes] if node.param_bytes else []
+    kind, tgt = _key(node)
+    if not (kind in _VIEW or tgt in _VIEW or _matches(node, _PASS_GRAD)):
+        data = [graph.node(i) for i in node.inputs]
+        bwd += [p.out_bytes for p in data if p.op not in ("placeholder", "get_attr")]
+    return fwd, bwd
+
+
+def fresh_blocks(graph: OpGraph, setting: str | None = None) -> dict[str, tuple[int, int]]:
+    """Node -> (forward bytes, backward bytes) that one step maps afresh under glibc's
+    ``setting`` (default: ``cpu_malloc.mode()``, what this process runs under), the
+    blocks whose pages it faults in every step.
+
+    Why it is priced: measured on dev-2c under the default setting, VGG-11-BN's 392 MiB
+    classifier weight gradient was mapped afresh at every step (117,000 faults, about
+    a quarter of the step), and ResNet-50 at 224 px and batch 32 mapped 4.5-7.7 GB a
+    step (12-14 s against 9.7-10 s with nothing mapped: ``benchmarks/page_faults.py``).
+
+    Which blocks, by glibc's rules: every block of at least the mmap threshold, when
+    the step's smaller blocks (``H``, their sum: an upper bound on the heap they keep)
+    exceed the trim threshold, since the heap then goes back to the kernel at each
+    step's end and no free chunk is left to hold a large block; otherwise only the
+    blocks larger than ``H``, which no free chunk of the heap can hold. Blocks between
+    the two (a 32-37 MiB activation beside a heap of hundreds of MiB) were mapped in
+    some steps and not others (MobileNetV2 at 224 px, batch 8: 2-3 of its nine) and
+    are not priced: the price is a floor."""
+    chosen = cpu_malloc.mode() if setting is None else setting
+    if chosen not in GLIBC_THRESHOLDS:
+        return {}
+    mmap_at, trim_at = GLIBC_THRESHOLDS[chosen]
+    blocks = {n.name: _blocks(graph, n) for n in graph.nodes}
+    grads = [n.param_bytes for n in graph.nodes if graph.mode == "train"]
+    heap = sum(b for f, _ in blocks.values() for b in f if b < mmap_at)
+    heap += sum(b for b in grads if b < mmap_at)
+
+    def mapped(sizes: list[int]) -> int:
+        return sum(b for b in sizes if b >= mmap_at and (heap > trim_at or b > heap))
+
+    out = {name: (mapped(f), mapped(w)) for name, (f, w) in blocks.items()}
+    return {name: fw for name, fw in out.items() if fw != (0, 0)}
+
+
+def fresh_seconds(graph: OpGraph, spec: DeviceSpec) -> dict[str, tuple[float, float]]:
+    """:func:`fresh_blocks` at ``spec.page_fault_bw`` (none where it is 0, as on a GPU)."""
+    if spec.page_fault_bw <= 0 or not spec.device.startswith("cpu"):
+        return {}
+    rate = spec.page_fault_bw
+    return {name: (f / rate, b / rate) for name, (f, b) in fresh_blocks(graph).items()}

@@ -39,6 +39,10 @@ class DeviceSpec:
     fast half precision, needs no fake entry). ``launch_overhead_s`` is the fixed
     cost of one operator (kernel launch plus framework dispatch), which dominates
     small ops and is why a roofline alone under-prices deep, thin graphs.
+    ``page_fault_bw`` is the rate, in bytes/s, at which the operating system maps
+    fresh memory in at its first touch (a page fault per 4 KiB page): what a CPU
+    step pays for every buffer glibc maps afresh (``cpu_terms.fresh_blocks``). 0
+    prices none, as on a GPU, whose caching allocator keeps its memory.
     """
 
     name: str
@@ -48,6 +52,7 @@ class DeviceSpec:
     mem_bw: float = 0.0
     mem_cap: int = 0
     launch_overhead_s: float = 0.0
+    page_fault_bw: float = 0.0
 
     def peak(self, dtype: str) -> float:
         """FLOP/s for ``dtype``, falling back to float32 (always present in presets)."""
@@ -74,6 +79,7 @@ class DeviceSpec:
                 mem_bw=float(data["mem_bw"]),
                 mem_cap=int(data["mem_cap"]),
                 launch_overhead_s=float(data.get("launch_overhead_s", 0.0)),
+                page_fault_bw=float(data.get("page_fault_bw", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise DeviceError(
@@ -104,6 +110,11 @@ class DeviceSpec:
             raise DeviceError(
                 f"device {self.name!r}: launch_overhead_s must be >= 0",
                 value=self.launch_overhead_s,
+            )
+        if self.page_fault_bw < 0:
+            raise DeviceError(
+                f"device {self.name!r}: page_fault_bw must be >= 0 (0 prices no page faults)",
+                value=self.page_fault_bw,
             )
 
 
@@ -163,6 +174,11 @@ for _k in ("V100", "V100-32GB", "P40", "P100"):
 CPU_FLOPS_PER_CORE = 40e9
 CPU_BW_PER_CORE = 10e9
 CPU_LAUNCH_S = 10e-6
+# First touch of freshly mapped memory: a page fault and the kernel zeroing the page,
+# about 1 µs per 4 KiB page on a bare-metal Linux server (an assumption, not measured
+# here: dev-2c, a VM, measured 1.8 µs, 2.3 GB/s, because the hypervisor maps it too).
+# ``Cluster.from_devices(..., measure=True)`` measures it (links.measure_page_fault_rate).
+CPU_PAGE_FAULT_BW = 4e9
 
 
 def physical_memory_bytes() -> int:
@@ -190,15 +206,20 @@ def compute_threads() -> int:
 
 
 def cpu_spec(
-    name: str = "cpu0", *, share: int = 1, peak: float | None = None, mem_bw: float | None = None
+    name: str = "cpu0",
+    *,
+    share: int = 1,
+    peak: float | None = None,
+    mem_bw: float | None = None,
+    page_fault_bw: float | None = None,
 ) -> DeviceSpec:
     """The CPU of this machine at torch's threads; ``share`` virtual devices split its RAM evenly.
 
     Virtual CPU devices (``["cpu", "cpu"]``) exist so the partitioner and the
     runtime can be tested without GPUs. They share one pool of RAM, so each gets
     ``1/share`` of it: a plan that fits every cap then also fits the machine.
-    ``peak`` and ``mem_bw`` replace the reference core's rates with measured ones
-    (``Cluster.from_devices(..., measure=True)``).
+    ``peak``, ``mem_bw`` and ``page_fault_bw`` replace the reference core's rates
+    with measured ones (``Cluster.from_devices(..., measure=True)``).
     """
     cores = compute_threads()
     fp32 = peak if peak is not None else CPU_FLOPS_PER_CORE * cores
@@ -210,6 +231,7 @@ def cpu_spec(
         mem_bw=mem_bw if mem_bw is not None else min(CPU_BW_PER_CORE * cores, 40e9),
         mem_cap=max(physical_memory_bytes() // max(share, 1), 1),
         launch_overhead_s=CPU_LAUNCH_S,
+        page_fault_bw=page_fault_bw if page_fault_bw is not None else CPU_PAGE_FAULT_BW,
     )
 
 

@@ -8,6 +8,7 @@ the machine it will run on.
 
 from __future__ import annotations
 
+import mmap
 import statistics
 import time
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ __all__ = [
     "measure_cpu_rates",
     "measure_link",
     "measure_matmul_flops",
+    "measure_page_fault_rate",
     "network_link",
 ]
 
@@ -242,3 +244,26 @@ def measure_cpu_rates(tries: int = 3) -> tuple[float, float]:
     cpu = torch.device("cpu")
     flops = max(measure_matmul_flops(cpu) for _ in range(tries))
     return flops, max(measure_copy_rate(cpu) for _ in range(tries))
+
+
+def measure_page_fault_rate(mib: int = 64, tries: int = 3) -> float:
+    """Bytes/s at which this machine maps fresh memory in at its first touch, the best
+    of ``tries``: ``DeviceSpec.page_fault_bw`` for a CPU. A fresh anonymous mapping of
+    ``mib`` MiB is filled twice; the first fill pays a page fault per page (the
+    kernel zeroes it, a hypervisor may map it too), the second only the writes, and
+    the difference is the mapping's price. Measured this way, not as the first
+    fill's rate, because the cost model already prices writing a tensor's bytes."""
+    size, best = mib * 2**20, 0.0
+    for _ in range(tries):
+        region = mmap.mmap(-1, size)
+        view = torch.frombuffer(region, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        view.fill_(1)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        view.fill_(2)
+        again = time.perf_counter() - t0
+        del view
+        region.close()
+        best = max(best, size / max(first - again, 1e-9))
+    return best

@@ -1,4 +1,4 @@
-"""CPU kernels the roofline misprices: max pool and training batch norm, timed by shape.
+"""CPU kernels the roofline misprices: max pool, training batch norm, narrow 1x1 convolutions.
 
 ``cost_models/cpu_terms.py`` prices an NCHW max pool and a training batch norm on
 a CPU in *FLOP-equivalents*: seconds × the CPU's GEMM rate. This measures what
@@ -8,15 +8,22 @@ those are on this machine, with the GEMM and copy rates measured in the same run
 * each max pool (NCHW, and channels-last for contrast) forward and backward;
 * each batch norm (NCHW, training) forward and backward (input and weight
   gradients, one autograd call);
-* per row: the time, FLOP-equivalents per output (pool) or per element (batch
-  norm), the bytes-equivalents of the forward (seconds × the copy rate), and the
-  analytic price's ratio to the time at this machine's two rates.
+* each 1x1 convolution at batch 8 and 1-4 pixels a side, which PyTorch runs as
+  ``Slow2d`` on one thread (one GEMM per sample, as wide as its pixels) forward
+  and backward (input and weight gradients);
+* per row: the time, FLOP-equivalents per output (pool), per element (batch
+  norm) or per multiply-add (convolution), the bytes-equivalents of the forward
+  (seconds × the copy rate), and the analytic price's ratio to the time at this
+  machine's two rates.
 
 ``--out FILE`` writes the rows as JSON; ``tests/test_cpu_terms.py`` re-prices the
-recorded file (``docs/benchmarks/cpu-kernels.json``) with the current model.
+recorded files (``docs/benchmarks/cpu-kernels.json``: pools and batch norms;
+``cpu-kernels-slow2d.json``: the convolutions) with the current model.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_kernels.py \\
-        --out docs/benchmarks/cpu-kernels.json
+        --ops max_pool2d,batch_norm --out docs/benchmarks/cpu-kernels.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_kernels.py \\
+        --ops conv2d_1x1 --out docs/benchmarks/cpu-kernels-slow2d.json
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from crosscut.cost_models.devices import cpu_spec
 from crosscut.cost_models.links import measure_cpu_rates
 from crosscut.frontend.tracer import trace
 
-__all__ = ["BN_SHAPES", "POOL_SHAPES", "cpu_name", "main", "priced"]
+__all__ = ["BN_SHAPES", "CONV_SHAPES", "POOL_SHAPES", "cpu_name", "main", "priced"]
 
 # (batch, channels, height, kernel, stride, padding): LeNet's, ResNet's and
 # GoogLeNet's pools among them (28² 2x2; 32-112² 3x3 stride 2; 3x3 stride 1)
@@ -61,6 +68,20 @@ BN_SHAPES = (
     (16, 256, 4),
     (16, 512, 2),
     (16, 960, 2),
+)
+
+# (batch, in channels, out channels, height): 1x1 convolutions of DenseNet-121's last
+# block and MobileNetV2's last stages at 64 px (2x2), at 3x3 and 1x1, and a 4x4 control
+CONV_SHAPES = (
+    (8, 512, 128, 2),
+    (8, 1024, 128, 2),
+    (8, 96, 576, 2),
+    (8, 576, 96, 2),
+    (8, 160, 960, 2),
+    (8, 512, 128, 3),
+    (8, 128, 32, 1),
+    (8, 1024, 128, 1),
+    (8, 512, 128, 4),
 )
 
 
@@ -124,6 +145,8 @@ def _cases() -> list[tuple[str, nn.Module, tuple[int, ...], bool, list[int]]]:
             cases.append(("max_pool2d", nn.MaxPool2d(k, s, p), (n, c, h, h), cl, [k, s, p]))
     for n, c, h in BN_SHAPES:
         cases.append(("batch_norm", nn.BatchNorm2d(c), (n, c, h, h), False, []))
+    for n, c, out, h in CONV_SHAPES:
+        cases.append(("conv2d_1x1", nn.Conv2d(c, out, 1), (n, c, h, h), False, [out]))
     return cases
 
 
@@ -131,6 +154,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument(
+        "--ops",
+        default="max_pool2d,batch_norm,conv2d_1x1",
+        help="comma-separated op families to time (default: all three)",
+    )
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     flops, bw = measure_cpu_rates()
@@ -145,14 +173,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     rows: list[dict[str, Any]] = []
     for op, module, shape, cl, window in _cases():
+        if op not in args.ops.split(","):
+            continue
         fwd, bwd, outputs = _time(module, shape, cl, args.repeats)
         units = outputs if op == "max_pool2d" else math.prod(shape)
+        if op == "conv2d_1x1":  # multiply-adds
+            units = outputs * shape[1]
         p_fwd, p_bwd = priced(module, shape, flops, bw, cl)
         row = {
             "op": op,
             "shape": list(shape),
             "channels_last": cl,
-            "pool": window,
+            "pool": window if op == "max_pool2d" else [],
+            "out_channels": window[0] if op == "conv2d_1x1" else None,
             "fwd_s": fwd,
             "bwd_s": bwd,
             "units": units,
@@ -180,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
             "copy_bytes_per_s": bw,
             "after": list(after),
             "load": os.getloadavg()[0],
-            "command": "OMP_NUM_THREADS=1 python benchmarks/cpu_kernels.py --out FILE",
+            "command": "OMP_NUM_THREADS=1 python benchmarks/cpu_kernels.py "
+            f"--ops {args.ops} --out FILE",
         }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -1,4 +1,4 @@
-"""Per-op CPU terms: the two op kinds a CPU runs far from their bytes' price.
+"""Per-op CPU terms: the op kinds a CPU runs far from their roofline price.
 
 Why a module of its own: ``op_terms.py`` holds what GPUs measured; these were
 measured on a CPU (one core of an AMD EPYC with AVX-512, ``OMP_NUM_THREADS=1``,
@@ -23,6 +23,11 @@ describes, where absolute rates would tie them to the core they were measured
 on; and it follows what moves them: in one session here the kernels' times moved
 by under 10 % while the copy rate (DRAM, shared with the host's other guests)
 moved between 20.5 and 30.3 GB/s, and the GEMM rate, best of three, by 4 %.
+
+Two more terms came later: a 1x1 convolution that PyTorch runs as ``Slow2d``, one
+GEMM per sample as wide as its feature map, under 16 pixels (``SLOW2D_MAC_FLOPS``),
+and the blocks glibc maps afresh every step (``fresh_blocks``), whose pages are
+faulted in at the spec's ``page_fault_bw``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from __future__ import annotations
 import math
 
 from crosscut import cpu_malloc
-from crosscut.cost_models.devices import DeviceSpec
+from crosscut.cost_models.devices import DeviceSpec, compute_threads
 from crosscut.cost_models.memory import (
     _PASS_GRAD,
     _VIEW,
@@ -50,10 +55,12 @@ __all__ = [
     "CPU_POOL_OUTPUT_FLOPS",
     "CPU_POOL_TAP_FLOPS",
     "GLIBC_THRESHOLDS",
+    "SLOW2D_MAC_FLOPS",
     "cpu_node_times",
     "fresh_blocks",
     "fresh_seconds",
     "roofline",
+    "runs_slow2d",
 ]
 
 # FLOP-equivalents of an NCHW max pool's forward: per output, and per tap of its window
@@ -75,6 +82,67 @@ CPU_BN_FWD_FLOPS = 190.0
 CPU_BN_BWD_FLOPS = 70.0
 
 
+# FLOP-equivalents per multiply-add of a 1x1 convolution PyTorch runs as ``Slow2d`` (one
+# GEMM per sample, as wide as the feature map's pixels), by pixels per sample: (forward,
+# input gradient, weight gradient). A GEMM under 16 columns wide starves the BLAS kernel.
+# Measured on one EPYC core at batch 8 (six channel shapes of DenseNet's and MobileNetV2's
+# 1x1 convolutions, 32-960 channels): at 2x2 and 3x3 pixels the forward ran at 6-8
+# GFLOP/s against 98 for a large GEMM (0.17-0.37 ns a multiply-add), the input gradient
+# at 0.19-0.86 ns; at 1x1 0.06-0.15 and 0.10-0.86; from 4x4 (16 columns) at the roofline.
+# Rows re-priced by tests/test_cpu_terms.py: docs/benchmarks/cpu-kernels-slow2d.json.
+SLOW2D_MAC_FLOPS: dict[str, tuple[float, float, float]] = {
+    "one pixel": (11.0, 17.0, 15.0),
+    "under 16 pixels": (26.0, 36.0, 4.5),
+}
+
+
+def runs_slow2d(graph: OpGraph, node: OpNode, threads: int | None = None) -> bool:
+    """PyTorch runs the fp32 convolution ``node`` on a CPU as ``Slow2d`` (per-sample GEMMs)
+    instead of oneDNN: ATen's ``use_mkldnn`` rule (``torch._C._select_conv_backend`` says
+    which), a 1x1 stride-1 undilated convolution at batch under 16 on one thread, whose
+    oneDNN kernels it judges slower there; or one whose input is tiny (a batch of one,
+    ungrouped, kernel not above 3x3, at most 20,480 elements in)."""
+    conv = node.conv
+    if conv is None or conv["transposed"] or node.dtype != "float32" or not node.inputs:
+        return False
+    shape = graph.node(node.inputs[0]).shapes[0] if graph.node(node.inputs[0]).shapes else []
+    if len(shape) != 4 or len(conv["kernel"]) != 2:
+        return False
+    batch, one_by_one = int(shape[0]), conv["kernel"] == [1, 1]
+    strided = any(v != 1 for v in conv["stride"]) or any(v != 1 for v in conv["dilation"])
+    threads = compute_threads() if threads is None else threads
+    wide = strided or batch >= 16 or not one_by_one or threads > 1
+    large = (
+        conv["groups"] > 1
+        or min(conv["kernel"]) > 3
+        or batch > 1
+        or math.prod(int(v) for v in shape) > 20480
+    )
+    return not (wide and large)
+
+
+def _slow2d_times(
+    graph: OpGraph, node: OpNode, spec: DeviceSpec, part: float
+) -> tuple[float, float] | None:
+    """A 1x1 ``Slow2d`` convolution under 16 pixels a sample, priced per multiply-add."""
+    if node.conv is None or node.conv["kernel"] != [1, 1] or not node.shapes:
+        return None
+    if not runs_slow2d(graph, node):
+        return None
+    pixels = math.prod(int(v) for v in node.shapes[0][2:])
+    if pixels >= 16:
+        return None
+    fwd, grad_in, grad_w = SLOW2D_MAC_FLOPS["one pixel" if pixels == 1 else "under 16 pixels"]
+    macs, rate, launch = (
+        node.fwd_flops / 2.0 * part,
+        max(spec.peak("float32"), 1.0),
+        spec.launch_overhead_s,
+    )
+    if graph.mode != "train":
+        return macs * fwd / rate + launch, 0.0
+    return macs * fwd / rate + launch, macs * (grad_in + grad_w) / rate + 2.0 * launch
+
+
 def _elements(shape: list[int] | None) -> int:
     return math.prod(shape) if shape else 0
 
@@ -83,9 +151,10 @@ def cpu_node_times(
     graph: OpGraph, node: OpNode, spec: DeviceSpec, part: float = 1.0
 ) -> tuple[float, float] | None:
     """(forward, backward) seconds of ``node`` on the CPU ``spec`` where a CPU term
-    applies (an NCHW max pool; a training batch norm), else ``None``: the roofline
-    prices it. ``part`` is the share of the node's channels a shard computes; the
-    launch overhead stays whole, as in ``analytic.node_times``."""
+    applies (an NCHW max pool; a training batch norm; a narrow 1x1 ``Slow2d``
+    convolution), else ``None``: the roofline prices it. ``part`` is the share of the
+    node's channels a shard computes; the launch overhead stays whole, as in
+    ``analytic.node_times``."""
     train = graph.mode == "train"
     launch = spec.launch_overhead_s
     rate = max(spec.peak("float32"), 1.0)
@@ -96,7 +165,7 @@ def cpu_node_times(
         return fwd, (out * CPU_POOL_BWD_FLOPS / rate + launch) if train else 0.0
     if train and "batch_norm" in node.kind:
         return out * CPU_BN_FWD_FLOPS / rate + launch, out * CPU_BN_BWD_FLOPS / rate + launch
-    return None
+    return _slow2d_times(graph, node, spec, part)
 
 
 def roofline(compute_s: float, memory_s: float, cpu: bool) -> float:

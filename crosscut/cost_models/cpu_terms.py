@@ -221,7 +221,7 @@ def fresh_blocks(graph: OpGraph, setting: str | None = None) -> dict[str, tuple[
     Why it is priced: measured on dev-2c under the default setting, VGG-11-BN's 392 MiB
     classifier weight gradient was mapped afresh at every step (117,000 faults, about
     a quarter of the step), and ResNet-50 at 224 px and batch 32 mapped 4.5-7.7 GB a
-    step (12-14 s against 9.7-10 s with nothing mapped: ``benchmarks/page_faults.py``).
+    step (12-14 s against 9.7-10 s with nothing mapped; docs/benchmarks/cpu-preset-faults.txt).
 
     Which blocks, by glibc's rules: every block of at least the mmap threshold, when
     the step's smaller blocks (``H``, their sum: an upper bound on the heap they keep)

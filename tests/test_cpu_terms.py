@@ -106,6 +106,9 @@ def test_training_batch_norms_are_priced_per_element() -> None:
     fwd, bwd = _ratios("batch_norm", channels_last=False)
     assert all(0.6 <= r <= 1.4 for r in fwd), fwd
     assert 0.65 <= statistics.median(bwd) <= 1.35, bwd
+    rows = [r for r in _record()["rows"] if r["op"] == "batch_norm"]
+    tiny = [b for r, b in zip(rows, bwd) if r["shape"][2] * r["shape"][3] <= 4]
+    assert len(tiny) >= 2 and all(0.8 <= r <= 1.25 for r in tiny), tiny  # the slow path
 
 
 def test_channels_last_pools_and_inference_norms_keep_the_roofline() -> None:

@@ -50,6 +50,7 @@ from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = [
     "CPU_BN_BWD_FLOPS",
+    "CPU_BN_BWD_TINY_FLOPS",
     "CPU_BN_FWD_FLOPS",
     "CPU_POOL_BWD_FLOPS",
     "CPU_POOL_OUTPUT_FLOPS",
@@ -80,6 +81,10 @@ CPU_POOL_BWD_FLOPS = 120.0
 # at some small spatial sizes, 2x2 and 5x5 among them: 55-75 ns a channel).
 CPU_BN_FWD_FLOPS = 190.0
 CPU_BN_BWD_FLOPS = 70.0
+# The backward's slow path on planes of at most 4 pixels (1x1, 2x2): 1,326-1,374 per element
+# in the record (16x512 and 16x960 channels at 2x2), 1,349-1,830 at 2x2 and 598-2,526 at
+# 1x1 in a later scratch grid (96-960 channels); 3x3 and 2x4 planes ran at 193-460 (not priced).
+CPU_BN_BWD_TINY_FLOPS = 1400.0
 
 
 # FLOP-equivalents per multiply-add of a 1x1 convolution PyTorch runs as ``Slow2d`` (one
@@ -164,7 +169,10 @@ def cpu_node_times(
         fwd = out * (CPU_POOL_OUTPUT_FLOPS + taps * CPU_POOL_TAP_FLOPS) / rate + launch
         return fwd, (out * CPU_POOL_BWD_FLOPS / rate + launch) if train else 0.0
     if train and "batch_norm" in node.kind:
-        return out * CPU_BN_FWD_FLOPS / rate + launch, out * CPU_BN_BWD_FLOPS / rate + launch
+        shape = node.shapes[0] if node.shapes else []
+        tiny = len(shape) == 4 and int(shape[2]) * int(shape[3]) <= 4
+        bwd = CPU_BN_BWD_TINY_FLOPS if tiny else CPU_BN_BWD_FLOPS
+        return out * CPU_BN_FWD_FLOPS / rate + launch, out * bwd / rate + launch
     return _slow2d_times(graph, node, spec, part)
 
 

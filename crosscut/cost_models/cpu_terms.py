@@ -244,9 +244,9 @@ def fresh_blocks(graph: OpGraph, setting: str | None = None) -> dict[str, tuple[
         return {}
     mmap_at, trim_at = GLIBC_THRESHOLDS[chosen]
     blocks = {n.name: _blocks(graph, n) for n in graph.nodes}
-    grads = [n.param_bytes for n in graph.nodes if graph.mode == "train"]
-    heap = sum(b for f, _ in blocks.values() for b in f if b < mmap_at)
-    heap += sum(b for b in grads if b < mmap_at)
+    grads = [n.param_bytes for n in graph.nodes] if graph.mode == "train" else []
+    small = [b for f, _ in blocks.values() for b in f] + grads
+    heap = sum(b for b in small if b < mmap_at)
 
     def mapped(sizes: list[int]) -> int:
         return sum(b for b in sizes if b >= mmap_at and (heap > trim_at or b > heap))

@@ -84,7 +84,7 @@ from typing import TYPE_CHECKING
 from crosscut.cost_models.subclusters import replica_cluster
 from crosscut.errors import CrosscutError, InfeasiblePlanError, InputError, PartitionError
 from crosscut.ir.plan import Alternative, Plan, Strategy
-from crosscut.ir.schedule import AUTO_SCHEDULE
+from crosscut.ir.schedule import AUTO_SCHEDULE, DEFAULT_SCHEDULE
 from crosscut.layouts import (
     Layout,
     candidate_layouts,
@@ -127,6 +127,9 @@ class _Search:
         self.rows: list[Alternative] = []
         self.quickest = 0.0  # seconds of the quickest solve so far
         self.trace_s = 0.0  # seconds of the slowest trace (and pricing) so far
+        # the most seconds an attempt ran past its solve's deadline: the solver's set-up and
+        # the schedule choice after it cannot be interrupted
+        self.overrun_s = 0.0
         self.last_error: InfeasiblePlanError | None = None
         self.rejected: InputError | None = None  # the model refused a micro-batch size
         self.refusal: PartitionError | None = None  # a rule refused a layout
@@ -137,9 +140,10 @@ class _Search:
     def affordable(self, left: float, *sizes: int) -> bool:
         """Whether another attempt fits in ``left`` seconds (always, before any plan).
 
-        An attempt also needs a trace for each of ``sizes`` (samples) not traced yet."""
+        An attempt also needs a trace for each of ``sizes`` (samples) not traced yet, and
+        may run past its solve's deadline by as much as any attempt before it did."""
         untraced = sum(1 for s in set(sizes) if not self.cache.has(s))
-        need = self.quickest + self.trace_s * untraced
+        need = max(self.quickest, self.overrun_s) + self.trace_s * untraced
         return self.best is None or (left > 0.0 and left >= need)
 
     def row(
@@ -249,6 +253,7 @@ def _attempt(
         # run time: no group that splits a micro-batch that finely
         widths = tuple(w for w in allowed if not cache.refuses(-(-size // w)))
     t0 = time.monotonic()
+    chosen_later = lay.replicas > 1 and request.schedule == AUTO_SCHEDULE
     if lay.replicas > 1:
         graph = batch_major_cuts(graph)
     req = dataclasses.replace(
@@ -261,19 +266,26 @@ def _attempt(
         # "auto" groups split by batch only: a co-located tail (two stages on one group)
         # would gain nothing, and `crosscut run` could not run the plan it made
         colocate=request.colocate and request.cross_shaped is not None,
+        # replicas: the schedule is chosen once below, with the all-reduce priced
+        schedule=DEFAULT_SCHEDULE if chosen_later else request.schedule,
     )
     shapes = [[cache.batch // lay.replicas, *t.shape[1:]] for t in cache.inputs]
-    by = share() if search.best is not None else search.deadline
+    by = search.deadline
+    if search.best is not None:  # its share, ending early enough for the overrun seen so far
+        by = share().within(search.deadline.left() - search.overrun_s)
+    given = by.left()
     plan = solve_traced(
         graph, costs, node, req, input_shapes=shapes, progress=progress, deadline=by
     )
     plan = as_replicas(plan, cluster, lay.replicas)
-    if lay.replicas > 1 and request.schedule == AUTO_SCHEDULE:  # with the all-reduce priced
-        plan = choose_schedule(plan, not request.fill_devices, search.cache.spread(size))
+    if chosen_later:  # with the all-reduce priced
+        noise = search.cache.spread(size)
+        plan = choose_schedule(plan, not request.fill_devices, noise, by)
     if lay.replicas > 1:
         check_replica_exports(plan)
     wall = time.monotonic() - t0
     search.quickest = wall if search.quickest == 0.0 else min(search.quickest, wall)
+    search.overrun_s = max(search.overrun_s, wall - given)
     span = replica_span(plan, lay.replicas)
     if span > 1 and not runs_in_rank_order(plan, span):
         plan = in_rank_order(plan)

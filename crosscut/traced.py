@@ -207,7 +207,7 @@ def solve_traced(
     if r.schedule != AUTO_SCHEDULE:
         return plan
     noise = float(getattr(costs, "meta", {}).get("spread", 0.0))  # 0: analytic
-    return choose_schedule(plan, not r.fill_devices, noise)
+    return choose_schedule(plan, not r.fill_devices, noise, deadline)
 
 
 def _interleaved(plan: Plan, schedule: str) -> Plan:

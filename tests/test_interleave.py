@@ -212,3 +212,34 @@ def test_a_lead_within_the_profiles_spread_keeps_the_simpler_schedule() -> None:
     note = next(n for n in loose.solver.notes if n.startswith("schedule "))
     assert "within the profiles' spread of 100.0%" in note
     assert loose.predicted.step_time_s > quick.predicted.step_time_s
+
+
+def test_a_recut_stops_refining_at_its_deadline_and_says_so() -> None:
+    """A strategy search prices many pipelines in one time limit, so the re-cut's cut moves
+    (up to 400 evaluations) stop when the deadline passes: an expired deadline prices the
+    time-balanced cut itself, valid, and the note says the moves were cut short; with no
+    deadline the moves run (the refined bottleneck is never worse) and no such note."""
+    from crosscut.partitioner.deadline import Deadline
+
+    base = _pipeline("4xV100")
+    free = interleave(base, "1f1b-v2")
+    cut = interleave(base, "1f1b-v2", Deadline(0.0))
+    assert free is not None and cut is not None
+    assert plan_problems(cut) == [] and cut.num_stages == free.num_stages == 8
+    assert any("stopped at the time limit after 0" in n for n in cut.solver.notes)
+    assert not any("stopped at the time limit" in n for n in free.solver.notes)
+    assert free.predicted.bottleneck_s <= cut.predicted.bottleneck_s * (1 + 1e-9)
+
+
+def test_the_choice_skips_recuts_once_its_deadline_passed() -> None:
+    """With its deadline passed, ``choose_schedule`` still prices the four plain schedules
+    (a few simulations) but starts no re-cut, and its note names the ones it left."""
+    from crosscut.ir.schedule import AUTO_INTERLEAVED
+    from crosscut.partitioner.deadline import Deadline
+
+    base = _pipeline("4xV100", micro=4)
+    late = choose_schedule(Plan.from_dict(base.to_dict()), deadline=Deadline(0.0))
+    assert late.num_stages == 4 and late.options.schedule not in AUTO_INTERLEAVED
+    note = next(n for n in late.solver.notes if n.startswith("schedule "))
+    assert f"not tried at the time limit: {', '.join(AUTO_INTERLEAVED)}" in note
+    assert all(name in note for name in ("1f1b", "zb-h1", "zb-h2", "gpipe"))

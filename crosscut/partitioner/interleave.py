@@ -34,6 +34,7 @@ from crosscut.ir.plan import Plan, PlanStage
 from crosscut.ir.schedule import V_SHAPED, placement, virtual_stages
 from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.build import plan_to_problem
+from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.evaluate import check, evaluate
 from crosscut.partitioner.replicas import check_replica_exports
 from crosscut.partitioner.solvers.baselines import allowed_cuts, chunked, snap_cuts
@@ -44,7 +45,7 @@ __all__ = ["interleave"]
 _MAX_MOVES = 400
 
 
-def interleave(plan: Plan, schedule: str) -> Plan | None:
+def interleave(plan: Plan, schedule: str, deadline: Deadline | None = None) -> Plan | None:
     """``plan`` re-cut into ``S × V`` stages for ``schedule`` (``"1f1b-vV"``, ``"zbv"``), placed
     as :func:`~crosscut.ir.schedule.placement` says.
 
@@ -53,6 +54,12 @@ def interleave(plan: Plan, schedule: str) -> Plan | None:
     memory caps, or replicas could not join what a new cut hands on. The
     returned plan is a new object, annotated (priced and simulated); ``plan``
     is not changed.
+
+    ``deadline``: when it passes, the cut moves stop and the best re-cut so far
+    is priced (the plan's note says how many moves it had): a strategy search
+    prices many pipelines within one time limit, and an unbounded refinement
+    (up to 400 evaluations, seconds on a network of a few hundred ops) would
+    run past it.
     """
     virtual = virtual_stages(schedule)
     if (
@@ -82,7 +89,7 @@ def interleave(plan: Plan, schedule: str) -> Plan | None:
         fits = not check(problem, stage_of, order)
         return fits, evaluate(problem, stage_of, order).bottleneck
 
-    cuts = _refine(cuts, price, allowed_cuts(problem))
+    cuts, moves, cut_short = _refine(cuts, price, allowed_cuts(problem), deadline)
     fits, _ = price(cuts)
     if not fits:
         return None
@@ -98,6 +105,7 @@ def interleave(plan: Plan, schedule: str) -> Plan | None:
         f"stages, {virtual} per device {'in a V' if schedule == V_SHAPED else 'round-robin'}, "
         "by time balance (a heuristic, not a "
         "CP-SAT solve; the status above is the pipeline's)"
+        + (f"; its cut moves stopped at the time limit after {moves}" if cut_short else "")
     )
     annotate(out)
     if out.replication.replicas > 1:
@@ -120,9 +128,14 @@ def _targets(compute: list[list[float]], order: list[int]) -> list[float]:
 
 
 def _refine(
-    cuts: list[int], price: Callable[[list[int]], tuple[bool, float]], ok: list[bool]
-) -> list[int]:
-    """Move one cut at a time to a neighbouring allowed position while the price falls."""
+    cuts: list[int],
+    price: Callable[[list[int]], tuple[bool, float]],
+    ok: list[bool],
+    deadline: Deadline | None = None,
+) -> tuple[list[int], int, bool]:
+    """Move one cut at a time to a neighbouring allowed position while the price falls.
+
+    Returns the cuts, the moves tried and whether ``deadline`` stopped them."""
     best_fit, best = price(cuts)
     n = len(ok) - 1
     moves = 0
@@ -130,6 +143,8 @@ def _refine(
     while improved and moves < _MAX_MOVES:
         improved = False
         for i in range(len(cuts)):
+            if deadline is not None and deadline.expired():
+                return cuts, moves, True
             lo = cuts[i - 1] + 1 if i > 0 else 1
             hi = cuts[i + 1] - 1 if i + 1 < len(cuts) else n - 1
             for step in (-1, 1):
@@ -147,4 +162,4 @@ def _refine(
                     break
             if moves >= _MAX_MOVES:
                 break
-    return cuts
+    return cuts, moves, False

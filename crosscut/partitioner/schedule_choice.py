@@ -25,6 +25,7 @@ from __future__ import annotations
 from crosscut.ir.plan import Plan
 from crosscut.ir.schedule import AUTO_INTERLEAVED, DEFAULT_SCHEDULE
 from crosscut.partitioner.annotate import annotate
+from crosscut.partitioner.deadline import Deadline
 from crosscut.partitioner.interleave import interleave as interleave_plan
 
 __all__ = ["PREFERENCE", "choose_schedule"]
@@ -38,7 +39,9 @@ def _fits(plan: Plan) -> bool:
     return all(b <= caps.get(d, b) for d, b in plan.predicted.device_peak_bytes.items())
 
 
-def choose_schedule(plan: Plan, interleave: bool = True, noise: float = 0.0) -> Plan:
+def choose_schedule(
+    plan: Plan, interleave: bool = True, noise: float = 0.0, deadline: Deadline | None = None
+) -> Plan:
     """The quickest of :data:`PREFERENCE` that fits, on ``plan``'s stages, or an interleaved re-cut.
 
     ``plan`` is set to the quickest schedule of :data:`PREFERENCE` and returned,
@@ -54,6 +57,10 @@ def choose_schedule(plan: Plan, interleave: bool = True, noise: float = 0.0) -> 
     last: twice the stages, transfers and actions the model prices least
     well), the lead is noise and the simpler schedule is kept, as the strategy
     search does between strategies (``strategy._Search.choose``).
+
+    ``deadline``: the interleaved re-cuts stop refining when it passes (the
+    schedules of :data:`PREFERENCE`, a few simulations, are always priced); one
+    that has passed before a re-cut starts skips it, and the note says so.
     """
     if plan.model.mode != "train" or plan.num_stages == 1:
         if plan.options.schedule != DEFAULT_SCHEDULE:
@@ -66,9 +73,13 @@ def choose_schedule(plan: Plan, interleave: bool = True, noise: float = 0.0) -> 
         annotate(plan)
         priced.append((name, plan.predicted.step_time_s, _fits(plan)))
     recut: dict[str, Plan] = {}
+    skipped: list[str] = []
     if interleave and all(len(st.devices) == 1 for st in plan.stages):
         for name in AUTO_INTERLEAVED:
-            cand = interleave_plan(plan, name)
+            if deadline is not None and deadline.expired():
+                skipped.append(name)
+                continue
+            cand = interleave_plan(plan, name, deadline)
             if cand is None:
                 continue
             recut[name] = cand
@@ -90,6 +101,8 @@ def choose_schedule(plan: Plan, interleave: bool = True, noise: float = 0.0) -> 
     note = f"schedule {best} ({plan.predicted.step_time_s * 1e3:.4g} ms per step) over {rest}"
     if plan.predicted.step_time_s > quickest:
         note += f" (the simplest within the profiles' spread of {noise:.1%})"
+    if skipped:
+        note += f"; not tried at the time limit: {', '.join(skipped)}"
     plan.solver.notes = [n for n in plan.solver.notes if not n.startswith("schedule ")]
     plan.solver.notes.append(note)
     return plan

@@ -1,4 +1,4 @@
-"""CPU kernels the roofline misprices: max pool, training batch norm, narrow 1x1 convolutions.
+"""CPU kernels the roofline misprices: max pool, batch norm, narrow 1x1 and depthwise convolutions.
 
 ``cost_models/cpu_terms.py`` prices an NCHW max pool and a training batch norm on
 a CPU in *FLOP-equivalents*: seconds × the CPU's GEMM rate. This measures what
@@ -11,6 +11,8 @@ those are on this machine, with the GEMM and copy rates measured in the same run
 * each 1x1 convolution at batch 8 and 1-4 pixels a side, which PyTorch runs as
   ``Slow2d`` on one thread (one GEMM per sample, as wide as its pixels) forward
   and backward (input and weight gradients);
+* each depthwise convolution (NCHW, batch 8-16) of ``DW_SHAPES``, forward and
+  backward, where oneDNN runs a pass on its GEMM fallback and one control;
 * per row: the time, FLOP-equivalents per output (pool), per element (batch
   norm) or per multiply-add (convolution), the bytes-equivalents of the forward
   (seconds × the copy rate), and the analytic price's ratio to the time at this
@@ -18,12 +20,15 @@ those are on this machine, with the GEMM and copy rates measured in the same run
 
 ``--out FILE`` writes the rows as JSON; ``tests/test_cpu_terms.py`` re-prices the
 recorded files (``docs/benchmarks/cpu-kernels.json``: pools and batch norms;
-``cpu-kernels-slow2d.json``: the convolutions) with the current model.
+``cpu-kernels-slow2d.json``: the 1x1 convolutions; ``cpu-kernels-dw.json``: the
+depthwise ones) with the current model.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_kernels.py \\
         --ops max_pool2d,batch_norm --out docs/benchmarks/cpu-kernels.json
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_kernels.py \\
         --ops conv2d_1x1 --out docs/benchmarks/cpu-kernels-slow2d.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_kernels.py \\
+        --ops conv2d_dw --out docs/benchmarks/cpu-kernels-dw.json
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from crosscut.cost_models.devices import cpu_spec
 from crosscut.cost_models.links import measure_cpu_rates
 from crosscut.frontend.tracer import trace
 
-__all__ = ["BN_SHAPES", "CONV_SHAPES", "POOL_SHAPES", "cpu_name", "main", "priced"]
+__all__ = ["BN_SHAPES", "CONV_SHAPES", "DW_SHAPES", "POOL_SHAPES", "cpu_name", "main", "priced"]
 
 # (batch, channels, height, kernel, stride, padding): LeNet's, ResNet's and
 # GoogLeNet's pools among them (28² 2x2; 32-112² 3x3 stride 2; 3x3 stride 1)
@@ -82,6 +87,29 @@ CONV_SHAPES = (
     (8, 128, 32, 1),
     (8, 1024, 128, 1),
     (8, 512, 128, 4),
+)
+
+
+# (batch, channels, kernel, stride, height): depthwise convolutions, padding kernel // 2.
+# Weight gradients oneDNN runs on its GEMM fallback (cpu_terms.depthwise_fallbacks): 3x3
+# under its kernel's input size, and 5x5 and 7x7 at MobileNetV3's, EfficientNet's and
+# ConvNeXt's sizes; forwards on it (5x5 and 7x7 at 1-2 px); and a 3x3 control, all on
+# oneDNN's depthwise kernels.
+DW_SHAPES = (
+    (16, 384, 3, 1, 2),
+    (16, 960, 3, 1, 2),
+    (16, 384, 3, 2, 3),
+    (16, 96, 5, 1, 16),
+    (8, 240, 5, 1, 14),
+    (8, 576, 5, 1, 7),
+    (16, 384, 5, 2, 8),
+    (8, 120, 5, 1, 28),
+    (8, 192, 7, 1, 8),
+    (8, 96, 7, 1, 32),
+    (16, 960, 5, 1, 1),
+    (16, 384, 5, 2, 2),
+    (8, 768, 7, 1, 2),
+    (16, 384, 3, 1, 8),
 )
 
 
@@ -147,6 +175,9 @@ def _cases() -> list[tuple[str, nn.Module, tuple[int, ...], bool, list[int]]]:
         cases.append(("batch_norm", nn.BatchNorm2d(c), (n, c, h, h), False, []))
     for n, c, out, h in CONV_SHAPES:
         cases.append(("conv2d_1x1", nn.Conv2d(c, out, 1), (n, c, h, h), False, [out]))
+    for n, c, k, s, h in DW_SHAPES:
+        dw = nn.Conv2d(c, c, k, stride=s, padding=k // 2, groups=c, bias=False)
+        cases.append(("conv2d_dw", dw, (n, c, h, h), False, [k, s]))
     return cases
 
 
@@ -156,8 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument(
         "--ops",
-        default="max_pool2d,batch_norm,conv2d_1x1",
-        help="comma-separated op families to time (default: all three)",
+        default="max_pool2d,batch_norm,conv2d_1x1,conv2d_dw",
+        help="comma-separated op families to time (default: all four)",
     )
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -179,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         units = outputs if op == "max_pool2d" else math.prod(shape)
         if op == "conv2d_1x1":  # multiply-adds
             units = outputs * shape[1]
+        if op == "conv2d_dw":  # multiply-adds: one channel each
+            units = outputs * window[0] ** 2
         p_fwd, p_bwd = priced(module, shape, flops, bw, cl)
         row = {
             "op": op,
@@ -186,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
             "channels_last": cl,
             "pool": window if op == "max_pool2d" else [],
             "out_channels": window[0] if op == "conv2d_1x1" else None,
+            "kernel_stride": window if op == "conv2d_dw" else None,
             "fwd_s": fwd,
             "bwd_s": bwd,
             "units": units,

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from crosscut import cpu_malloc
+from crosscut.cost_models import cpu_terms
 from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.cpu_terms import cpu_node_times, fresh_seconds, roofline
 from crosscut.cost_models.devices import PRESETS, DeviceSpec, cpu_spec
@@ -277,11 +278,10 @@ def node_times(
         cpu = eff.generation == "cpu"  # arithmetic and data movement add up on a CPU core
         fwd = roofline(node.fwd_flops * part / rate, moved / bw, cpu) + cast / bw + t_fwd
         fwd += kernels * launch
-        if not train:
-            return fwd, 0.0
         bwd_kernels = 2.0 if node.param_bytes > 0 else 1.0  # data and weight gradients
         bwd = roofline(node.bwd_flops * part / rate, BWD_BYTES_FACTOR * moved / bw, cpu) + cast / bw
-        return fwd, bwd + (bwd_kernels + kernels - 1.0) * launch + t_bwd
+        times = (fwd, bwd + (bwd_kernels + kernels - 1.0) * launch + t_bwd if train else 0.0)
+        return cpu_terms.depthwise_fallback(graph, node, spec, part, times) if cpu else times
     if train and node.pool is not None and eff.generation != "cpu":
         fwd_b, bwd_b = max_pool_bytes(node, part)
         fwd = max(fwd_b / bw, max_pool_forward_floor(node, spec, part))

@@ -24,10 +24,12 @@ on; and it follows what moves them: in one session here the kernels' times moved
 by under 10 % while the copy rate (DRAM, shared with the host's other guests)
 moved between 20.5 and 30.3 GB/s, and the GEMM rate, best of three, by 4 %.
 
-Two more terms came later: a 1x1 convolution that PyTorch runs as ``Slow2d``, one
-GEMM per sample as wide as its feature map, under 16 pixels (``SLOW2D_MAC_FLOPS``),
-and the blocks glibc maps afresh every step (``fresh_blocks``), whose pages are
-faulted in at the spec's ``page_fault_bw``.
+Three more terms came later: a 1x1 convolution that PyTorch runs as ``Slow2d``, one
+GEMM per sample as wide as its feature map, under 16 pixels (``SLOW2D_MAC_FLOPS``);
+a depthwise convolution's pass that oneDNN's depthwise kernels refuse, run as one
+small GEMM per sample and channel (``depthwise_fallbacks``, ``DW_GEMM_FLOPS``); and
+the blocks glibc maps afresh every step (``fresh_blocks``), whose pages are faulted
+in at the spec's ``page_fault_bw``.
 """
 
 from __future__ import annotations
@@ -55,9 +57,12 @@ __all__ = [
     "CPU_POOL_BWD_FLOPS",
     "CPU_POOL_OUTPUT_FLOPS",
     "CPU_POOL_TAP_FLOPS",
+    "DW_GEMM_FLOPS",
     "GLIBC_THRESHOLDS",
     "SLOW2D_MAC_FLOPS",
     "cpu_node_times",
+    "depthwise_fallback",
+    "depthwise_fallbacks",
     "fresh_blocks",
     "fresh_seconds",
     "roofline",
@@ -150,6 +155,104 @@ def _slow2d_times(
 
 def _elements(shape: list[int] | None) -> int:
     return math.prod(shape) if shape else 0
+
+
+# FLOP-equivalents of oneDNN's fallback for a depthwise convolution's pass that its
+# depthwise kernels refuse (``x64:gemm:jit``: im2col, then one GEMM per sample and channel):
+# per plane (one sample's channel) and per multiply-add. Fitted to 120 weight gradients
+# timed apart on one EPYC core (3x3 and 5x5, strides 1 and 2, 1-32 px, 96-960 channels,
+# batch 16 and 32): 160-530 ns a plane at 1-4 output pixels, 0.6-1.5 ns a multiply-add
+# beyond (1-1.7 GMAC/s; the depthwise kernel reaches 2-14); the fit prices them at
+# 0.45-1.50x, 72 % within 25 % (the rest is the grid's noise: neighbouring shapes differ by
+# 2x). The forward fallback (5x5 and 7x7 at 1-2 px) ran at the same ~290 ns a plane.
+DW_GEMM_FLOPS: dict[str, float] = {"plane": 22000.0, "multiply-add": 78.0}
+
+
+def _end_pad(start: int, out: int, size: int, stride: int, kernel: int) -> int:
+    """oneDNN's end padding: how far past the input the last output's window reaches."""
+    return (out - 1) * stride + kernel - (size + start)
+
+
+def _dw_forward_ok(i: int, o: int, k: int, s: int, p: int) -> bool:
+    """One axis of oneDNN's depthwise forward kernel: no window wholly in the padding, and
+    the padding at either end within a block of up to 6 outputs (AVX-512)."""
+    block = min(6, o)
+    if k <= p or k <= _end_pad(p, o, i, s, k):
+        return False
+    return p <= block and max(0, _end_pad(p, o - o % block, i, s, k)) <= block
+
+
+def _dw_weight_grad_ok(i: int, o: int, k: int, s: int, p: int) -> bool:
+    """One axis of oneDNN's depthwise weight-gradient kernel: padding at most half the
+    kernel (a multiple of the stride beyond 1), an input that holds the whole kernel."""
+    end = max(0, _end_pad(p, o, i, s, k))
+    return (
+        max(p, end) <= k // 2
+        and i >= k + (-p) % s
+        and (p <= 1 or p % s == 0)
+        and (end <= 1 or end % s == 0)
+        and o == (i + p + end - k) // s + 1
+    )
+
+
+def depthwise_fallbacks(graph: OpGraph, node: OpNode) -> tuple[bool, bool]:
+    """(forward, weight gradient): which passes of the fp32 NCHW depthwise convolution
+    ``node`` oneDNN runs on its GEMM fallback instead of its depthwise kernels.
+
+    The rules restate the checks oneDNN's AVX-512 depthwise kernels make before they
+    accept a shape (``jit_uni_dw_conv`` in the oneDNN PyTorch 2.14 bundles);
+    ``ONEDNN_VERBOSE=1`` named the same kernel as these rules on 246 forward and 120
+    weight-gradient shapes (kernels 3, 5 and 7, strides 1 and 2, padding 0 to k-1, inputs
+    of 1-15 px). The forward falls back only on tiny inputs (5x5 at 1 px, or 1-2 px at
+    stride 2; 7x7 at 1-2 px); the weight gradient on every kernel wider than 3 (each
+    5x5 and 7x7 depthwise convolution of EfficientNet, MNASNet, MobileNetV3 and ConvNeXt),
+    dilation, and inputs shorter than the kernel (3x3 at 1-2 px, 1-3 px at stride 2).
+    The input gradient always runs the depthwise kernel. (False, False) where the rule
+    does not apply: another dtype, a channel multiplier, a 1-D or 3-D convolution, a
+    graph traced without padding, and an input laid out channels-last (ConvNeXt's,
+    whose blocks hand on permuted tensors), whose kernels and costs differ: there
+    ConvNeXt's 7x7 weight gradients ran at 5.9 us a plane at 16x16 px (NCHW: 14) and
+    3.4 us at 2x2 (NCHW: 0.6), not priced yet."""
+    conv = node.conv
+    if conv is None or conv["transposed"] or "padding" not in conv or not node.inputs:
+        return False, False
+    src = graph.node(node.inputs[0]).shapes
+    shape_in, shape_out = (src[0] if src else []), (node.shapes[0] if node.shapes else [])
+    if node.dtype != "float32" or graph.channels_last or conv.get("channels_last"):
+        return False, False
+    if len(shape_in) != 4:
+        return False, False
+    if len(shape_out) != 4 or not int(conv["groups"]) == shape_in[1] == shape_out[1]:
+        return False, False
+    axes = list(zip(shape_in[2:], shape_out[2:], conv["kernel"], conv["stride"], conv["padding"]))
+    dilated = [(d - 1) * (k - 1) for d, k in zip(conv["dilation"], conv["kernel"])]
+    fwd_ok = all(_dw_forward_ok(i, o, k + e, s, p) for (i, o, k, s, p), e in zip(axes, dilated))
+    kw, sw = conv["kernel"][1], conv["stride"][1]
+    grad_ok = (
+        kw <= 3 and sw <= kw and not any(dilated) and all(_dw_weight_grad_ok(*a) for a in axes)
+    )
+    return not fwd_ok, not grad_ok
+
+
+def depthwise_fallback(
+    graph: OpGraph, node: OpNode, spec: DeviceSpec, part: float, times: tuple[float, float]
+) -> tuple[float, float]:
+    """``times`` (the roofline's forward and backward seconds of ``node``) with each pass
+    :func:`depthwise_fallbacks` finds on the GEMM fallback priced at :data:`DW_GEMM_FLOPS`
+    instead: the whole forward, or the weight gradient's half of the backward."""
+    on_gemm = depthwise_fallbacks(graph, node)
+    if not any(on_gemm):
+        return times
+    n, c, oh, ow = (int(v) for v in node.shapes[0])
+    taps = math.prod(int(k) for k in node.conv["kernel"]) if node.conv else 1
+    flops = n * c * part * (DW_GEMM_FLOPS["plane"] + DW_GEMM_FLOPS["multiply-add"] * oh * ow * taps)
+    cost, launch = flops / max(spec.peak("float32"), 1.0), spec.launch_overhead_s
+    fwd, bwd = times
+    if on_gemm[0]:
+        fwd = cost + launch
+    if on_gemm[1] and graph.mode == "train":
+        bwd = bwd / 2.0 + cost + launch
+    return fwd, bwd
 
 
 def cpu_node_times(

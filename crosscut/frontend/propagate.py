@@ -296,11 +296,16 @@ class _FlopMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             stride = [int(v) for v in given] * (dims if len(given) == 1 else 1) or kernel
             self.pool = {"kernel": kernel, "stride": stride}
         if func._overloadpacket is _CONV:
-            w, stride, dilation, transposed, groups = args[1], args[3], args[5], args[6], args[8]
+            w, stride, padding = args[1], args[3], args[4]
+            dilation, transposed, groups = args[5], args[6], args[8]
             self.conv = {
                 "groups": int(groups),
                 "kernel": [int(k) for k in w.shape[2:]],
                 "stride": [int(v) for v in stride],
+                "padding": [int(v) for v in padding],
+                # oneDNN runs a convolution channels-last when its input is laid out so
+                # (ConvNeXt's blocks hand on permuted tensors): other kernels, other rules
+                "channels_last": _channels_last(args[0]),
                 "dilation": [int(v) for v in dilation],
                 "transposed": bool(transposed),
             }
@@ -308,6 +313,14 @@ class _FlopMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         if formula is not None:
             self.total += int(formula(*args, **kwargs, out_val=out))
         return out
+
+
+def _channels_last(x: Any) -> bool:
+    """Whether the 4-D tensor ``x`` is laid out channels-last and not also plain NCHW, as
+    PyTorch's ``suggest_memory_format`` judges it."""
+    if not isinstance(x, Tensor) or x.dim() != 4 or x.is_contiguous():
+        return False
+    return bool(x.is_contiguous(memory_format=torch.channels_last))
 
 
 def named_tensors(module: nn.Module, conv: Callable[[Tensor], Any]) -> dict[str, Any]:

@@ -243,3 +243,35 @@ def test_the_choice_skips_recuts_once_its_deadline_passed() -> None:
     note = next(n for n in late.solver.notes if n.startswith("schedule "))
     assert f"not tried at the time limit: {', '.join(AUTO_INTERLEAVED)}" in note
     assert all(name in note for name in ("1f1b", "zb-h1", "zb-h2", "gpipe"))
+
+
+def test_no_recut_stage_holds_only_buffers_and_the_validator_says_so() -> None:
+    """A model whose buffer (``get_attr``) sits between ops: the time-balanced cuts of a
+    4-per-device re-cut could give a stage only that buffer, which codegen cannot build
+    (``stages [4] have no nodes``, found when CPU prices moved the cuts). Every re-cut
+    stage holds an op of its own; a plan edited to leave one with only the buffer is
+    refused by validation, naming the stage."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from contract import Small, batch
+
+    torch.manual_seed(0)
+    x, _ = batch()
+    for schedule, devices in (("1f1b-v4", 2), ("1f1b-v3", 2), ("zbv", 3), ("1f1b-v2", 3)):
+        plan = crosscut.partition(
+            Small(), ["cpu"] * devices, x, microbatches=4, require_all_devices=True,
+            replicas=1, schedule=schedule,
+        )  # fmt: skip
+        ops = {n.name: n.op for n in plan.nodes}
+        holding = {k for name, k in plan.assignment.items() if ops[name] != "get_attr"}
+        assert holding == set(range(plan.num_stages)), (schedule, plan.assignment)
+        assert plan_problems(plan) == []
+    bad = Plan.from_dict(plan.to_dict())
+    buffer = next(n.name for n in bad.nodes if n.op == "get_attr")
+    lone = bad.assignment[buffer]
+    for name, k in list(bad.assignment.items()):
+        if k == lone and name != buffer:
+            bad.assignment[name] = lone + 1 if lone + 1 < bad.num_stages else lone - 1
+    assert any(f"stages [{lone}] hold no op of their own" in p for p in plan_problems(bad))

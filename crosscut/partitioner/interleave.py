@@ -43,6 +43,8 @@ __all__ = ["interleave"]
 
 # cut moves tried at most (each one evaluate() call, linear in the graph)
 _MAX_MOVES = 400
+# nodes that run nothing of their own: a stage of only these has no code (codegen/split.py)
+_NOT_OPS = ("placeholder", "get_attr", "output")
 
 
 def interleave(plan: Plan, schedule: str, deadline: Deadline | None = None) -> Plan | None:
@@ -84,9 +86,14 @@ def interleave(plan: Plan, schedule: str, deadline: Deadline | None = None) -> P
     if len(cuts) != count - 1:
         return None
 
+    # a stage needs an op of its own: a chunk of only buffers (get_attr) is empty to codegen
+    ops = {plan_node.name: plan_node.op for plan_node in plan.nodes}
+    computes = [ops.get(name, "call_function") not in _NOT_OPS for name in problem.names]
+
     def price(c: list[int]) -> tuple[bool, float]:
         stage_of, _ = chunked(problem, c, order)
-        fits = not check(problem, stage_of, order)
+        holds = {k for v, k in enumerate(stage_of) if computes[v]}
+        fits = len(holds) == count and not check(problem, stage_of, order)
         return fits, evaluate(problem, stage_of, order).bottleneck
 
     cuts, moves, cut_short = _refine(cuts, price, allowed_cuts(problem), deadline)

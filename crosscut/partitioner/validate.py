@@ -18,6 +18,8 @@ from crosscut.partitioner.build import assigned_names, plan_groups, plan_to_prob
 
 __all__ = ["plan_problems", "validate_plan"]
 
+# nodes that run no code of their own (codegen/split.py skips them)
+_NO_CODE = ("placeholder", "get_attr", "output")
 _REMEDY = "re-create the plan with `crosscut partition`, or fix the field by hand"
 
 
@@ -98,6 +100,14 @@ def _structure_problems(plan: Plan) -> list[str]:
     for name, k in plan.assignment.items():
         if not 0 <= k < len(plan.stages):
             out.append(f"node {name!r} is on stage {k}, but the plan has {len(plan.stages)}")
+    ops = {n.name: n.op for n in plan.nodes}
+    holding = {k for name, k in plan.assignment.items() if ops.get(name) not in _NO_CODE}
+    idle = [k for k in range(len(plan.stages)) if k not in holding]
+    if idle and plan.assignment:  # codegen builds a stage from its ops: none, no stage
+        out.append(
+            f"stages {idle[:5]} hold no op of their own (at most buffers): every stage "
+            "computes something; use fewer stages"
+        )
     return out
 
 

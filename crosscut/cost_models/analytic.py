@@ -281,7 +281,7 @@ def node_times(
         bwd_kernels = 2.0 if node.param_bytes > 0 else 1.0  # data and weight gradients
         bwd = roofline(node.bwd_flops * part / rate, BWD_BYTES_FACTOR * moved / bw, cpu) + cast / bw
         times = (fwd, bwd + (bwd_kernels + kernels - 1.0) * launch + t_bwd if train else 0.0)
-        return cpu_terms.depthwise_fallback(graph, node, spec, part, times) if cpu else times
+        return cpu_terms.onednn_convolution(graph, node, spec, part, times) if cpu else times
     if train and node.pool is not None and eff.generation != "cpu":
         fwd_b, bwd_b = max_pool_bytes(node, part)
         fwd = max(fwd_b / bw, max_pool_forward_floor(node, spec, part))

@@ -24,12 +24,13 @@ on; and it follows what moves them: in one session here the kernels' times moved
 by under 10 % while the copy rate (DRAM, shared with the host's other guests)
 moved between 20.5 and 30.3 GB/s, and the GEMM rate, best of three, by 4 %.
 
-Three more terms came later: a 1x1 convolution that PyTorch runs as ``Slow2d``, one
+Four more terms came later: a 1x1 convolution that PyTorch runs as ``Slow2d``, one
 GEMM per sample as wide as its feature map, under 16 pixels (``SLOW2D_MAC_FLOPS``);
-a depthwise convolution's pass that oneDNN's depthwise kernels refuse, run as one
-small GEMM per sample and channel (``depthwise_fallbacks``, ``DW_GEMM_FLOPS``); and
-the blocks glibc maps afresh every step (``fresh_blocks``), whose pages are faulted
-in at the spec's ``page_fault_bw``.
+the fixed cost of every convolution oneDNN runs (``ONEDNN_CALL_FLOPS``); a depthwise
+convolution's pass that oneDNN's depthwise kernels refuse, run as one small GEMM per
+sample and channel (``depthwise_fallbacks``, ``DW_GEMM_FLOPS``); and the blocks glibc
+maps afresh every step (``fresh_blocks``), whose pages are faulted in at the spec's
+``page_fault_bw``.
 """
 
 from __future__ import annotations
@@ -59,13 +60,16 @@ __all__ = [
     "CPU_POOL_TAP_FLOPS",
     "DW_GEMM_FLOPS",
     "GLIBC_THRESHOLDS",
+    "ONEDNN_CALL_FLOPS",
     "SLOW2D_MAC_FLOPS",
     "cpu_node_times",
     "depthwise_fallback",
     "depthwise_fallbacks",
     "fresh_blocks",
     "fresh_seconds",
+    "onednn_convolution",
     "roofline",
+    "runs_onednn",
     "runs_slow2d",
 ]
 
@@ -252,6 +256,46 @@ def depthwise_fallback(
         fwd = cost + launch
     if on_gemm[1] and graph.mode == "train":
         bwd = bwd / 2.0 + cost + launch
+    return fwd, bwd
+
+
+# FLOP-equivalents each oneDNN convolution call costs beyond the spec's launch overhead
+# (10 us a kernel on the cpu preset), whatever its size: PyTorch builds the primitive and
+# reorders the weights on every call. Measured in context on one EPYC core: chains of 40
+# tiny convolutions (1x1, 3x3 and depthwise 3x3, 16 channels, 2-4 px, batch 16) in
+# training steps, against chains of scalar multiplies: 52-57 us a forward and 91-114 us
+# a backward (input and weight gradients, one call) beyond them, where the price charged
+# 10 and 20; at that run's ~97 GFLOP/s the rest is about 4.4 and 7.8 million. MobileNetV2
+# has 52 such convolutions: 7 ms a step, 5-6 % at 64 px.
+ONEDNN_CALL_FLOPS: dict[str, float] = {"forward": 4.4e6, "backward": 7.8e6}
+
+
+def runs_onednn(graph: OpGraph, node: OpNode) -> bool:
+    """PyTorch runs the fp32 2-D convolution ``node`` on a CPU through oneDNN (not as
+    ``Slow2d``: :func:`runs_slow2d`)."""
+    conv = node.conv
+    if conv is None or conv["transposed"] or node.dtype != "float32" or not node.inputs:
+        return False
+    src = graph.node(node.inputs[0]).shapes
+    if not src or len(src[0]) != 4 or len(conv["kernel"]) != 2:
+        return False
+    return not runs_slow2d(graph, node)
+
+
+def onednn_convolution(
+    graph: OpGraph, node: OpNode, spec: DeviceSpec, part: float, times: tuple[float, float]
+) -> tuple[float, float]:
+    """``times`` (the roofline's forward and backward of ``node`` on the CPU ``spec``) as
+    oneDNN runs the convolution: each call's fixed cost (:data:`ONEDNN_CALL_FLOPS`,
+    whole for a channel shard, as the launch) and a depthwise pass on the GEMM fallback
+    (:func:`depthwise_fallback`). Anything else comes back unchanged."""
+    if not runs_onednn(graph, node):
+        return times
+    fwd, bwd = depthwise_fallback(graph, node, spec, part, times)
+    rate = max(spec.peak("float32"), 1.0)
+    fwd += ONEDNN_CALL_FLOPS["forward"] / rate
+    if graph.mode == "train":
+        bwd += ONEDNN_CALL_FLOPS["backward"] / rate
     return fwd, bwd
 
 

@@ -15,11 +15,10 @@ at this machine's measured GEMM rate.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from cpu_kernels import median_s  # run as a script: benchmarks/ is on the path
 from torch import nn
 
 from crosscut.cost_models.cpu_terms import ONEDNN_CALL_FLOPS
@@ -52,24 +51,13 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
 }
 
 
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _chain(
     make: Callable[[], nn.Module], shape: tuple[int, ...], layers: int, repeats: int
 ) -> tuple[float, float]:
     model = nn.Sequential(*[make() for _ in range(layers)])
     x = torch.randn(*shape, requires_grad=True)
-    fwd = _median_s(lambda: model(x), repeats)
-    step = _median_s(lambda: model(x).sum().backward(), repeats)  # type: ignore[no-untyped-call]
+    fwd = median_s(lambda: model(x), repeats)
+    step = median_s(lambda: model(x).sum().backward(), repeats)  # type: ignore[no-untyped-call]
     return fwd, step - fwd
 
 

@@ -51,7 +51,16 @@ from crosscut.cost_models.devices import cpu_spec
 from crosscut.cost_models.links import measure_cpu_rates
 from crosscut.frontend.tracer import trace
 
-__all__ = ["BN_SHAPES", "CONV_SHAPES", "DW_SHAPES", "POOL_SHAPES", "cpu_name", "main", "priced"]
+__all__ = [
+    "BN_SHAPES",
+    "CONV_SHAPES",
+    "DW_SHAPES",
+    "POOL_SHAPES",
+    "cpu_name",
+    "main",
+    "median_s",
+    "priced",
+]
 
 # (batch, channels, height, kernel, stride, padding): LeNet's, ResNet's and
 # GoogLeNet's pools among them (28² 2x2; 32-112² 3x3 stride 2; 3x3 stride 1)
@@ -113,7 +122,8 @@ DW_SHAPES = (
 )
 
 
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
+def median_s(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``fn``, after two to warm caches and pools."""
     fn()
     fn()
     times = []
@@ -158,11 +168,11 @@ def _time(
         x = x.to(memory_format=torch.channels_last)
     x.requires_grad_(True)
     module.train()
-    fwd = _median_s(lambda: module(x), repeats)
+    fwd = median_s(lambda: module(x), repeats)
     y = module(x)
     grad = torch.randn_like(y)
     wrt = [x, *module.parameters()]
-    bwd = _median_s(lambda: torch.autograd.grad(y, wrt, grad, retain_graph=True), repeats)
+    bwd = median_s(lambda: torch.autograd.grad(y, wrt, grad, retain_graph=True), repeats)
     return fwd, bwd, y.numel()
 
 

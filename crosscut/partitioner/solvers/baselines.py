@@ -229,11 +229,14 @@ def _comm_matrices(
             mat[0, maxc + 1] -= val
             mat[u + 1, u + 1] -= val
             mat[u + 1, maxc + 1] += val
-    rc = np.cumsum(rc, axis=1)[:, : n + 1]
-    rb = np.cumsum(rb, axis=1)[:, : n + 1]
-    sc = np.cumsum(np.cumsum(sc, axis=0), axis=1)[: n + 1, : n + 1]
-    sb = np.cumsum(np.cumsum(sb, axis=0), axis=1)[: n + 1, : n + 1]
-    return rc, rb, sc, sb
+    # prefix sums in place: on 2,500+ nodes each matrix is ~50 MB, and fresh copies
+    # cost more in page faults than the sums themselves
+    for mat in (rc, rb):
+        np.cumsum(mat, axis=1, out=mat)
+    for mat in (sc, sb):
+        np.cumsum(mat, axis=0, out=mat)
+        np.cumsum(mat, axis=1, out=mat)
+    return rc[:, : n + 1], rb[:, : n + 1], sc[: n + 1, : n + 1], sb[: n + 1, : n + 1]
 
 
 def chain_dp(
@@ -280,6 +283,65 @@ def chain_dp(
     return best_plan
 
 
+class _DPStep:
+    """One step of chain_dp (stage ``k`` of ``s`` on device ``order[k]``) over every chunk.
+
+    Each table is ``(n+1)^2`` floats, ~50 MB on 2,500 nodes; the work arrays are
+    allocated once and reused, because fresh ones per step cost more in page
+    faults than the arithmetic (the first step took 0.8 s on such a graph, and
+    on a loaded machine a step is what overran the deadline).
+    """
+
+    def __init__(self, problem: PartitionProblem, order: list[int]) -> None:
+        self.problem, self.order = problem, order
+        self.mult = comm_multiplier(problem)
+        lat = [problem.latencies(v) for v in range(problem.n)]
+        self.rc, self.rb, self.sc, self.sb = _comm_matrices(problem, lat)
+        comp = np.asarray(problem.compute, dtype=float)
+        self.pre_c = np.vstack([np.zeros(comp.shape[1]), np.cumsum(comp, axis=0)])
+        pre_r = np.concatenate([[0.0], np.cumsum(np.asarray(problem.resident, dtype=float))])
+        pre_a = np.concatenate([[0.0], np.cumsum(np.asarray(problem.activation, dtype=float))])
+        self.resident = pre_r[None, :] - pre_r[:, None]  # chunk [a, b) in row a, column b
+        self.act = pre_a[None, :] - pre_a[:, None]
+        idx = np.arange(problem.n + 1)
+        self.empty = idx[:, None] >= idx[None, :]  # chunk [a, b) has no node
+        self.no_cut = ~np.asarray(allowed_cuts(problem))
+        self.t, self.com, self.tmp = (np.empty_like(self.act) for _ in range(3))
+        self.bad = np.empty(self.act.shape, dtype=bool)
+
+    def _link(self, counts: np.ndarray, nbytes: np.ndarray, pair: tuple[int, int]) -> None:
+        """Add one link's latencies and bytes over every chunk to ``self.com``."""
+        la, bw = self.problem.latency[pair[0]][pair[1]], self.problem.bandwidth[pair[0]][pair[1]]
+        np.multiply(counts, la, out=self.t)
+        np.divide(nbytes, bw, out=self.tmp)
+        self.t += self.tmp
+        self.com += self.t
+
+    def __call__(self, vals: np.ndarray, k: int, s: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(argmin, values)``: the best start of a chunk ending at each boundary."""
+        pb, d, order = self.problem, self.order[k], self.order
+        self.com.fill(0.0)
+        if k > 0:
+            self._link(self.rc, self.rb, (order[k - 1], d))
+        if k + 1 < s:
+            self._link(self.sc, self.sb, (d, order[k + 1]))
+        self.com *= self.mult
+        t = np.subtract(self.pre_c[None, :, d], self.pre_c[:, None, d], out=self.t)
+        (np.maximum if pb.overlap_comm else np.add)(t, self.com, out=t)
+        mem = np.multiply(self.act, activation_factor(pb, k, s), out=self.com)
+        np.add(self.resident, mem, out=mem)
+        mem += np.multiply(self.rb, buffer_factor(pb, k, s), out=self.tmp)
+        bad = np.greater(mem, pb.mem_cap[d], out=self.bad)
+        bad |= self.empty
+        if k > 0:
+            bad |= self.no_cut[:, None]
+        if k + 1 < s:
+            bad |= self.no_cut[None, :]
+        np.maximum(vals[:, None], t, out=t)
+        np.copyto(t, np.inf, where=bad)
+        return np.argmin(t, axis=0), t.min(axis=0)
+
+
 def _chain_dp_plans(
     problem: PartitionProblem,
     order: list[int],
@@ -290,17 +352,8 @@ def _chain_dp_plans(
     """chain_dp's plan for every stage count it reaches before ``deadline``."""
     n = problem.n
     t0 = time.perf_counter()
-    mult = comm_multiplier(problem)
-    rc, rb, sc, sb = _comm_matrices(problem, [problem.latencies(v) for v in range(problem.n)])
+    step = _DPStep(problem, order)
     step_s = (time.perf_counter() - t0) / 4  # a DP step costs about a quarter of these
-    ok = allowed_cuts(problem)
-    comp = np.asarray(problem.compute, dtype=float)
-    pre_c = np.vstack([np.zeros(comp.shape[1]), np.cumsum(comp, axis=0)])
-    pre_r = np.concatenate([[0.0], np.cumsum(np.asarray(problem.resident, dtype=float))])
-    pre_a = np.concatenate([[0.0], np.cumsum(np.asarray(problem.activation, dtype=float))])
-    idx = np.arange(n + 1)
-    valid = idx[:, None] < idx[None, :]  # chunk [a, b) non-empty
-    start_ok = np.asarray(ok)
     cands: list[Plan | None] = []
     for s in range(min_stages, smax + 1):
         if deadline is not None and deadline.left() < s * step_s:
@@ -309,32 +362,11 @@ def _chain_dp_plans(
         vals[0] = 0.0
         args: list[np.ndarray] = []
         for k in range(s):
+            if deadline is not None and deadline.left() < step_s:
+                return cands  # a loaded machine slowed the steps: stop at this one
             t_step = time.perf_counter()
-            d = order[k]
-            lin = (order[k - 1], d) if k > 0 else (d, d)
-            lout = (d, order[k + 1]) if k + 1 < s else (d, d)
-            cmp = pre_c[None, :, d] - pre_c[:, None, d]
-            com = np.zeros_like(cmp)
-            if k > 0:
-                bw, la = problem.bandwidth[lin[0]][lin[1]], problem.latency[lin[0]][lin[1]]
-                com += rc * la + rb / bw
-            if k + 1 < s:
-                bw, la = problem.bandwidth[lout[0]][lout[1]], problem.latency[lout[0]][lout[1]]
-                com += sc * la + sb / bw
-            com *= mult
-            t = np.maximum(cmp, com) if problem.overlap_comm else cmp + com
-            mem = (pre_r[None, :] - pre_r[:, None]) + activation_factor(problem, k, s) * (
-                pre_a[None, :] - pre_a[:, None]
-            )
-            mem = mem + buffer_factor(problem, k, s) * rb
-            bad = ~valid | (mem > problem.mem_cap[d])
-            if k > 0:
-                bad |= ~start_ok[:, None]
-            if k + 1 < s:
-                bad |= ~start_ok[None, :]
-            cand = np.where(bad, np.inf, np.maximum(vals[:, None], t))
-            args.append(np.argmin(cand, axis=0))
-            vals = cand.min(axis=0)
+            arg, vals = step(vals, k, s)
+            args.append(arg)
             step_s = max(step_s, time.perf_counter() - t_step)
         if not np.isfinite(vals[n]):
             continue

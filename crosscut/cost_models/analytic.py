@@ -182,8 +182,9 @@ def _compute_rate(
         frac *= out / (out + half_fill)
         if mode.unit == "fma" and winograd(node):
             frac *= WINOGRAD  # FLOPs counted as direct convolution, run with fewer (cuDNN)
-    if _groups(node) > 1 and node.shapes[0]:
-        frac *= _group_fraction(node, eff, mode)
+    nchw_dw = _depthwise(node) and not (node.conv or {}).get("channels_last")
+    if _groups(node) > 1 and node.shapes[0] and not (eff.generation == "cpu" and nchw_dw):
+        frac *= _group_fraction(node, eff, mode)  # oneDNN's NCHW depthwise: 16 channels a lane
     return mode.peak * max(frac, 1e-6)
 
 

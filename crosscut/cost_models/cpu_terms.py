@@ -68,6 +68,7 @@ __all__ = [
     "fresh_blocks",
     "fresh_seconds",
     "onednn_convolution",
+    "onednn_reorders",
     "roofline",
     "runs_onednn",
     "runs_slow2d",
@@ -293,10 +294,47 @@ def onednn_convolution(
         return times
     fwd, bwd = depthwise_fallback(graph, node, spec, part, times)
     rate = max(spec.peak("float32"), 1.0)
-    fwd += ONEDNN_CALL_FLOPS["forward"] / rate
+    copy_fwd, copy_bwd = onednn_reorders(graph, node, spec, part)
+    fwd += ONEDNN_CALL_FLOPS["forward"] / rate + copy_fwd
     if graph.mode == "train":
-        bwd += ONEDNN_CALL_FLOPS["backward"] / rate
+        bwd += ONEDNN_CALL_FLOPS["backward"] / rate + copy_bwd
     return fwd, bwd
+
+
+def onednn_reorders(
+    graph: OpGraph, node: OpNode, spec: DeviceSpec, part: float = 1.0
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the layout copies oneDNN makes around the NCHW
+    convolution ``node``: its kernels take channels in blocks of 16 (``aBcd16b``), so
+    ``ONEDNN_VERBOSE`` shows every call reorder its activations into fresh blocked
+    buffers and its result back. Forward: the input in, the output out. Backward: the
+    output gradient in and the input gradient out (data gradient), then the input and
+    the output gradient in again (weight gradient). Each copy reads and writes its
+    bytes at ``spec.mem_bw``; a buffer of at least glibc's mmap threshold (the
+    setting's, :data:`GLIBC_THRESHOLDS`; none under kept) is mapped afresh and
+    faulted in at ``spec.page_fault_bw``: measured, a 38.5 MB input's copy took
+    20-30 ms (9,409 faults a call) where a 14.5 MB one took 1.5 ms. A channels-last
+    model has no copies. A shard copies its whole input and ``part`` of its output."""
+    if graph.channels_last or (node.conv or {}).get("channels_last") or not node.inputs:
+        return 0.0, 0.0
+    src = graph.node(node.inputs[0])
+    inp, out = float(src.out_bytes), node.out_bytes * part
+    setting = cpu_malloc.mode()
+    mmap_at = GLIBC_THRESHOLDS[setting][0] if setting in GLIBC_THRESHOLDS else None
+    faults = spec.page_fault_bw if spec.page_fault_bw > 0 else 0.0
+
+    def seconds(buffers: list[float]) -> float:
+        moved = 2.0 * sum(buffers) / max(spec.mem_bw, 1.0)
+        fresh = sum(b for b in buffers if mmap_at is not None and b >= mmap_at)
+        return moved + (fresh / faults if faults else 0.0)
+
+    gemm_fwd, gemm_grad = depthwise_fallbacks(graph, node)  # the GEMM takes plain layouts
+    shape = src.shapes[0] if src.shapes else []
+    narrow = (node.conv or {}).get("groups") == 1 and len(shape) == 4 and int(shape[1]) < 16
+    src_in = [] if narrow else [inp]  # an image stem's kernels read few channels plain
+    fwd = [] if gemm_fwd else [*src_in, out]
+    bwd = [out, inp] + ([] if gemm_grad else [*src_in, out])
+    return seconds(fwd), seconds(bwd) if graph.mode == "train" else 0.0
 
 
 def cpu_node_times(

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +33,7 @@ from crosscut.cost_models.cpu_terms import (
 from crosscut.cost_models.devices import cpu_spec, preset
 from crosscut.frontend.tracer import trace
 from crosscut.ir.graph import OpGraph, OpNode
+from tests.onednn_log import verbose_log
 
 RECORD = Path(__file__).resolve().parent.parent / "docs/benchmarks/cpu-kernels-dw.json"
 
@@ -70,15 +68,7 @@ def _dw(k: int, s: int, p: int, h: int, channels_last: bool = False) -> tuple[Op
 
 def _onednn_choices() -> dict[tuple[int, ...], dict[str, str]]:
     """(k, s, p, h) -> {pass: implementation} from oneDNN's verbose log."""
-    env = {**os.environ, "ONEDNN_VERBOSE": "1", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", _VERBOSE, repr(GRID)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
+    out = verbose_log(_VERBOSE, GRID)
     seen: dict[tuple[int, ...], dict[str, str]] = {}
     key: tuple[int, ...] = ()
     for line in out.splitlines():

@@ -12,9 +12,6 @@ kernel runs 16 channels a vector, not one group at a time).
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -31,6 +28,7 @@ from crosscut.cost_models.cpu_terms import (
 from crosscut.cost_models.devices import cpu_spec
 from crosscut.frontend.tracer import trace
 from crosscut.ir.graph import OpGraph, OpNode
+from tests.onednn_log import verbose_log
 
 # (input channels, output channels, kernel, groups, input size), batch 2, stride 1
 CASES = [
@@ -65,15 +63,7 @@ def _conv(cin: int, cout: int, k: int, g: int, h: int) -> tuple[OpGraph, OpNode]
 
 def _logged_copies() -> dict[tuple[int, ...], dict[str, list[int]]]:
     """case -> {"F": bytes of each activation reorder in the forward, "B": the backward's}."""
-    env = {**os.environ, "ONEDNN_VERBOSE": "1", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", _VERBOSE, repr(CASES)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
+    out = verbose_log(_VERBOSE, CASES)
     seen: dict[tuple[int, ...], dict[str, list[int]]] = {}
     key: tuple[int, ...] = ()
     phase = ""

@@ -309,8 +309,11 @@ def onednn_reorders(
     ``ONEDNN_VERBOSE`` shows every call reorder its activations into fresh blocked
     buffers and its result back. Forward: the input in, the output out. Backward: the
     output gradient in and the input gradient out (data gradient), then the input and
-    the output gradient in again (weight gradient). Each copy reads and writes its
-    bytes at ``spec.mem_bw``; a buffer of at least glibc's mmap threshold (the
+    the output gradient in again (weight gradient). A depthwise pass on the GEMM
+    fallback (:func:`depthwise_fallbacks`) takes plain layouts, and a dense convolution
+    with under 16 input channels (an image stem) reads its input plain
+    (``tests/test_onednn_reorders.py`` holds this list to oneDNN's log). Each copy
+    reads and writes its bytes at ``spec.mem_bw``; a buffer of at least glibc's mmap threshold (the
     setting's, :data:`GLIBC_THRESHOLDS`; none under kept) is mapped afresh and
     faulted in at ``spec.page_fault_bw``: measured, a 38.5 MB input's copy took
     20-30 ms (9,409 faults a call) where a 14.5 MB one took 1.5 ms. A channels-last

@@ -131,13 +131,17 @@ def run_config(
     size = SIZES.get(family, 64)
     x = torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 5, (4,), generator=torch.Generator().manual_seed(2))
-    # replicas=1: a pipeline over the devices, which eager on M micro-batches
-    # reproduces; data parallelism normalises each replica's rows apart
+    # replicas=1 and no groups: a pipeline over the devices, which eager on M
+    # micro-batches reproduces; data parallelism and a batch-split group (which the
+    # planner may choose by default: timm vgg11 on 3 devices got widths [1, 2])
+    # reduce each share's rows apart, equal to rounding only (README, "not bit for
+    # bit"); tests/test_group_families.py checks groups on every family in float64
     options: dict[str, Any] = {
         "microbatches": m,
         "time_limit": 5,
         "recompute": recompute,
         "replicas": 1,
+        "cross_shaped": False,
         "schedule": schedule,
     }
     if precision != "fp32":

@@ -31,6 +31,7 @@ import torchvision
 from torch import nn
 
 import crosscut
+from crosscut.errors import PlanError
 from crosscut.verify import verify_plan
 from tests.plan_factory import widen
 from tests.test_timm_families import FAMILIES, SIZES
@@ -81,9 +82,19 @@ def test_batch_groups_match_eager_on_the_family(name: str) -> None:
     assert pipe.num_stages == 2, f"{name}: the planner left a device idle"
     plans["first stage grouped"] = widen(pipe, ((2, "batch"), (1, "none")))
     plans["last stage grouped"] = widen(pipe, ((1, "none"), (2, "batch")))
-    failed = {}
+    failed, refused = {}, {}
     for label, plan in plans.items():
-        report = verify_plan(build(name), x, plan, rtol=1e-8, atol=1e-9)
+        try:
+            report = verify_plan(build(name), x, plan, rtol=1e-8, atol=1e-9)
+        except PlanError as e:
+            # widened by hand at the planner's pipeline cut: where that cut hands on a
+            # value without the batch as dim 0 (a size, a reshape), a batch split is
+            # illegal and the planner would never group the stage (validate's rule)
+            if "is split by batch but hands on" not in str(e) or label == "data parallel":
+                raise
+            refused[label] = str(e)
+            continue
         if not report.ok:
             failed[label] = report.text()
     assert not failed, failed
+    assert len(refused) < 2, refused  # at least one stage widened and checked

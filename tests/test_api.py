@@ -16,7 +16,7 @@ from crosscut.cost_models.cluster import Cluster
 from crosscut.cost_models.devices import preset
 from crosscut.errors import DeviceError, InfeasiblePlanError, InputError, PlanError
 from crosscut.partitioner.validate import validate_plan
-from crosscut.verify import verify_plan
+from crosscut.verify import compare_states, loss_of, verify_plan
 
 X = torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(0))
 CAP = 1_300_000_000
@@ -391,3 +391,25 @@ def test_verify_checks_the_training_contract_bit_for_bit() -> None:
     assert report.ok, report.text()
     assert report.loss_diff == 0.0 and report.max_state_diff == 0.0, report.text()
     assert report.max_output_diff == 0.0, report.text()
+
+
+def test_verify_compares_float64_states_in_float64() -> None:
+    """Two float64 tensors that agree to 1e-12 either side of a float32 rounding
+    boundary: cast to float32 (verify's old comparison) they are one float32 unit
+    (2.4e-7) apart, over a float64 check's tolerance, and timm's rexnet_100 grouped
+    plan was reported as differing from eager that way. In float64 they are close,
+    and a real difference of 1e-6 is still caught."""
+    edge = 2.0 + 2.0**-23  # halfway between the float32 neighbours 2.0 and 2.0 + 2**-22
+    want = {"w": torch.tensor([edge - 1e-12], dtype=torch.float64)}
+    near = {"w": torch.tensor([edge + 1e-12], dtype=torch.float64)}
+    assert float(near["w"].float() - want["w"].float()) > 2e-7  # what the cast did
+    worst, key, ok = compare_states(want, near, rtol=1e-7, atol=1e-8)
+    assert ok and key == "w" and worst == pytest.approx(2e-12, rel=0.01)
+    far = {"w": want["w"] + 1e-6}
+    assert not compare_states(want, far, rtol=1e-7, atol=1e-8)[2]
+    assert not compare_states(want, {}, rtol=1e-7, atol=1e-8)[2]  # a missing key
+
+
+def test_the_verify_loss_keeps_float64_and_sums_half_precision_in_float32() -> None:
+    assert loss_of(torch.ones(2, 3, dtype=torch.float64)).dtype == torch.float64
+    assert loss_of(torch.ones(2, 3, dtype=torch.bfloat16)).dtype == torch.float32

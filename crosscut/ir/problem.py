@@ -39,7 +39,9 @@ the defaults (``widths=(1,)``, no splits) nothing changes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from crosscut.ir.schedule import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES
 
@@ -51,6 +53,7 @@ __all__ = [
     "SPLITS",
     "PartitionProblem",
     "StageGroup",
+    "restrict",
     "sums_like_eager",
 ]
 
@@ -198,3 +201,61 @@ def sums_like_eager(home: int, reader_stages: list[int]) -> bool:
     if len({reader_stages[i] for i in remote}) > 1:
         return False
     return remote == list(range(len(reader_stages) - len(remote), len(reader_stages)))
+
+
+# PartitionProblem's fields by how :func:`restrict` carries them: one row per node; node
+# indices (renumbered); as they are (devices, links, settings). tests/test_problem_restrict.py holds
+# the three lists to the dataclass, so a new field cannot be left out of a restriction.
+ROWS = (
+    "names", "compute", "resident", "activation", "out_bytes", "shard", "channels",
+    "param_bytes", "batch_major", "messages",
+)  # fmt: skip
+NODE_REFS = (
+    "edges", "ties", "graph_inputs", "graph_outputs", "fanout", "share_compute",
+    "channel_compute",
+)  # fmt: skip
+AS_IS = (
+    "devices", "mem_cap", "bandwidth", "latency", "microbatches", "schedule", "objective",
+    "training", "overlap_comm", "recompute", "stage_recompute", "widths", "splits", "batch",
+)  # fmt: skip
+
+
+def restrict(
+    problem: PartitionProblem, kept: Sequence[int], stand_in: Sequence[int]
+) -> PartitionProblem:
+    """``problem`` over the nodes ``kept`` (ascending), every node index renumbered.
+
+    ``stand_in[v]``: the kept node that stands for ``v`` (``v`` itself when kept;
+    for a removed node, the node it joins, e.g. its consumer). Edges and fan-out
+    reads keep only kept nodes (a removed node's cost is the caller's to move);
+    ties, the model's input readers and its outputs move to their stand-ins.
+    Every per-node field is carried, by the lists :data:`ROWS` and
+    :data:`NODE_REFS`: the side-tree relaxation once kept the fan-out map of
+    the whole problem, and planning timm's rdnet_tiny crashed on an index past
+    the relaxation's last node."""
+    index = {v: i for i, v in enumerate(kept)}
+    if list(kept) != sorted(index) or any(stand_in[v] not in index for v in range(problem.n)):
+        raise ValueError("kept must be ascending node indices and every stand-in a kept node")
+
+    def to(v: int) -> int:
+        return index[stand_in[v]]
+
+    rows: dict[str, Any] = {
+        f: [getattr(problem, f)[v] for v in kept] if getattr(problem, f) else [] for f in ROWS
+    }
+    ties = [sorted({to(v) for v in g}) for g in problem.ties]
+    return replace(
+        problem,
+        **rows,
+        edges=[(index[u], index[v]) for u, v in problem.edges if u in index and v in index],
+        ties=[g for g in ties if len(g) > 1],
+        graph_inputs=[(b, sorted({to(r) for r in rs})) for b, rs in problem.graph_inputs],
+        graph_outputs=sorted({to(v) for v in problem.graph_outputs}),
+        fanout={
+            index[v]: [(index[r], index[p]) for r, p in reads]
+            for v, reads in problem.fanout.items()
+            if v in index and all(r in index and p in index for r, p in reads)
+        },
+        share_compute={w: [t[v] for v in kept] for w, t in problem.share_compute.items()},
+        channel_compute={w: [t[v] for v in kept] for w, t in problem.channel_compute.items()},
+    )

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from crosscut.ir.problem import PartitionProblem
+from crosscut.ir.problem import PartitionProblem, restrict
 from crosscut.partitioner.evaluate import comm_multiplier, consumers, link_time, lower_bound
 
 __all__ = [
@@ -345,7 +345,6 @@ def tree_relaxation(problem: PartitionProblem, fraction: float = 0.05) -> Relaxa
     if not any(side):
         return None
     kept = [v for v in range(pb.n) if not side[v]]
-    index = {v: i for i, v in enumerate(kept)}
     consumer = [cons[v][0] if side[v] else -1 for v in range(pb.n)]
     # where the charge sends a subtree rather than running it with its consumer: only
     # below nodes that themselves stay with their consumer (or under a kept node)
@@ -363,20 +362,13 @@ def tree_relaxation(problem: PartitionProblem, fraction: float = 0.05) -> Relaxa
     if not pb.overlap_comm:
         for v in kept:
             extra[v] = sum(charge[u] for u in preds[v] if side[u])
+    stand_in = list(range(pb.n))  # a removed node runs with its consumer's stage
+    for v in reversed(range(pb.n)):
+        if side[v]:
+            stand_in[v] = stand_in[consumer[v]]
+    reduced = restrict(pb, kept, stand_in)
     reduced = dataclasses.replace(
-        pb,
-        names=[pb.names[v] for v in kept],
-        compute=[[c + extra[v] for c in pb.compute[v]] for v in kept],
-        resident=[pb.resident[v] for v in kept],
-        activation=[pb.activation[v] for v in kept],
-        out_bytes=[pb.out_bytes[v] for v in kept],
-        edges=[(index[u], index[v]) for u, v in pb.edges if u in index and v in index],
-        ties=[[index[v] for v in g] for g in pb.ties if len(g) > 1],
-        shard=[pb.shard[v] for v in kept] if pb.shard else [],
-        channels=[pb.channels[v] for v in kept] if pb.channels else [],
-        param_bytes=[pb.param_bytes[v] for v in kept] if pb.param_bytes else [],
-        batch_major=[pb.batch_major[v] for v in kept] if pb.batch_major else [],
-        messages=[pb.messages[v] for v in kept] if pb.messages else [],
+        reduced, compute=[[c + extra[v] for c in pb.compute[v]] for v in kept]
     )
     roots = [v for v in range(pb.n) if side[v] and not side[cons[v][0]]]
     floating = sum(size[v] - charge[v] for v in roots) if not pb.overlap_comm else 0.0

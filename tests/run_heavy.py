@@ -6,7 +6,8 @@ copy with gradients; in one long pytest process their memory piles up past
 24 GiB and the kernel kills the run, while each alone fits. About 11 minutes
 on a 2-core machine, plus one process per timm CNN family
 (``tests/test_timm_families.py``: 2 and 3 devices, M in 1, 2, 4, recompute, bf16),
-and one per model of ``tests/test_group_families.py`` (batch-split groups, float64).
+one per model of ``tests/test_group_families.py`` (batch-split groups, float64),
+and one per model of ``tests/test_default_plans.py`` (the default plans, float64).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def main() -> int:
     ]
     tests += [  # batch-split groups on every family, float64 (one process each: memory)
         f"tests/test_group_families.py::test_batch_groups_match_eager_on_the_family[{m}]"
+        for m in TORCHVISION + TIMM
+    ]
+    tests += [  # the plans the planner makes by default, on 2, 3 and 4 devices, float64
+        f"tests/test_default_plans.py::test_default_plans_match_eager_on_the_family[{m}]"
         for m in TORCHVISION + TIMM
     ]
     for test in tests:

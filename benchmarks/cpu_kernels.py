@@ -13,6 +13,9 @@ those are on this machine, with the GEMM and copy rates measured in the same run
   and backward (input and weight gradients);
 * each depthwise convolution (NCHW, batch 8-16) of ``DW_SHAPES``, forward and
   backward, where oneDNN runs a pass on its GEMM fallback and one control;
+* each activation of ``ACTIVATIONS`` at the sizes of ``ACT_SHAPES``, on a tensor
+  that needs a gradient and is not a leaf (a convolution's output; an in-place one
+  copies it first for autograd), the backward less that of the ``x * 1.0`` before it;
 * per row: the time, FLOP-equivalents per output (pool), per element (batch
   norm) or per multiply-add (convolution), the bytes-equivalents of the forward
   (seconds × the copy rate), and the analytic price's ratio to the time at this
@@ -21,7 +24,7 @@ those are on this machine, with the GEMM and copy rates measured in the same run
 ``--out FILE`` writes the rows as JSON; ``tests/test_cpu_terms.py`` re-prices the
 recorded files (``docs/benchmarks/cpu-kernels.json``: pools and batch norms;
 ``cpu-kernels-slow2d.json``: the 1x1 convolutions; ``cpu-kernels-dw.json``: the
-depthwise ones) with the current model.
+depthwise ones; ``cpu-kernels-act.json``: the activations) with the current model.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_kernels.py \\
         --ops max_pool2d,batch_norm --out docs/benchmarks/cpu-kernels.json
@@ -29,6 +32,8 @@ depthwise ones) with the current model.
         --ops conv2d_1x1 --out docs/benchmarks/cpu-kernels-slow2d.json
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_kernels.py \\
         --ops conv2d_dw --out docs/benchmarks/cpu-kernels-dw.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_kernels.py \\
+        --ops activation --out docs/benchmarks/cpu-kernels-act.json
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ from crosscut.cost_models.links import measure_cpu_rates
 from crosscut.frontend.tracer import trace
 
 __all__ = [
+    "ACTIVATIONS",
+    "ACT_SHAPES",
     "BN_SHAPES",
     "CONV_SHAPES",
     "DW_SHAPES",
@@ -121,6 +128,37 @@ DW_SHAPES = (
     (16, 384, 3, 1, 8),
 )
 
+# activations, by name: a ReLU control, the ones that compute exp/erf/log1p per element
+# (cpu_terms.CPU_ELEMENTWISE_FLOPS), and in-place ones autograd copies the input of
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "relu": nn.ReLU,
+    "sigmoid": nn.Sigmoid,
+    "silu": nn.SiLU,
+    "gelu": nn.GELU,
+    "exp": lambda: _Exp(),
+    "tanh": nn.Tanh,
+    "elu": nn.ELU,
+    "softplus": nn.Softplus,
+    "log_sigmoid": nn.LogSigmoid,
+    "silu_": lambda: nn.SiLU(inplace=True),
+    "hardswish_": lambda: nn.Hardswish(inplace=True),
+    "relu6_": lambda: nn.ReLU6(inplace=True),
+    "relu_": lambda: nn.ReLU(inplace=True),
+    # last: once a process has run a Mish, ELU, softplus and log-sigmoid run 6-7x faster
+    # (cpu_terms.CPU_ELEMENTWISE_FLOPS); the record keeps the state a process starts in
+    "mish": nn.Mish,
+}
+# (batch, channels, height): EfficientNet-B0's at 128 px (16 px x 240, 4 px x 1,152) and
+# one of MobileNetV2's at 224 px (56 px x 144, 14.5 MB)
+ACT_SHAPES = ((8, 240, 16), (8, 1152, 4), (8, 144, 56))
+
+
+class _Exp(nn.Module):
+    """``torch.exp`` as a module (one traced node, like the others)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x)
+
 
 def median_s(fn: Callable[[], object], repeats: int) -> float:
     """Median seconds of ``repeats`` calls of ``fn``, after two to warm caches and pools."""
@@ -156,7 +194,8 @@ def priced(
         x = x.to(memory_format=torch.channels_last)
     graph = trace(nn.Sequential(module).train(), x, mode="train")
     spec = cpu_spec("cpu", peak=flops, mem_bw=mem_bw)
-    (node,) = [n for n in graph.nodes if n.op == "call_module"]
+    ops = [n for n in graph.nodes if n.op == "call_module"]  # an in-place one: not the clone
+    (node,) = ops or [n for n in graph.nodes if n.op == "call_function"]
     return node_times(graph, node, spec)
 
 
@@ -176,8 +215,38 @@ def _time(
     return fwd, bwd, y.numel()
 
 
-def _cases() -> list[tuple[str, nn.Module, tuple[int, ...], bool, list[int]]]:
-    cases: list[tuple[str, nn.Module, tuple[int, ...], bool, list[int]]] = []
+def _time_activation(
+    module: nn.Module, shape: tuple[int, ...], repeats: int
+) -> tuple[float, float, int]:
+    """(forward, backward, elements) of ``module`` on ``x * 1.0``, a non-leaf that needs a
+    gradient as a convolution's output does. The backward is timed to ``x * 1.0`` itself,
+    or for an in-place module (whose output is that tensor) to ``x``, less the ``* 1.0``'s."""
+    x = torch.randn(*shape, requires_grad=True)
+    module.train()
+
+    def forward() -> float:
+        y = x * 1.0
+        t0 = time.perf_counter()
+        module(y)
+        return time.perf_counter() - t0
+
+    for _ in range(2):
+        forward()
+    fwd = statistics.median(forward() for _ in range(repeats))
+    y = x * 1.0
+    out = module(y)
+    grad = torch.randn_like(out)
+    if out is not y:
+        bwd = median_s(lambda: torch.autograd.grad(out, [y], grad, retain_graph=True), repeats)
+        return fwd, bwd, out.numel()
+    alone = x * 1.0
+    bwd = median_s(lambda: torch.autograd.grad(out, [x], grad, retain_graph=True), repeats)
+    mul = median_s(lambda: torch.autograd.grad(alone, [x], grad, retain_graph=True), repeats)
+    return fwd, max(bwd - mul, 1e-9), out.numel()
+
+
+def _cases() -> list[tuple[str, nn.Module, tuple[int, ...], bool, list[Any]]]:
+    cases: list[tuple[str, nn.Module, tuple[int, ...], bool, list[Any]]] = []
     for n, c, h, k, s, p in POOL_SHAPES:
         for cl in (False, True):
             cases.append(("max_pool2d", nn.MaxPool2d(k, s, p), (n, c, h, h), cl, [k, s, p]))
@@ -188,6 +257,9 @@ def _cases() -> list[tuple[str, nn.Module, tuple[int, ...], bool, list[int]]]:
     for n, c, k, s, h in DW_SHAPES:
         dw = nn.Conv2d(c, c, k, stride=s, padding=k // 2, groups=c, bias=False)
         cases.append(("conv2d_dw", dw, (n, c, h, h), False, [k, s]))
+    for name in ACTIVATIONS:  # every size of one before the next: Mish (last) speeds up ELU
+        for n, c, h in ACT_SHAPES:
+            cases.append(("activation", ACTIVATIONS[name](), (n, c, h, h), False, [name]))
     return cases
 
 
@@ -197,8 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument(
         "--ops",
-        default="max_pool2d,batch_norm,conv2d_1x1,conv2d_dw",
-        help="comma-separated op families to time (default: all four)",
+        default="max_pool2d,batch_norm,conv2d_1x1,conv2d_dw,activation",
+        help="comma-separated op families to time (default: all five)",
     )
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -216,7 +288,10 @@ def main(argv: list[str] | None = None) -> None:
     for op, module, shape, cl, window in _cases():
         if op not in args.ops.split(","):
             continue
-        fwd, bwd, outputs = _time(module, shape, cl, args.repeats)
+        if op == "activation":
+            fwd, bwd, outputs = _time_activation(module, shape, args.repeats)
+        else:
+            fwd, bwd, outputs = _time(module, shape, cl, args.repeats)
         units = outputs if op == "max_pool2d" else math.prod(shape)
         if op == "conv2d_1x1":  # multiply-adds
             units = outputs * shape[1]
@@ -230,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
             "pool": window if op == "max_pool2d" else [],
             "out_channels": window[0] if op == "conv2d_1x1" else None,
             "kernel_stride": window if op == "conv2d_dw" else None,
+            "activation": window[0] if op == "activation" else None,
             "fwd_s": fwd,
             "bwd_s": bwd,
             "units": units,
@@ -240,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
         }
         rows.append(row)
         print(
-            f"{op:<11}{'x'.join(map(str, shape)):<16}{'NHWC' if cl else 'NCHW':>7}"
+            f"{window[0] if op == 'activation' else op:<11}{'x'.join(map(str, shape)):<16}"
+            f"{'NHWC' if cl else 'NCHW':>7}"
             f"{fwd * 1e3:>8.3f}{bwd * 1e3:>8.3f}{row['fwd_flops_per_unit']:>11.0f}"
             f"{row['bwd_flops_per_unit']:>11.0f}{row['fwd_bytes_per_unit']:>11.1f}"
             f"{p_fwd / fwd:>10.2f}{p_bwd / bwd:>10.2f}",

@@ -7,8 +7,8 @@ moves what the node reads plus what it writes; backward does ``bwd_flops``
 and moves about twice the forward bytes (read the saved tensors
 and the incoming gradient, write input and weight gradients). Batch norm in
 training reads its input twice (statistics, then normalisation). In-place ops
-(``relu_``, ``inplace=True``) are elementwise kernels that read and write
-their tensor: they move bytes like any other, only pure views
+(``relu_``, ``inplace=True``) read and write their tensor, and first copy it where
+autograd saves their input (``op_terms.autograd_copy_bytes``); only pure views
 (``view``, ``flatten``, ...) move none and pay only the dispatch. Under
 autocast every 16-bit op with weights also casts them (fp32 read, 16-bit
 write) forward and casts the weight gradient back. A tensor-core convolution
@@ -18,7 +18,7 @@ NHWC and back (:func:`nchw_transposes`). Placeholders, the output and
 another, tens of microseconds each, and a step of short kernels waits for it:
 :func:`analytic_costs` charges every node what it adds to a host/GPU flow shop
 (``host_flow.py``), which is the roofline where kernels are long. A CPU prices NCHW
-max pools and training batch norms by ``cpu_terms.py``; ``profiled.py`` measures.
+max pools, training batch norms and exp-like activations by ``cpu_terms.py``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from crosscut.cost_models.memory import _VIEW, _key, activation_bytes, is_alias,
 from crosscut.cost_models.op_terms import (
     _HALF,
     BN_16BIT_KERNELS,
+    autograd_copy_bytes,
     bn_channel_occupancy,
     bn_kernels,
     consumers,
@@ -287,13 +288,13 @@ def node_times(
         fwd_b, bwd_b = max_pool_bytes(node, part)
         fwd = max(fwd_b / bw, max_pool_forward_floor(node, spec, part))
         return fwd + launch, bwd_b / bw + 2.0 * launch  # zero-fill, then the gather
-    fwd = moved / bw + cast / bw + kernels * launch
-    if not train:
-        return fwd, 0.0
-    if passes_gradient_through(graph, node):
+    copy = autograd_copy_bytes(graph, node) * part  # an in-place op's input, saved first
+    arith = cpu_terms.elementwise_arithmetic(node, spec, part)  # exp and kin; 0 off a CPU
+    fwd = max(moved / bw, arith[0]) + (copy + cast) / bw + (kernels + (copy > 0)) * launch
+    if not train or passes_gradient_through(graph, node):
         return fwd, 0.0
     factor = UNARY_BWD_BYTES_FACTOR if unary_backward(graph, node) else BWD_BYTES_FACTOR
-    return fwd, (factor * moved + cast) / bw + kernels * launch
+    return fwd, max(factor * moved / bw, arith[1]) + cast / bw + kernels * launch
 
 
 def host_dispatch_s(spec: DeviceSpec) -> float:

@@ -55,6 +55,7 @@ __all__ = [
     "CPU_BN_BWD_FLOPS",
     "CPU_BN_BWD_TINY_FLOPS",
     "CPU_BN_FWD_FLOPS",
+    "CPU_ELEMENTWISE_FLOPS",
     "CPU_POOL_BWD_FLOPS",
     "CPU_POOL_OUTPUT_FLOPS",
     "CPU_POOL_TAP_FLOPS",
@@ -65,6 +66,7 @@ __all__ = [
     "cpu_node_times",
     "depthwise_fallback",
     "depthwise_fallbacks",
+    "elementwise_arithmetic",
     "fresh_blocks",
     "fresh_seconds",
     "onednn_convolution",
@@ -95,6 +97,30 @@ CPU_BN_BWD_FLOPS = 70.0
 # in the record (16x512 and 16x960 channels at 2x2), 1,349-1,830 at 2x2 and 598-2,526 at
 # 1x1 in a later scratch grid (96-960 channels); 3x3 and 2x4 planes ran at 193-460 (not priced).
 CPU_BN_BWD_TINY_FLOPS = 1400.0
+
+
+# FLOP-equivalents per element of the activations a CPU core computes rather than streams:
+# each evaluates exp, erf or log1p per element, tens to hundreds of FLOPs of vector
+# instructions, more than its bytes take from DRAM (8 a forward element: ~28 FLOP-
+# equivalents at this core's rates). (forward, backward); 0: that pass runs at its bytes
+# (sigmoid's and tanh's backward use their output). Measured on one EPYC core, float32,
+# 0.15-3.6 M elements, the same per element at every size (a memory-bound ReLU's grew
+# 2.4x): docs/benchmarks/cpu-kernels-act.json, re-priced by tests/test_cpu_terms.py.
+# GELU is the erf form (``approximate="tanh"`` ran 152/176, priced as erf). ELU, softplus
+# and log-sigmoid ran ~17 ns a negative element in a fresh process (~850-930 an element
+# on Gaussian inputs, priced here) and 120-140 once the process had run a Mish: their
+# time depends on the process's history, which no price can know.
+CPU_ELEMENTWISE_FLOPS: dict[str, tuple[float, float]] = {
+    "sigmoid": (39.0, 0.0),
+    "silu": (40.0, 52.0),
+    "gelu": (48.0, 92.0),
+    "exp": (75.0, 0.0),
+    "tanh": (245.0, 0.0),
+    "mish": (350.0, 408.0),
+    "elu": (845.0, 54.0),
+    "softplus": (915.0, 54.0),
+    "log_sigmoid": (925.0, 0.0),
+}
 
 
 # FLOP-equivalents per multiply-add of a 1x1 convolution PyTorch runs as ``Slow2d`` (one
@@ -362,6 +388,22 @@ def cpu_node_times(
         bwd = CPU_BN_BWD_TINY_FLOPS if tiny else CPU_BN_BWD_FLOPS
         return out * CPU_BN_FWD_FLOPS / rate + launch, out * bwd / rate + launch
     return _slow2d_times(graph, node, spec, part)
+
+
+def elementwise_arithmetic(
+    node: OpNode, spec: DeviceSpec, part: float = 1.0
+) -> tuple[float, float]:
+    """(forward, backward) seconds of ``node``'s per-element arithmetic on the CPU
+    ``spec`` (:data:`CPU_ELEMENTWISE_FLOPS` at its GEMM rate), (0, 0) for any other
+    op or device. ``analytic.node_times`` takes the larger of this and the bytes: the
+    core streams while it computes (SiLU ran at 1.0-1.1x its arithmetic from 1 to 16
+    MB). Measured in context, EfficientNet-B0's 49 SiLUs ran their forward at 2.3x
+    their price by bytes."""
+    flops = CPU_ELEMENTWISE_FLOPS.get(node.kind.lower())
+    if flops is None or not spec.device.startswith("cpu"):
+        return 0.0, 0.0
+    n = _elements(node.shapes[0] if node.shapes else None) * part / max(spec.peak("float32"), 1.0)
+    return n * flops[0], n * flops[1]
 
 
 def roofline(compute_s: float, memory_s: float, cpu: bool) -> float:

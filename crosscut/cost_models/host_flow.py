@@ -25,7 +25,11 @@ from __future__ import annotations
 
 import math
 
-from crosscut.cost_models.op_terms import inputs_per_group, passes_gradient_through
+from crosscut.cost_models.op_terms import (
+    autograd_copy_bytes,
+    inputs_per_group,
+    passes_gradient_through,
+)
 from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = ["VIEW_KINDS", "flow_charges", "launches"]
@@ -57,10 +61,11 @@ def launches(graph: OpGraph, node: OpNode, readers: int) -> tuple[int, int]:
     data and weight gradients and the gradient's cast back (3, 3; +1 each with a
     bias); training batch norm: statistics, normalisation and the running
     averages, then the gradient's reductions and its elementwise pass (3, 3); a
-    pool's backward zero-fills before it scatters; a gradient read by ``readers``
-    nodes is summed in one add per extra reader. Checked against the kernels the
-    profiler counted in 28 H200 steps of 23 models: it counted 0.82-1.40 times these
-    (docs/BENCHMARKS.md)."""
+    pool's backward zero-fills before it scatters; an in-place activation whose
+    backward needs its input copies it first (``op_terms.autograd_copy_bytes``); a
+    gradient read by ``readers`` nodes is summed in one add per extra reader. Checked
+    against the kernels the profiler counted in 28 H200 steps of 23 models: it counted
+    0.82-1.40 times these (docs/BENCHMARKS.md)."""
     kind = node.kind
     if node.is_io or node.op == "get_attr":
         return 0, 0
@@ -83,7 +88,8 @@ def launches(graph: OpGraph, node: OpNode, readers: int) -> tuple[int, int]:
         fwd, bwd = 1, 1
     if graph.mode != "train":
         return fwd, 0
-    return fwd, bwd + max(0, readers - 1)
+    copy = 1 if autograd_copy_bytes(graph, node) else 0  # an in-place op's saved input
+    return fwd + copy, bwd + max(0, readers - 1)
 
 
 def flow_charges(order: list[tuple[str, float, float, int]]) -> list[float]:

@@ -33,7 +33,7 @@ pytest: setup
 
 test: lint typecheck pytest
 
-# the 34 heavy classifiers, one process each (~11 min on 2 cores; not part of `make test`)
+# the 34 heavy classifiers and the family sweeps, one process each (~2 h on 2 cores; not part of `make test`)
 test-heavy: setup
 	$(PY) tests/run_heavy.py
 

@@ -7,7 +7,8 @@ copy with gradients; in one long pytest process their memory piles up past
 on a 2-core machine, plus one process per timm CNN family
 (``tests/test_timm_families.py``: 2 and 3 devices, M in 1, 2, 4, recompute, bf16),
 one per model of ``tests/test_group_families.py`` (batch-split groups, float64),
-and one per model of ``tests/test_default_plans.py`` (the default plans, float64).
+and one per model of ``tests/test_default_plans.py`` (the default plans, float64):
+about two hours in all.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ def test_default_plans_match_eager_on_the_family(name: str) -> None:
     for n in (2, 3, 4):
         plan = crosscut.partition(model, ["cpu"] * n, x, time_limit=5)
         report = verify_plan(build(name), x, plan, rtol=1e-8, atol=1e-9)
+        print(f"{name} on {n} devices: {_shape(plan)}")  # what was checked (pytest -rP)
         if not report.ok:
             failed[f"{n} devices: {_shape(plan)}"] = report.text()
     assert not failed, failed

@@ -22,6 +22,7 @@ from crosscut.cost_models import cpu_terms
 from crosscut.cost_models.analytic import node_times
 from crosscut.cost_models.devices import DeviceSpec, cpu_spec, preset
 from crosscut.cost_models.efficiency import efficiency_of
+from crosscut.cost_models.memory import is_alias
 from crosscut.frontend.tracer import trace
 from crosscut.ir.graph import OpGraph, OpNode
 
@@ -113,3 +114,24 @@ def test_an_in_place_activation_pays_autograd_copy_of_its_input(spec: DeviceSpec
 
 def _memory_fraction(spec: DeviceSpec) -> float:
     return efficiency_of(spec.kind, spec.device).memory
+
+
+def test_a_module_is_an_alias_by_its_kind_not_its_attribute_name() -> None:
+    """A module's target is the attribute it is stored under: ``self.t = nn.Tanh()`` was
+    taken for the transpose ``t`` (a view: no bytes, no storage), ``nn.Flatten`` is a
+    view under any name, and an in-place module is one by its flag."""
+
+    class Named(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.t = nn.Tanh()
+            self.f = nn.Flatten()
+            self.relu_ = nn.ReLU()
+            self.a = nn.SiLU(inplace=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.f(self.a(self.relu_(self.t(x))))
+
+    graph = trace(Named().train(), torch.randn(2, 4, 3, 3), mode="train")
+    alias = {n.target: is_alias(graph, n) for n in graph.nodes if n.op == "call_module"}
+    assert alias == {"t": False, "f": True, "relu_": False, "a": True}

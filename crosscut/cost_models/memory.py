@@ -87,6 +87,8 @@ def is_alias(graph: OpGraph, node: OpNode) -> bool:
     if node.op in ("placeholder", "output") or not node.inputs:
         return False
     kind, tgt = _key(node)
+    if node.op == "call_module":  # its target is an attribute's name, not an op's: a
+        tgt = kind  # module named ``t`` (an ``nn.Tanh``) is not a transpose
     if kind in _VIEW or tgt in _VIEW:
         return True
     if tgt in ("iadd", "isub", "imul", "itruediv") or (

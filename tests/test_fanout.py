@@ -239,3 +239,39 @@ def test_a_channels_last_model_trains_bit_exact_and_stays_channels_last(schedule
     assert_bits(compiled_steps(c, x, y, 2), want)
     convs = [p for p in c.parameters() if p.dim() == 4 and p.shape[-1] > 1]
     assert convs and all(p.is_contiguous(memory_format=torch.channels_last) for p in convs)
+
+
+class ReadTwice(nn.Module):
+    """One tensor read by a convolution, by a ``cat`` twice and by a ``mul`` twice: five
+    gradients into it, where counting readers (not reads) saw three, or two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.b1 = nn.Conv2d(4, 4, 1)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = torch.tanh(self.stem(x))
+        pair = torch.cat([v, v], 1)
+        y = torch.cat([self.b1(v), pair, v * v], 1)
+        return self.head(y.mean((2, 3)))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_reader_that_reads_a_value_twice_is_two_reads(schedule: str) -> None:
+    """Every split of the three readers over 2 stages, 2 micro-batches, 3 momentum steps,
+    bit for bit. A fuzzed model (``cat([v, v])`` and a pool of ``v``, cut apart) trained
+    1 ulp off eager: its two readers were two gradients, where eager adds three."""
+    torch.manual_seed(0)
+    model = ReadTwice()
+    x, y = torch.randn(8, 3, 6, 6), torch.randint(0, 5, (8,))
+    want = eager_steps(copy.deepcopy(model), x, y, 2, 3)
+    gm = fx.symbolic_trace(model)
+    names = [n.name for n in gm.graph.nodes if n.op not in SKIP]
+    for sides in itertools.product([0, 1], repeat=3):
+        split = dict(zip(["b1", "cat", "mul"], sides))
+        stage_of = {n: split.get(n, 1 if n in ("cat_1", "mean", "head") else 0) for n in names}
+        c = CompiledModule(copy.deepcopy(model), gm, stage_of, ["cpu", "cpu"], schedule, 2)
+        assert_bits(compiled_steps(c, x, y, 3), want)
+        c.close()

@@ -61,7 +61,7 @@ from torch import fx
 
 from crosscut.codegen.state_writes import state_writes
 from crosscut.frontend.alias import own_value
-from crosscut.frontend.readers import fanout_candidates
+from crosscut.frontend.readers import fanout_candidates, read_slots
 from crosscut.ir.problem import sums_like_eager
 
 __all__ = ["separate_fanout", "share_state_reads"]
@@ -79,20 +79,43 @@ def _alias_readers(
     home: int,
     stage_of: dict[str, int],
 ) -> dict[str, str]:
-    """One alias of ``v`` per ``(reader, node it reads)``, in that order, right after ``v``."""
+    """One alias of ``v`` per ``(reader, node it reads)`` read, right after ``v``.
+
+    Readers in program order; a reader's own reads (``torch.cat([v, v])``) in
+    reverse argument order, since its backward adds its gradients into ``v`` in
+    argument order and the newest alias's backward runs first."""
     added: dict[str, str] = {}
     anchor = v
-    for u, p in reads:  # in program order, right after v: older than every reader
-        with gm.graph.inserting_after(anchor):
-            alias = gm.graph.call_function(alias_of, (v,))
-        alias.meta = (
-            {**v.meta, "val": own_value(v.meta["val"])} if "val" in v.meta else dict(v.meta)
-        )
-        stage_of[alias.name] = home
-        u.replace_input_with(p, alias)  # p is v, or an op that returned v itself
-        added[alias.name] = v.name
-        anchor = alias
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for u, p in reads:
+        groups.setdefault(u, []).append(p)
+    for u, ps in groups.items():  # in program order, right after v: older than every reader
+        slots = sorted({i for p in set(ps) for i in read_slots(u, p)}, reverse=True)
+        if len(slots) != len(ps):  # reads listed otherwise: one alias for them all
+            slots = [-1]
+        for slot in slots:
+            with gm.graph.inserting_after(anchor):
+                alias = gm.graph.call_function(alias_of, (v,))
+            alias.meta = (
+                {**v.meta, "val": own_value(v.meta["val"])} if "val" in v.meta else dict(v.meta)
+            )
+            stage_of[alias.name] = home
+            _read_alias(u, set(ps), alias, slot)  # p is v, or an op that returned v itself
+            added[alias.name] = v.name
+            anchor = alias
     return added
+
+
+def _read_alias(u: fx.Node, ps: set[fx.Node], alias: fx.Node, slot: int) -> None:
+    """Make ``u`` read ``alias`` at its ``slot``-th node read (``frontend.readers.read_slots``),
+    or wherever it reads one of ``ps`` when ``slot`` is -1."""
+    seen = iter(range(1 << 30))
+
+    def swap(a: fx.Node) -> fx.Node:
+        at = next(seen)
+        return alias if a in ps and slot in (-1, at) else a
+
+    u.args, u.kwargs = fx.node.map_arg((u.args, u.kwargs), swap)
 
 
 def _fetch(gm: fx.GraphModule, v: fx.Node) -> Any:
@@ -129,7 +152,8 @@ def share_state_reads(
         if len(stages) < 2 or any(u in mutators for u in readers):
             continue
         home = stage_of.get(v.name, stage_of[readers[0].name])
-        added |= _alias_readers(gm, v, [(u, v) for u in readers], home, stage_of)
+        reads = [(u, v) for u in readers for _ in read_slots(u, v)]
+        added |= _alias_readers(gm, v, reads, home, stage_of)
     if added:
         gm.graph.lint()
         gm.recompile()

@@ -32,6 +32,7 @@ __all__ = [
     "fanout_reads",
     "inplace_mutators",
     "is_tensor_value",
+    "read_slots",
 ]
 
 SKIP_OPS = ("placeholder", "get_attr", "output")
@@ -80,7 +81,8 @@ def _holds_tensor(u: fx.Node) -> bool:
 def autograd_readers(
     gm: fx.GraphModule, v: fx.Node, writes: Collection[fx.Node], written: Collection[fx.Node]
 ) -> list[tuple[fx.Node, fx.Node]] | None:
-    """``(reader, node it reads)`` for each op whose backward adds into ``v``'s gradient.
+    """``(reader, node it reads)`` for each read whose backward adds into ``v``'s gradient:
+    by reader in program order, a reader that reads ``v`` twice twice, in argument order.
 
     Ops that return ``v`` itself are looked through: eager's gradient for ``v``
     comes from THEIR readers, at those readers' places in program order (dla's
@@ -91,7 +93,8 @@ def autograd_readers(
     or that orders a read after a write (``mutated_value``): such values are
     left alone.
     """
-    out: list[tuple[fx.Node, fx.Node]] = []
+    found: list[tuple[int, int, fx.Node, fx.Node]] = []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     todo = [v]
     while todo:
         p = todo.pop()
@@ -103,8 +106,21 @@ def autograd_readers(
             if _passes_through(gm, u, p):
                 todo.append(u)
             elif _holds_tensor(u):
-                out.append((u, p))
-    return out
+                found += [(order[u], slot, u, p) for slot in read_slots(u, p)]
+    return [(u, p) for _, _, u, p in sorted(found, key=lambda f: f[:2])]
+
+
+def read_slots(u: fx.Node, p: fx.Node) -> list[int]:
+    """Where ``u`` reads ``p``: the indices, among every node ``u`` reads (args, then
+    kwargs, as ``fx.node.map_arg`` visits them), that are ``p``.
+
+    Each is a gradient of its own: ``torch.cat([v, v])`` or ``v * v`` sends two
+    into ``v``, added in argument order. A value read twice by one op and once by
+    another collects three (a fuzzed model whose ``cat`` read a value twice and a
+    pool once, cut apart, trained 1 ulp off eager when they counted as two)."""
+    nodes: list[fx.Node] = []
+    fx.node.map_arg((u.args, u.kwargs), nodes.append)
+    return [i for i, a in enumerate(nodes) if a is p]
 
 
 def inplace_mutators(gm: fx.GraphModule) -> list[fx.Node]:

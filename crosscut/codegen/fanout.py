@@ -1,4 +1,4 @@
-"""Fan-out across a cut: one alias per reader, so gradients add up in eager's order.
+"""Fan-out across a cut: one alias per read, so gradients add up in eager's order.
 
 A value read by several ops collects one gradient from each reader, and
 autograd adds them in the order the readers' backward nodes run: the reverse
@@ -20,7 +20,14 @@ alias's backward node runs after every reader's (aliases are older, and the
 engine runs the newest ready node first), newest alias first, so ``v``'s
 gradient accumulates as ``((g4 + g3) + g2) + g1`` — eager's sum, bit for bit.
 
-Only values that need it are rewritten: three or more readers (two gradients
+A reader that reads the value twice (``torch.cat([v, v])``, ``v * v``) sends two
+gradients, which its backward adds into ``v`` in argument order. Each read
+counts (``frontend.readers.read_slots``) and gets its own alias; a reader's own
+aliases are made in reverse argument order, so the newest-first engine adds
+them in argument order, as eager does. Counted as one reader, a value read twice
+by a ``cat`` and once by a pool on another stage trained 1 ulp off eager.
+
+Only values that need it are rewritten: three or more reads (two gradients
 add the same either way) on two or more stages, unless the pipeline's order
 is already eager's (one other stage whose readers come last in program
 order, the usual contiguous cut). Readers are autograd's: an op that returns

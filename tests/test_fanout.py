@@ -88,17 +88,23 @@ def assert_bits(got: Any, want: Any) -> None:
 def test_every_split_of_a_four_way_fanout_is_bit_exact(schedule: str) -> None:
     """Each branch on stage 0 or 1 (16 plans), 4 micro-batches, 3 momentum steps."""
     torch.manual_seed(0)
-    model = FourWay()
+    every_split_is_bit_exact(FourWay(), ("b1", "b2", "b3", "b4"), ("cat", "mean", "head", "mul"),
+                             schedule, micro=4)  # fmt: skip
+
+
+def every_split_is_bit_exact(
+    model: nn.Module, readers: tuple[str, ...], last: tuple[str, ...], schedule: str, micro: int
+) -> None:
+    """Each of ``readers`` on stage 0 or 1, ``last`` on stage 1, the rest on stage 0: 3
+    momentum steps on 8 samples, equal to eager's bit for bit."""
     x, y = torch.randn(8, 3, 6, 6), torch.randint(0, 5, (8,))
-    want = eager_steps(copy.deepcopy(model), x, y, 4, 3)
+    want = eager_steps(copy.deepcopy(model), x, y, micro, 3)
     gm = fx.symbolic_trace(model)
     names = [n.name for n in gm.graph.nodes if n.op not in SKIP]
-    for sides in itertools.product([0, 1], repeat=4):
-        branch = dict(zip(["b1", "b2", "b3", "b4"], sides))
-        stage_of = {
-            n: branch.get(n, 1 if n in ("cat", "mean", "head", "mul") else 0) for n in names
-        }
-        c = CompiledModule(copy.deepcopy(model), gm, stage_of, ["cpu", "cpu"], schedule, 4)
+    for sides in itertools.product([0, 1], repeat=len(readers)):
+        split = dict(zip(readers, sides))
+        stage_of = {n: split.get(n, 1 if n in last else 0) for n in names}
+        c = CompiledModule(copy.deepcopy(model), gm, stage_of, ["cpu", "cpu"], schedule, micro)
         assert_bits(compiled_steps(c, x, y, 3), want)
         c.close()
 
@@ -264,14 +270,5 @@ def test_a_reader_that_reads_a_value_twice_is_two_reads(schedule: str) -> None:
     bit for bit. A fuzzed model (``cat([v, v])`` and a pool of ``v``, cut apart) trained
     1 ulp off eager: its two readers were two gradients, where eager adds three."""
     torch.manual_seed(0)
-    model = ReadTwice()
-    x, y = torch.randn(8, 3, 6, 6), torch.randint(0, 5, (8,))
-    want = eager_steps(copy.deepcopy(model), x, y, 2, 3)
-    gm = fx.symbolic_trace(model)
-    names = [n.name for n in gm.graph.nodes if n.op not in SKIP]
-    for sides in itertools.product([0, 1], repeat=3):
-        split = dict(zip(["b1", "cat", "mul"], sides))
-        stage_of = {n: split.get(n, 1 if n in ("cat_1", "mean", "head") else 0) for n in names}
-        c = CompiledModule(copy.deepcopy(model), gm, stage_of, ["cpu", "cpu"], schedule, 2)
-        assert_bits(compiled_steps(c, x, y, 3), want)
-        c.close()
+    every_split_is_bit_exact(ReadTwice(), ("b1", "cat", "mul"), ("cat_1", "mean", "head"),
+                             schedule, micro=2)  # fmt: skip

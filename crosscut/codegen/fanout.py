@@ -60,6 +60,7 @@ version counter, so ``state_writes`` reads them from the call).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection
 from typing import Any
 
@@ -116,7 +117,7 @@ def _alias_readers(
 def _read_alias(u: fx.Node, ps: set[fx.Node], alias: fx.Node, slot: int) -> None:
     """Make ``u`` read ``alias`` at its ``slot``-th node read (``frontend.readers.read_slots``),
     or wherever it reads one of ``ps`` when ``slot`` is -1."""
-    seen = iter(range(1 << 30))
+    seen = itertools.count()
 
     def swap(a: fx.Node) -> fx.Node:
         at = next(seen)

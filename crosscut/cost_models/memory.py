@@ -38,6 +38,7 @@ __all__ = [
     "OPTIMIZER_STATE",
     "MemorySim",
     "activation_bytes",
+    "copies_input",
     "is_alias",
     "live_tensors",
     "peak_memory",
@@ -100,8 +101,14 @@ def is_alias(graph: OpGraph, node: OpNode) -> bool:
 
 def _shares_storage(graph: OpGraph, node: OpNode) -> bool:
     """:func:`is_alias`, less the in-place ops autograd copies the input of
-    (:data:`_COPIES_INPUT`): what the memory model treats as no new storage."""
+    (:func:`copies_input`): what the memory model treats as no new storage."""
     return is_alias(graph, node) and not _matches(node, _COPIES_INPUT)
+
+
+def copies_input(graph: OpGraph, node: OpNode) -> bool:
+    """An in-place op whose backward needs its input, so autograd saves a copy of
+    it before the write (:data:`_COPIES_INPUT`: ``silu_``, ``hardtanh_``...)."""
+    return is_alias(graph, node) and _matches(node, _COPIES_INPUT)
 
 
 def _inplace_flag(graph: OpGraph, node: OpNode) -> bool:

@@ -18,7 +18,7 @@ import math
 
 from crosscut.cost_models.devices import DeviceSpec
 from crosscut.cost_models.efficiency import efficiency_of, sm_count
-from crosscut.cost_models.memory import _COPIES_INPUT, _VIEW, _key, _matches, is_alias
+from crosscut.cost_models.memory import _key, copies_input
 from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = [
@@ -163,10 +163,7 @@ def autograd_copy_bytes(graph: OpGraph, node: OpNode) -> float:
     on a tensor that needs a gradient took 0.59-0.70 ns an element where the same op
     out of place took 0.42-0.46, and ``hardswish_`` 0.31-0.42 against ``relu_``'s
     0.05-0.12. Every device runs the copy; it was priced on none."""
-    if graph.mode != "train" or not is_alias(graph, node) or not _matches(node, _COPIES_INPUT):
-        return 0.0
-    kind, tgt = _key(node)
-    return 0.0 if kind in _VIEW or tgt in _VIEW else 2.0 * node.out_bytes
+    return 2.0 * node.out_bytes if graph.mode == "train" and copies_input(graph, node) else 0.0
 
 
 def passes_gradient_through(graph: OpGraph, node: OpNode) -> bool:

@@ -81,8 +81,9 @@ def _holds_tensor(u: fx.Node) -> bool:
 def autograd_readers(
     gm: fx.GraphModule, v: fx.Node, writes: Collection[fx.Node], written: Collection[fx.Node]
 ) -> list[tuple[fx.Node, fx.Node]] | None:
-    """``(reader, node it reads)`` for each read whose backward adds into ``v``'s gradient:
-    by reader in program order, a reader that reads ``v`` twice twice, in argument order.
+    """``(reader, node it reads)`` for each read whose backward adds into ``v``'s gradient
+    (a reader that reads ``v`` twice appears twice: :func:`read_slots`), as found;
+    :func:`fanout_candidates` puts them in program order.
 
     Ops that return ``v`` itself are looked through: eager's gradient for ``v``
     comes from THEIR readers, at those readers' places in program order (dla's
@@ -93,8 +94,7 @@ def autograd_readers(
     or that orders a read after a write (``mutated_value``): such values are
     left alone.
     """
-    found: list[tuple[int, int, fx.Node, fx.Node]] = []
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out: list[tuple[fx.Node, fx.Node]] = []
     todo = [v]
     while todo:
         p = todo.pop()
@@ -106,8 +106,8 @@ def autograd_readers(
             if _passes_through(gm, u, p):
                 todo.append(u)
             elif _holds_tensor(u):
-                found += [(order[u], slot, u, p) for slot in read_slots(u, p)]
-    return [(u, p) for _, _, u, p in sorted(found, key=lambda f: f[:2])]
+                out += [(u, p)] * len(read_slots(u, p))
+    return out
 
 
 def read_slots(u: fx.Node, p: fx.Node) -> list[int]:

@@ -282,8 +282,9 @@ def verify_plan(
         default=0.0,
     )
     skip = _running_stats(ref) if the_plan.replication.replicas > 1 else set()
+    ref_state = ref.state_dict()
     worst, worst_key, ok = compare_states(
-        ref.state_dict(), compiled.state_dict(), skip=skip, rtol=rtol * 10, atol=atol * 10
+        ref_state, compiled.state_dict(), skip=skip, rtol=rtol * 10, atol=atol * 10
     )
     ok = ok and out_diff <= atol + rtol * max(
         (float(t.detach().abs().max()) for t in _tensors(ref_out)), default=0.0
@@ -294,7 +295,7 @@ def verify_plan(
         loss_diff=abs(loss - ref_loss),
         max_state_diff=worst,
         worst_key=worst_key,
-        checked_keys=len(ref.state_dict()) - len(skip),
+        checked_keys=len(ref_state) - len(skip),
         devices=devs,
         not_compared=sorted(skip),
     )

@@ -21,6 +21,7 @@ __all__ = [
     "MAX_MICROBATCHES",
     "Layout",
     "candidate_layouts",
+    "first_count",
     "layout_groups",
     "microbatch_candidates",
     "share_sizes",
@@ -62,8 +63,11 @@ def _uniform(cluster: Cluster) -> bool:
     return all(d.kind == first.kind and d.mem_cap == first.mem_cap for d in cluster.devices)
 
 
-def candidate_layouts(cluster: Cluster, request: PlanRequest, batch: int) -> list[Layout]:
-    """Every layout of ``cluster``, cheapest first; those the rules exclude carry ``why_not``."""
+def candidate_layouts(
+    cluster: Cluster, request: PlanRequest, batch: int, no_replicas: str = ""
+) -> list[Layout]:
+    """Every layout of ``cluster``, cheapest first; those the rules exclude carry ``why_not``
+    (``no_replicas``: why every layout of several replicas is, from ``state_limits.py``)."""
     per_node, nodes = len(cluster.devices), cluster.nodes
     if nodes > 1:
         every = layouts(per_node, nodes) + spanning_layouts(per_node, nodes)
@@ -77,6 +81,8 @@ def candidate_layouts(cluster: Cluster, request: PlanRequest, batch: int) -> lis
         why = ""
         if request.replicas is not None and r != request.replicas:
             why = f"replicas={request.replicas} was given"
+        elif no_replicas and r > 1:
+            why = no_replicas
         elif nodes == 1 and request.require_all_devices and request.replicas is None and r > 1:
             why = "require_all_devices: a pipeline stage on every device"
         elif batch % (r * fixed_m):
@@ -122,3 +128,10 @@ def share_sizes(lay: Layout, request: PlanRequest, size: int) -> list[int]:
         return []
     widths, _ = cross_options(groups, request.widths, splits, lay.devices)
     return sorted({-(-size // w) for w in widths if w > 1 and -(-size // w) < size})
+
+
+def first_count(counts: list[int], devices: int) -> int:
+    """Where a layout's micro-batch search starts: the smallest count of at least its
+    devices (a pipeline of ``d`` stages idles ``(d−1)/(M+d−1)`` of its step: under half
+    from ``M = d``); one device starts at 1 (data parallelism needs no more)."""
+    return next((i for i, m in enumerate(counts) if m >= devices), len(counts) - 1)

@@ -32,6 +32,7 @@ from crosscut.partitioner.recompute_choice import (
     recompute_request,
 )
 from crosscut.precision import check_precision, check_precision_devices
+from crosscut.state_limits import limited_request, state_limits
 from crosscut.strategy import plan_strategy
 from crosscut.traced import TraceCache, get_costs, solve_traced
 
@@ -199,6 +200,8 @@ def plan_request(
                 remedy="pass the nn.Module and the global batch",
             )
         graph = model_or_graph
+        if graph.gm is not None:  # what its state writes allow (state_limits.py)
+            r = limited_request(r, state_limits(graph.gm))
         costs = get_costs(graph, cl, cost=r.cost, optimizer=r.optimizer)
         return solve_traced(graph, costs, cl, r, progress=progress, deadline=deadline)
     if example_inputs is None:

@@ -62,7 +62,8 @@ profile. The quicker row is then listed as ``within noise``, with by how much.
 
 The model is traced once per micro-batch size (:class:`TraceCache`): the
 data-parallel layout and a pipeline of ``R/2`` replicas with two micro-batches
-read the same graph.
+read the same graph. A model that writes its own state in forward may rule out
+micro-batches and replicas (``state_limits.py``): a row says so.
 
 The plan returned describes one replica (its stages on ``d`` devices of a
 node, or of ``k`` nodes, named ``n<node>.<device>``; ``model.batch_size`` = the
@@ -88,6 +89,7 @@ from crosscut.ir.schedule import AUTO_SCHEDULE, DEFAULT_SCHEDULE
 from crosscut.layouts import (
     Layout,
     candidate_layouts,
+    first_count,
     layout_groups,
     microbatch_candidates,
     share_sizes,
@@ -103,6 +105,7 @@ from crosscut.partitioner.replicas import (
     stage_nodes,
 )
 from crosscut.partitioner.schedule_choice import choose_schedule
+from crosscut.state_limits import limited_request, traced_limits
 from crosscut.traced import Progress, TraceCache, solve_traced
 
 if TYPE_CHECKING:
@@ -304,13 +307,6 @@ def _share_of(within: Deadline, parts: int) -> Deadline:
     return within.within(within.left() / parts)
 
 
-def _first_count(counts: list[int], devices: int) -> int:
-    """Where a layout's micro-batch search starts: the smallest count of at least its
-    devices (a pipeline of ``d`` stages idles ``(d−1)/(M+d−1)`` of its step: under half
-    from ``M = d``); one device starts at 1 (data parallelism needs no more)."""
-    return next((i for i, m in enumerate(counts) if m >= devices), len(counts) - 1)
-
-
 def _one(
     search: _Search,
     lay: Layout,
@@ -403,12 +399,12 @@ def _layout(
 ) -> None:
     """Plan one layout for the micro-batch counts worth trying, a row per attempt.
 
-    From :func:`_first_count` upwards while the step shrinks (more micro-batches:
+    From :func:`first_count` upwards while the step shrinks (more micro-batches:
     a smaller bubble and fewer activations in flight; a count that does not
     fit does not stop it), then downwards from there while it shrinks (fewer:
     less per-micro-batch overhead; a count that does not fit ends it, as a
     smaller one would not fit either). The step is taken as unimodal in M."""
-    start = _first_count(counts, lay.devices)
+    start = first_count(counts, lay.devices)
     tried = [0]
     best_step = float("inf")
 
@@ -451,7 +447,9 @@ def plan_strategy(
     """
     dl = Deadline.of(deadline, request.time_limit)
     batch = cache.batch
-    every = candidate_layouts(cluster, request, batch)
+    limits = traced_limits(cache, cluster.total_devices)  # what state written in forward allows
+    request = limited_request(request, limits)
+    every = candidate_layouts(cluster, request, batch, limits.shares)
     options = [lay for lay in every if not lay.why_not]
     if not options:
         raise InputError(
@@ -468,6 +466,8 @@ def plan_strategy(
     for lay in every:
         if lay.why_not:
             search.row(lay, request.microbatches or 1, "excluded", lay.why_not)
+    if limits.micro:
+        search.row(every[-1], 2, "excluded", limits.micro)
     for i, lay in enumerate(options):
         fixed = request.microbatches
         counts = [fixed] if fixed else microbatch_candidates(batch // lay.replicas)

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from crosscut.errors import PlanError
 from crosscut.ir.plan import Plan
@@ -43,6 +44,7 @@ __all__ = [
     "VerifyReport",
     "bench_plan",
     "compare_states",
+    "eager_reference",
     "loss_of",
     "verify_plan",
 ]
@@ -126,6 +128,20 @@ def _no_dropout(model: nn.Module) -> None:
                 setattr(m, attr, 0.0)
 
 
+def eager_reference(model: nn.Module, plan: Plan) -> nn.Module:
+    """A copy of ``model`` whose eager forward computes what ``plan`` promises to.
+
+    Random drops are off (:func:`_no_dropout`: the compiled side must switch
+    them off too), and the batch norms of batch-split stages normalise the
+    group's shares apart (:func:`_shared_batch_norms`). Run it micro-batch by
+    micro-batch (and replica share by replica share) as the plan does; its
+    outputs and state are then the compiled module's, to rounding."""
+    ref = copy.deepcopy(model)
+    _no_dropout(ref)
+    _shared_batch_norms(ref, plan)
+    return ref
+
+
 def _shared_batch_norms(model: nn.Module, plan: Plan) -> None:
     """Make each batch norm of a batch-split stage normalise the group's shares apart.
 
@@ -139,27 +155,49 @@ def _shared_batch_norms(model: nn.Module, plan: Plan) -> None:
     ``F.batch_norm`` and an activation inside it; its ``num_batches_tracked``
     update may sit in another stage, and does not count). Before, the other
     shares ran ``F.batch_norm`` alone and skipped the activation such a module
-    applies: every timm model with a grouped stage "differed" from eager."""
+    applies: every timm model with a grouped stage "differed" from eager.
+
+    A functional batch norm outside any batch-norm module (``F.batch_norm`` on
+    buffers the forward passes it) is found by the running mean its node reads:
+    the model's forward then runs with ``F.batch_norm`` splitting the calls
+    on that tensor (:func:`_functional_shares`)."""
 
     width: dict[str, int] = {}
+    functional: dict[int, int] = {}  # id(running mean) -> shares
+    by_name = {n.name: n for n in plan.nodes}
     for node in plan.nodes:
         stage = plan.assignment.get(node.name)
         if stage is None or plan.stages[stage].split != "batch" or "batch_norm" not in node.kind:
             continue
-        parts = node.module_path.split(".") if node.module_path else []
-        for i in range(len(parts), 0, -1):  # the node's module, else the nearest around it
-            path = ".".join(parts[:i])
-            try:
-                module = model.get_submodule(path)
-            except AttributeError:
-                continue
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                width.setdefault(path, len(plan.stages[stage].devices))
-                break
+        w = len(plan.stages[stage].devices)
+        path = _bn_module(model, node.module_path)
+        if path is not None:
+            width.setdefault(path, w)
+            continue
+        reads = [by_name.get(name) for name in node.inputs]
+        stats = [r.target for r in reads if r is not None and r.op == "get_attr"]
+        if stats and "running_mean" in stats[0]:
+            functional[id(model.get_buffer(stats[0]))] = w
     for path, w in width.items():
         bn = model.get_submodule(path)
         if isinstance(bn, nn.modules.batchnorm._BatchNorm) and w > 1:
             bn.forward = functools.partial(_by_shares, bn, type(bn).forward, w)  # type: ignore[method-assign]
+    if any(w > 1 for w in functional.values()):
+        model.forward = functools.partial(_functional_shares, model.forward, functional)  # type: ignore[method-assign]
+
+
+def _bn_module(model: nn.Module, module_path: str) -> str | None:
+    """The path of the nearest batch-norm module around a node's module path, if any."""
+    parts = module_path.split(".") if module_path else []
+    for i in range(len(parts), 0, -1):  # the node's module, else the nearest around it
+        path = ".".join(parts[:i])
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            return path
+    return None
 
 
 def _by_shares(bn: nn.modules.batchnorm._BatchNorm, forward: Any, w: int, x: torch.Tensor) -> Any:
@@ -180,6 +218,30 @@ def _by_shares(bn: nn.modules.batchnorm._BatchNorm, forward: Any, w: int, x: tor
         for k, v in kept.items():
             setattr(bn, k, v)
     return torch.cat(outs)
+
+
+def _functional_shares(forward: Any, width: dict[int, int], *args: Any, **kwargs: Any) -> Any:
+    """``forward`` with each training-mode ``F.batch_norm`` on a running mean of ``width``
+    split into that many shares: the leader's on the statistics, the others' on copies."""
+    from crosscut.runtime.batch_shares import share_bounds
+
+    plain = F.batch_norm
+
+    def by_shares(x: torch.Tensor, mean: Any, var: Any, *rest: Any, **kw: Any) -> Any:
+        w = width.get(id(mean), 1)
+        if w == 1 or not kw.get("training", rest[2] if len(rest) > 2 else False):
+            return plain(x, mean, var, *rest, **kw)
+        outs = []
+        for i, (a, b) in enumerate(share_bounds(int(x.shape[0]), w)):
+            stats = (mean, var) if i == 0 else (mean.clone(), var.clone())
+            outs.append(plain(x[a:b], *stats, *rest, **kw))
+        return torch.cat(outs)
+
+    F.batch_norm = by_shares  # type: ignore[assignment]
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        F.batch_norm = plain
 
 
 def _load(plan: Plan | str | Path) -> Plan:
@@ -243,11 +305,9 @@ def verify_plan(
     the_plan = _load(plan)
     devs = devices or ["cpu"] * (len(the_plan.cluster.devices) * the_plan.replication.replicas)
     train = the_plan.model.mode == "train"
-    ref = copy.deepcopy(model)
+    ref = eager_reference(model, the_plan)
     work = copy.deepcopy(model)
-    _no_dropout(ref)
     _no_dropout(work)
-    _shared_batch_norms(ref, the_plan)
     try:
         compiled = cc_compile(work, devs, x, plan=the_plan)
     except PlanError as exc:

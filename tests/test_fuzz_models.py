@@ -37,7 +37,7 @@ from crosscut.ir.schedule import (
     virtual_stages,
 )
 from crosscut.partitioner.validate import validate_plan
-from crosscut.verify import verify_plan
+from crosscut.verify import eager_reference, verify_plan
 
 
 def _examples(default: int) -> int:
@@ -309,8 +309,12 @@ def test_random_cnns_writing_views_and_buffers_are_eager_or_refused(
 
     spec, (writes, counter, ema) = drawn
     torch.manual_seed(0)
-    model = MutatingCNN(spec, writes, counter, ema)
-    x = torch.randn(4, 3, 8, 8)
+    # with micro-batches the sums run in another order: in float64, so that rounding stays
+    # far under the tolerance (in float32, SGD with lr=1 grew some weights to ~1e3, and a
+    # conv bias before batch norm, whose true gradient is 0, moved by 8e-5 of pure rounding)
+    dtype = torch.float64 if micro > 1 else torch.float32
+    model = MutatingCNN(spec, writes, counter, ema).to(dtype)
+    x = torch.randn(4, 3, 8, 8).to(dtype)
     try:
         c = crosscut.compile(
             model,
@@ -444,7 +448,8 @@ def test_random_cnns_reading_self_training_switch_modes_like_eager(
         assert output == "with_sum_no_rule" and micro > 1, exc
         assert "output_merge" in str(exc)
         return
-    ref = copy.deepcopy(model)
+    # what the plan promises: a batch-split group's batch norms normalise its shares apart
+    ref = eager_reference(model, c.plan)
     for flag in (True, False, True):
         c.train(flag)
         ref.train(flag)

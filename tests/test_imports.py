@@ -39,6 +39,7 @@ _PARTITIONER = (
     "crosscut.traced",
     "crosscut.strategy",
     "crosscut.layouts",
+    "crosscut.state_limits",
 )
 _API = ("crosscut.planning", "crosscut.distributed", "crosscut.api", "crosscut.verify")
 LAYERS: list[tuple[str, tuple[str, ...]]] = [

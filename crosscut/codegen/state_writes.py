@@ -17,49 +17,57 @@ over micro-batches is the documented ``bn_mode`` contract of
 :class:`~crosscut.runtime.CompiledModule` — except that ``"step"`` and
 ``"exact"`` reach only batch norms called as leaf modules, so a batch norm
 whose statistics the graph updates itself is refused under them.
+
+The batch is also split *across devices*: data-parallel replicas, and a
+stage run on a batch-split device group (``runtime/batch_split.py``), run
+their forward on a share of the micro-batch, and only the leader's share (or
+replica 0) writes the model's state. A write that does not read the batch (a
+call counter) is then the same as eager; one that does (an EMA of an
+activation) is computed from one share only. :func:`batch_dependent_writes`
+finds those, and ``check_state_writes(..., split=...)`` refuses them where
+the plan splits their stage; the planner (``crosscut/state_rules.py``) never
+makes such a plan.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence, Sized
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
 from crosscut.errors import CodegenError
-from crosscut.frontend.alias import MUTATES, STATE, functional_norm_writes
+from crosscut.frontend.alias import functional_norm_writes
+from crosscut.frontend.written_state import (
+    batch_dependent_writes,
+    batch_norm_stat,
+    model_state_writes,
+    state_writes,
+)
 
 __all__ = [
+    "batch_dependent_writes",
     "check_state_writes",
     "functional_norm_writes",
+    "model_state_writes",
+    "split_nodes",
     "state_writes",
     "traced_batch_norm_writes",
 ]
 
 
-def state_writes(gm: fx.GraphModule) -> list[tuple[str, str]]:
-    """``(node, state key)`` for every node of ``gm`` that writes a buffer or parameter."""
-    by_name = {n.name: n for n in gm.graph.nodes}
-    out: list[tuple[str, str]] = []
-    for n in gm.graph.nodes:
-        for base in n.meta.get(MUTATES, []):
-            b = by_name.get(base)
-            if b is not None and b.op == "get_attr":
-                out.append((n.name, str(b.target)))
-        out.extend((n.name, key) for key in n.meta.get(STATE, []))
-    return out + [w for w in functional_norm_writes(gm) if w not in out]
-
-
-def _batch_norm_stat(model: nn.Module, key: str) -> bool:
-    owner, _, name = key.rpartition(".")
-    try:
-        module = model.get_submodule(owner)
-    except AttributeError:
-        return False
-    return isinstance(module, nn.modules.batchnorm._BatchNorm) and name in (
-        "running_mean",
-        "running_var",
-        "num_batches_tracked",
-    )
+def split_nodes(
+    stage_of: Mapping[str, int],
+    groups: Sequence[tuple[Sized, str]] | None,
+    replicas: int = 1,
+) -> set[str]:
+    """The nodes a plan runs on shares of the batch: every node under data-parallel
+    ``replicas``, else those of the stages whose group (devices, split) splits by batch."""
+    if replicas > 1:
+        return set(stage_of)
+    shared = {k for k, (devs, how) in enumerate(groups or []) if how == "batch" and len(devs) > 1}
+    return {n for n, k in stage_of.items() if k in shared}
 
 
 def traced_batch_norm_writes(model: nn.Module, gm: fx.GraphModule) -> list[tuple[str, str]]:
@@ -72,7 +80,7 @@ def traced_batch_norm_writes(model: nn.Module, gm: fx.GraphModule) -> list[tuple
     leaf batch norms only, so it cannot reach these.
     """
     by_name = {n.name: n for n in gm.graph.nodes}
-    out = [(n, k) for n, k in state_writes(gm) if _batch_norm_stat(model, k)]
+    out = [(n, k) for n, k in state_writes(gm) if batch_norm_stat(model, k)]
     out = [(n, k) for n, k in out if by_name[n].op != "call_module"]
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target not in (F.batch_norm, torch.batch_norm):
@@ -80,22 +88,38 @@ def traced_batch_norm_writes(model: nn.Module, gm: fx.GraphModule) -> list[tuple
         args = [*n.args, *n.kwargs.values()]
         training = n.kwargs.get("training", n.args[5] if len(n.args) > 5 else False)
         stats = [a for a in args if isinstance(a, fx.Node) and a.op == "get_attr"]
-        keys = [str(a.target) for a in stats if _batch_norm_stat(model, str(a.target))]
+        keys = [str(a.target) for a in stats if batch_norm_stat(model, str(a.target))]
         if training is not False and keys:
             out.append((n.name, keys[0]))
     return out
 
 
 def check_state_writes(
-    model: nn.Module, gm: fx.GraphModule, microbatches: int, bn_mode: str = "micro"
+    model: nn.Module,
+    gm: fx.GraphModule,
+    microbatches: int,
+    bn_mode: str = "micro",
+    split: Collection[str] = (),
 ) -> None:
-    """Refuse state written in forward when it would be written ``microbatches`` times per call.
+    """Refuse state written in forward when it would be written ``microbatches`` times per call,
+    or from a share of the batch (``split``: the nodes the plan runs on a share).
 
     Batch norm statistics are ``bn_mode``'s: with ``"micro"`` every micro-batch
     updates them (documented); ``"step"`` and ``"exact"`` promise otherwise,
     which they cannot keep for a batch norm the graph updates itself
     (:func:`traced_batch_norm_writes`), so that is refused too.
     """
+    for node, key in batch_dependent_writes(model, gm) if split else []:
+        if node in split:
+            raise CodegenError(
+                f"state {key!r} is written in forward by node {node!r} from the batch, and "
+                "the plan splits that node's batch across devices (data-parallel replicas "
+                "or a batch-split group): it would be written from one share of the batch, "
+                "eager mode from all of it",
+                value={"state": key, "node": node},
+                remedy="re-plan (the planner keeps such a node's batch whole: no replicas, "
+                "no batch-split group), or move the update out of forward",
+            )
     if microbatches <= 1:
         return
     if bn_mode != "micro":
@@ -109,9 +133,7 @@ def check_state_writes(
                 remedy="use bn_mode='micro' (per micro-batch updates, documented) or "
                 "microbatches=1",
             )
-    for node, key in state_writes(gm):
-        if _batch_norm_stat(model, key):
-            continue
+    for node, key in model_state_writes(model, gm):
         raise CodegenError(
             f"state {key!r} is written in forward by node {node!r}; with microbatches="
             f"{microbatches} the compiled module would write it {microbatches} times per call "

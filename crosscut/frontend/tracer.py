@@ -50,6 +50,7 @@ from crosscut.frontend.propagate import (
     shapes_of,
 )
 from crosscut.frontend.python_state import refusing_python_state
+from crosscut.frontend.written_state import mark_bn_stats
 from crosscut.ir.graph import MODES, OpGraph, OpNode
 
 __all__ = ["runs_channels_last", "trace"]
@@ -176,6 +177,7 @@ def _symbolic_trace(
     kept = {p: r for p, r in auto.items() if not any(p.startswith(q + ".") for q in auto)}
     gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     detach_no_grad(gm)  # fx does not record torch.no_grad(): see grad_mode.py
+    mark_bn_stats(model, gm)  # functional batch norms on a module's buffers: written_state.py
     return gm, dict(sorted(kept.items()))
 
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import fx, nn
+
+from crosscut.codegen.state_writes import check_state_writes, split_nodes
 from crosscut.errors import DistributedError, InputError
 from crosscut.ir.schedule import virtual_stages
 
@@ -20,6 +23,7 @@ __all__ = [
     "check_mode",
     "check_one_stage_per_device",
     "check_recompute",
+    "check_state",
     "group_widths",
 ]
 
@@ -30,6 +34,16 @@ def group_widths(plan: Any) -> list[int]:
         len(st.devices) if st.split in ("channel", "batch") and len(st.devices) > 1 else 1
         for st in plan.stages
     ]
+
+
+def check_state(
+    model: nn.Module, gm: fx.GraphModule, plan: Any, replicas: int, microbatches: int, bn_mode: str
+) -> None:
+    """State written in forward: not once per micro-batch, nor from one share of a batch the
+    plan splits over replicas or a batch-split group (``codegen/state_writes.py``)."""
+    groups = [(st.devices, st.split) for st in plan.stages]
+    split = split_nodes(dict(plan.assignment), groups, replicas)
+    check_state_writes(model, gm, microbatches, bn_mode, split)
 
 
 def check_one_stage_per_device(plan: Any) -> None:

@@ -52,7 +52,6 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from crosscut.codegen.split import build_stages
-from crosscut.codegen.state_writes import check_state_writes
 from crosscut.ir.program import INPUT, StagedProgram
 from crosscut.ir.schedule import (
     forward_only,
@@ -79,6 +78,7 @@ from crosscut.runtime.dist.plan_rules import (
     check_mode,
     check_one_stage_per_device,
     check_recompute,
+    check_state,
     group_widths,
 )
 from crosscut.runtime.dist.rank_stages import (
@@ -161,7 +161,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         program = self._build(model, gm)
         # the last stage's merge of micro-batch outputs in forward (runtime/output_merge.py)
         rules = check_outputs(gm, run.output_merge, self.microbatches)
-        check_state_writes(model, gm, self.microbatches, bn_mode)  # codegen/state_writes.py
+        check_state(model, gm, self.plan, self.replicas, self.microbatches, bn_mode)  # plan_rules
         self._merge = OutputMerge(self._template, rules)
         # the dtypes values cross ranks in under the caller's autocast (runtime/dist/wire_dtypes.py)
         self._wire = WireDtypes(gm, self.device, any(w > 1 for w in self.rank_layout.widths))

@@ -67,7 +67,7 @@ from torch import fx, nn
 from crosscut.codegen.modes import other_program, share_state
 from crosscut.codegen.source import program_source
 from crosscut.codegen.split import build_stages
-from crosscut.codegen.state_writes import check_state_writes
+from crosscut.codegen.state_writes import check_state_writes, split_nodes
 from crosscut.cpu_malloc import keep_freed_memory
 from crosscut.errors import CrosscutError, InputError, RuntimeError_
 from crosscut.ir.program import StagedProgram
@@ -174,7 +174,8 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         # how micro-batch outputs merge; an output that cannot is refused here (output_merge.py)
         self._output_merge = check_outputs(gm, o.output_merge, microbatches)
         self._signature = signature_of(gm)
-        check_state_writes(model, gm, microbatches, o.bn_mode)  # written M times? (state_writes.py)
+        # written M times, or from a share of the batch? (codegen/state_writes.py)
+        check_state_writes(model, gm, microbatches, o.bn_mode, split_nodes(stage_of, o.groups))
         self._schedule = schedule
         self._timeout = o.timeout
         self._microbatches = microbatches
@@ -214,7 +215,8 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         self._other_error = other_gm if isinstance(other_gm, CrosscutError) else None
         if isinstance(other_gm, fx.GraphModule):
             check_outputs(other_gm, output_merge, self._microbatches, strict_paths=False)
-            check_state_writes(model, other_gm, self._microbatches, self.bn_mode)
+            split = split_nodes(stage_of, groups)
+            check_state_writes(model, other_gm, self._microbatches, self.bn_mode, split)
             self._other, self._other_map = other_program(
                 self._program, gm, other_gm, stage_of, stage_devices, groups, BatchSplitStage
             )

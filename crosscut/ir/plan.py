@@ -4,10 +4,9 @@ A plan is plain JSON. It carries enough to recompute every prediction without
 crosscut: the cluster (devices, caps, links), every node with its cost per
 device kind and its memory, every edge with its bytes, the assignment
 node → stage → device, the transfers, the schedule, the predictions and the
-solver's record (status, bound, gap, baselines). ``schema_version`` is bumped
-on any incompatible change; loading checks the JSON Schema shipped beside this
-file and names the offending field.
-"""
+solver's record (status, bound, gap, baselines). ``schema_version`` is bumped on
+any incompatible change; loading checks the JSON Schema beside this file and names
+the offending field."""
 
 from __future__ import annotations
 
@@ -98,6 +97,7 @@ class PlanNode:
     shard: str = "full"  # in a channel split: "split" | "channel" | "full" (problem.SHARD_KINDS)
     channels: int = 0  # output channels a channel split divides (0: unknown)
     batch_major: bool = True  # one tensor, micro-batch as dim 0: a batch split may hand it on
+    mixes_batch: bool = False  # computed from several samples: no batch split may hold it
     messages: int = 1  # its tensor leaves: the messages it crosses a cut as, each way
     # [reader, node it reads] per reader, if codegen/fanout.py may alias each (program order)
     fanout: list[list[str]] = field(default_factory=list)

@@ -124,6 +124,9 @@ class PartitionProblem:
     # it may not hand on any other (``x.size(0)``, a batch mean): each share would
     # compute it from its own rows (runtime/batch_shares.py refuses it at compile time)
     batch_major: list[bool] = field(default_factory=list)
+    # [node] it computes a tensor from several samples (a mean over the batch): a
+    # batch-split stage may not hold it at all (build.mixes_batch_value). Empty: none does
+    mixes_batch: list[bool] = field(default_factory=list)
     batch: int = 0  # samples per micro-batch (0: unknown, shares priced as 1/w)
     # the model's own inputs and outputs, which a batch-split stage scatters and gathers:
     # (bytes per micro-batch, the nodes that read it) per input; nodes the model returns
@@ -208,7 +211,7 @@ def sums_like_eager(home: int, reader_stages: list[int]) -> bool:
 # the three lists to the dataclass, so a new field cannot be left out of a restriction.
 ROWS = (
     "names", "compute", "resident", "activation", "out_bytes", "shard", "channels",
-    "param_bytes", "batch_major", "messages",
+    "param_bytes", "batch_major", "mixes_batch", "messages",
 )  # fmt: skip
 NODE_REFS = (
     "edges", "ties", "graph_inputs", "graph_outputs", "fanout", "share_compute",

@@ -24,7 +24,9 @@ from crosscut.partitioner.shard import shard_kind
 __all__ = [
     "CostLookup",
     "assigned_names",
+    "batch_fed",
     "batch_major_value",
+    "mixes_batch_value",
     "plan_groups",
     "plan_nodes",
     "plan_to_problem",
@@ -55,7 +57,9 @@ def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[
 
         reads = fanout_reads(graph.gm)
     out: list[PlanNode] = []
+    fed, by_name = batch_fed(graph), {n.name: n for n in graph.nodes}
     for n in graph.nodes:
+        carriers = [by_name[i] for i in n.inputs if i in fed and i in by_name]
         fwd = {k: 0.0 if n.is_io else costs.fwd_s(n.name, k) for k in sorted(set(kinds))}
         bwd = {k: 0.0 if n.is_io or not training else costs.bwd_s(n.name, k) for k in fwd}
         shard, channels = shard_kind(graph, n)
@@ -78,6 +82,7 @@ def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[
                 shard=shard,
                 channels=channels,
                 batch_major=batch_major_value(n, graph.batch_size),
+                mixes_batch=mixes_batch_value(n, carriers, graph.batch_size),
                 messages=value_messages(n),
                 fanout=[[r, p] for r, p in reads.get(n.name, [])],
                 batch_scale={} if n.is_io else costs.batch_scale(n.name),
@@ -96,6 +101,49 @@ def batch_major_value(node: OpNode, batch: int) -> bool:
         and bool(shapes)
         and all(len(s) >= 1 and int(s[0]) == batch for s in shapes)
     )
+
+
+def mixes_batch_value(node: OpNode, inputs: Sequence[OpNode], batch: int) -> bool:
+    """Whether ``node`` computes a tensor from several samples of the batch (a mean over the
+    batch, a concatenation along it, a 0-d loss): each share of a batch split would compute
+    it from its own rows, so no batch-split stage may hold it.
+
+    ``inputs``: the producers it reads that carry the batch (traced from a model input).
+    Read from shapes: an output with the batch as dim 0 keeps rows per sample (batch norm,
+    which mixes inside, is the runtime's documented per-share contract), and so does one
+    that folds the batch into dim 0 with every element kept (a window partition's
+    ``(B·n, ...)`` reshape). An op that keeps the shape but mixes rows (a softmax over dim 0,
+    a permutation of the batch) is not seen."""
+    if batch <= 1 or node.non_tensor or not node.shapes:
+        return False
+    sizes = {
+        _numel(s) for u in inputs if not u.non_tensor for s in u.shapes if s and int(s[0]) == batch
+    }
+    if not sizes:
+        return False
+    for s in node.shapes:
+        if s and int(s[0]) == batch:
+            continue
+        if s and int(s[0]) % batch == 0 and _numel(s) in sizes:
+            continue
+        return True
+    return False
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def batch_fed(graph: OpGraph) -> set[str]:
+    """Nodes computed from a model input, directly or not (not from parameters alone)."""
+    fed: set[str] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder" or any(i in fed for i in n.inputs):
+            fed.add(n.name)
+    return fed
 
 
 def value_messages(node: OpNode) -> int:
@@ -132,9 +180,8 @@ def problem_from_parts(
 ) -> PartitionProblem:
     """The PartitionProblem over the assigned nodes of ``nodes``.
 
-    ``batch`` (samples per micro-batch) prices uneven batch splits; the
-    cross-shaped fields come from the nodes and from ``options.widths/splits``.
-    """
+    ``batch`` (samples per micro-batch) prices uneven batch splits; the cross-shaped
+    fields come from the nodes and from ``options.widths/splits``."""
     names = assigned_names(nodes)
     index = {name: i for i, name in enumerate(names)}
     by_name = {n.name: n for n in nodes}
@@ -193,6 +240,7 @@ def problem_from_parts(
         channels=[by_name[n].channels for n in names],
         param_bytes=[by_name[n].param_bytes for n in names],
         batch_major=[by_name[n].batch_major for n in names],
+        mixes_batch=[by_name[n].mixes_batch for n in names],
         messages=[by_name[n].messages for n in names],
         fanout=_fanout([by_name[n] for n in names], index),
         batch=batch,

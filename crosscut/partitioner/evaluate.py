@@ -56,7 +56,7 @@ from crosscut.ir.problem import PartitionProblem, StageGroup
 from crosscut.ir.schedule import placement, virtual_stages, workers
 from crosscut.partitioner.fanout_cost import cut_transfers
 from crosscut.partitioner.group_costs import (
-    batch_split_exports,
+    batch_split_errors,
     collective_time,
     group_problems,
     node_compute,
@@ -403,11 +403,7 @@ def check(
             errors.append(f"stage {k} is empty (renumber the stages)")
     for k, g in enumerate(groups or []):
         if g.split == "batch":
-            for name in batch_split_exports(problem, stage_of, k):
-                errors.append(
-                    f"stage {k} is split by batch but hands on {name!r}, which is not a "
-                    "tensor with the batch as dim 0 (each share would compute its own)"
-                )
+            errors += batch_split_errors(problem, stage_of, k)
     if (
         groups is None
         and len(set(stage_device)) != len(stage_device)

@@ -53,7 +53,9 @@ from collections.abc import Sequence
 from crosscut.ir.problem import PartitionProblem, StageGroup
 
 __all__ = [
+    "batch_split_errors",
     "batch_split_exports",
+    "batch_split_mixing",
     "batch_split_refused",
     "collective_time",
     "colocated",
@@ -203,15 +205,43 @@ def batch_split_exports(problem: PartitionProblem, stage_of: Sequence[int], k: i
     ]
 
 
+def batch_split_mixing(problem: PartitionProblem, stage_of: Sequence[int], k: int) -> list[str]:
+    """Nodes of stage ``k`` that compute a tensor from several samples (a mean over the
+    batch): a batch-split stage would compute each from one share's rows."""
+    mixes = problem.mixes_batch or [False] * problem.n
+    return [problem.names[v] for v in range(problem.n) if stage_of[v] == k and mixes[v]]
+
+
+def batch_split_errors(problem: PartitionProblem, stage_of: Sequence[int], k: int) -> list[str]:
+    """Why stage ``k`` may not be split by batch: the values it hands on that shares cannot
+    join, and the nodes it holds that mix samples; empty: it may."""
+    return [
+        f"stage {k} is split by batch but hands on {name!r}, which is not a tensor with the "
+        "batch as dim 0 (each share would compute its own)"
+        for name in batch_split_exports(problem, stage_of, k)
+    ] + [
+        f"stage {k} is split by batch but holds {name!r}, which computes a tensor from "
+        "several samples of the batch (each share would use only its own)"
+        for name in batch_split_mixing(problem, stage_of, k)
+    ]
+
+
 def batch_split_refused(problem: PartitionProblem) -> list[tuple[int, int]]:
-    """``(v, last)`` for every node ``v`` whose value no batch-split chunk may hand on:
-    a chunk ``[a, b)`` of the node order with ``a <= v < b <= last`` is refused
-    (``last``: its last reader's index, or ``n`` when the model returns it)."""
+    """``(v, last)`` for every node ``v`` no batch-split chunk may hold: a chunk ``[a, b)``
+    of the node order with ``a <= v < b <= last`` is refused. ``last``: the last reader
+    of a value a split cannot hand on (``n`` when the model returns it), and ``n`` for a
+    node that mixes samples (:func:`batch_split_mixing`): no chunk may hold it."""
+    mixes = problem.mixes_batch or [False] * problem.n
+    out = [(v, problem.n) for v in range(problem.n) if mixes[v]]
     if not problem.batch_major:
-        return []
+        return out
     last = [-1] * problem.n
     for u, v in problem.edges:
         last[u] = max(last[u], v)
     for v in problem.graph_outputs:
         last[v] = problem.n
-    return [(v, last[v]) for v in range(problem.n) if not problem.is_batch_major(v) and last[v] > v]
+    return out + [
+        (v, last[v])
+        for v in range(problem.n)
+        if not problem.is_batch_major(v) and last[v] > v and not mixes[v]
+    ]

@@ -102,6 +102,7 @@ def _coarse_nodes(
                 bwd_split=_group_split(group, kinds),
                 # conservative: a member's value may be what leaves the coarse node
                 batch_major=all(g.batch_major for g in group),
+                mixes_batch=any(g.mixes_batch for g in group),
                 messages=group[-1].messages,  # what leaves it: its last member's value
                 fanout=[[owner.get(r, r), owner.get(p, p)] for r, p in fan],
             )

@@ -26,7 +26,9 @@ When the walk cannot split a backward safely, ``B`` runs the whole backward
 and ``W`` does nothing — always correct, only not earlier:
 
 * a parameter region reached from two weight nodes (a weight used twice:
-  restarting both would double or reorder its accumulation);
+  restarting both would double or reorder its accumulation), or from a weight
+  node and a stage output (a value the stage both uses and sends on, computed
+  from parameters and inputs that need no gradient);
 * a root that is itself a leaf.
 
 A stage with no received leaf that needs a gradient (the first stage) has
@@ -129,8 +131,17 @@ def _plan_items(
         items.append(_Item(node, leaves))
     for root in roots:  # an output that depends on parameters only: W starts at the root
         start = root.grad_fn
-        if start is None or reaches[start] or start in owner:
+        if start is None or reaches[start]:
             continue
+        if start in owner:
+            if items[owner[start]].node is start:
+                continue  # another output of the same node: its slot joins that item
+            # inside a weight node's region: that region gets gradient from the weight node
+            # and from this root, which eager adds before running it once. Restarting the
+            # weight node alone dropped the root's gradient (B never runs it: it reaches
+            # no received leaf); restarting both would run the region twice
+            return None
+
         got = _region(start, owner, len(items))
         if got is None:
             return None

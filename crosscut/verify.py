@@ -59,7 +59,7 @@ class VerifyReport:
     worst_key: str
     checked_keys: int
     devices: list[str] = field(default_factory=list)
-    # batch norm running statistics of a replicated plan: replica 0's, as under DDP
+    # batch norm running statistics and counters of a replicated plan: replica 0's (DDP)
     not_compared: list[str] = field(default_factory=list)
 
     def text(self) -> str:
@@ -72,7 +72,7 @@ class VerifyReport:
             f"{self.max_state_diff:.3e} at {self.worst_key or '-'} over {self.checked_keys} tensors"
             + (
                 f"\n  not compared: {len(self.not_compared)} batch-norm running statistics "
-                "(replicas keep replica 0's, as DistributedDataParallel does)"
+                "and counters (replicas keep replica 0's, as DistributedDataParallel does)"
                 if self.not_compared
                 else ""
             )
@@ -341,7 +341,7 @@ def verify_plan(
         ),
         default=0.0,
     )
-    skip = _running_stats(ref) if the_plan.replication.replicas > 1 else set()
+    skip = _per_replica(ref) if the_plan.replication.replicas > 1 else set()
     ref_state = ref.state_dict()
     worst, worst_key, ok = compare_states(
         ref_state, compiled.state_dict(), skip=skip, rtol=rtol * 10, atol=atol * 10
@@ -369,28 +369,33 @@ def compare_states(
     rtol: float,
     atol: float,
 ) -> tuple[float, str, bool]:
-    """``(largest |diff|, its key, all close)`` over the floating-point tensors of two
-    state dicts with the same keys (a missing or extra key is not close).
+    """``(largest |diff|, its key, all close)`` over the tensors of two state dicts with
+    the same keys (a missing or extra key is not close).
 
     Compared in float64: a float32 cast rounds two float64 tensors that agree to
     1e-12 one float32 unit apart (2.4e-7 at 2.0), over a float64 check's
     tolerance; timm's rexnet_100 "differed" from eager that way in the group
-    families sweep."""
+    families sweep. Integer tensors (counters, ``num_batches_tracked``) must be
+    equal: they were not compared at all before, so a counter stepped twice
+    (a recomputation replaying it) would have passed."""
     worst, worst_key, ok = 0.0, "", set(want) == set(have)
     for key, ref in want.items():
-        if key not in have or not ref.is_floating_point() or key in skip:
+        if key not in have or key in skip:
             continue
         got = have[key].detach().cpu().double()
         diff = float((got - ref.double()).abs().max()) if ref.numel() else 0.0
         if diff > worst:
             worst, worst_key = diff, key
-        ok = ok and torch.allclose(got, ref.double(), rtol=rtol, atol=atol)
+        close = torch.allclose(got, ref.double(), rtol=rtol, atol=atol)
+        ok = ok and (close if ref.is_floating_point() else torch.equal(got, ref.double()))
     return worst, worst_key, ok
 
 
-def _running_stats(model: nn.Module) -> set[str]:
-    """The state keys of batch norm's running statistics (each replica keeps its own)."""
-    out = set()
+def _per_replica(model: nn.Module) -> set[str]:
+    """The state keys replicas keep apart: batch norm's running statistics, and counters
+    (integer buffers). Replica 0's are kept, as under DDP; the reference runs the
+    replicas' chunks one after another, so it would count a call once per replica."""
+    out = {k for k, b in model.named_buffers() if not (b.is_floating_point() or b.is_complex())}
     for name, mod in model.named_modules():
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
             for buf in ("running_mean", "running_var", "num_batches_tracked"):

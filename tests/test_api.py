@@ -410,6 +410,17 @@ def test_verify_compares_float64_states_in_float64() -> None:
     assert not compare_states(want, {}, rtol=1e-7, atol=1e-8)[2]  # a missing key
 
 
+def test_verify_compares_counters_exactly() -> None:
+    """Integer state (a call counter, num_batches_tracked) was skipped: a counter stepped
+    twice passed. It must be equal now, whatever the tolerance; skipped keys stay skipped."""
+    want = {"calls": torch.tensor(3), "w": torch.zeros(2)}
+    twice = {"calls": torch.tensor(4), "w": torch.zeros(2)}
+    worst, key, ok = compare_states(want, twice, rtol=1.0, atol=1.0)
+    assert not ok and key == "calls" and worst == 1.0
+    assert compare_states(want, twice, skip={"calls"}, rtol=1e-7, atol=1e-8)[2]
+    assert compare_states(want, dict(want), rtol=1e-7, atol=1e-8)[2]
+
+
 def test_the_verify_loss_keeps_float64_and_sums_half_precision_in_float32() -> None:
     assert loss_of(torch.ones(2, 3, dtype=torch.float64)).dtype == torch.float64
     assert loss_of(torch.ones(2, 3, dtype=torch.bfloat16)).dtype == torch.float32

@@ -11,7 +11,8 @@ mode and run in both. Each must match eager, buffers included, or be refused
 at compile time with a crosscut error. A fourth draws what held-out model
 families found (issue 27): ``torch.Size`` values crossing cuts, values read by
 several kinds of reader, batch norm traced through with recomputation, bf16,
-Python attributes. ``CROSSCUT_FUZZ_EXAMPLES=400 CROSSCUT_FUZZ_SEEDED=1`` draws
+Python attributes. A fifth leaves the whole strategy to the planner on models that write
+state and mix samples. ``CROSSCUT_FUZZ_EXAMPLES=400 CROSSCUT_FUZZ_SEEDED=1`` draws
 that many for every test, and new ones each run (the fourth's first such run found
 a value read twice by one op cut out of eager's gradient order).
 """
@@ -622,3 +623,74 @@ def test_random_cnns_with_cut_values_fanouts_traced_norms_and_attributes(
         bad = [k for k in ref_sd if not same(sd[k], ref_sd[k], max(1.0, scale))]
         assert not bad, (bad, c.plan.assignment)
     c.close()
+
+
+# ---- default strategies on models that write state and mix samples -----------------------
+
+STATEFUL = ("none", "counter", "ema", "centre")
+
+
+class StatefulCNN(RandomCNN):
+    """RandomCNN with, after block ``i``, ``extras[i]``: a call counter stepped in forward
+    (``"counter"``), an EMA of the block's channel means under ``no_grad`` that the head
+    reads (``"ema"``: written from the batch), or batch centring ``y - y.mean(0)``
+    (``"centre"``: mixes the samples)."""
+
+    def __init__(self, spec: list[tuple[int, int, str, bool, bool]], extras: list[str]) -> None:
+        super().__init__(spec, width=4)
+        self.extras = extras
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("avg", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [x]
+        for block, (src, skip, join, _bn, _pool), extra in zip(self.blocks, self.spec, self.extras):
+            inp = outs[src]
+            if join == "cat":
+                inp = torch.cat([inp, outs[skip]], dim=1)
+            y = block(inp)
+            if join == "add":
+                y = y + outs[skip]
+            if extra == "counter":
+                self.calls.add_(1)
+            elif extra == "ema":
+                with torch.no_grad():
+                    self.avg.mul_(0.9).add_(0.1 * y.mean((0, 2, 3)))
+            elif extra == "centre":
+                y = y - y.mean(0, keepdim=True)
+            outs.append(y)
+        return self.head(outs[-1].mean(dim=(2, 3)) + self.avg)
+
+
+@settings(
+    max_examples=_examples(6),
+    deadline=None,
+    derandomize=os.environ.get("CROSSCUT_FUZZ_SEEDED") != "1",
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(cnn_specs(), st.data(), st.integers(2, 4))
+def test_random_cnns_with_state_and_mixed_samples_take_default_plans_like_eager(
+    spec: list[tuple[int, int, str, bool, bool]], data: st.DataObject, devices: int
+) -> None:
+    """Every strategy option left to the planner (replicas, micro-batches, groups): the
+    plan respects what the model's state writes and sample-mixing ops allow
+    (``state_limits.py``, ``build.mixes_batch_value``) and equals eager in float64 on its
+    micro-batches (verify). Before, a counter got micro-batches the compile refused, an
+    EMA got replicas that each wrote it from a share, and a centring a batch-split group."""
+    extras = [data.draw(st.sampled_from(STATEFUL)) for _ in spec]
+    torch.manual_seed(0)
+    model = StatefulCNN(spec, extras).double()
+    x = torch.randn(8, 3, 8, 8, dtype=torch.float64)
+    plan = crosscut.partition(model, ["cpu"] * devices, x, time_limit=3)
+    event(f"replicas {plan.replication.replicas}, M {plan.options.microbatches}")
+    grouped = [st for st in plan.stages if st.split == "batch" and len(st.devices) > 1]
+    event("a batch-split group" if grouped else "no batch-split group")
+    if "counter" in extras or "ema" in extras:
+        assert plan.options.microbatches == 1
+    if "ema" in extras:
+        assert plan.replication.replicas == 1 and not grouped
+    mixing = {n.name for n in plan.nodes if n.mixes_batch}
+    assert ("centre" in extras) == bool(mixing)
+    assert not any(plan.assignment.get(n) == g.index for n in mixing for g in grouped)
+    report = verify_plan(model, x, plan, rtol=1e-8, atol=1e-9)
+    assert report.ok, (extras, report.text())

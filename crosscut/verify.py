@@ -248,32 +248,41 @@ def _load(plan: Plan | str | Path) -> Plan:
     return plan if isinstance(plan, Plan) else Plan.load(plan)
 
 
-def _outputs(model: nn.Module, x: torch.Tensor, micro: int) -> Any:
+Inputs = torch.Tensor | tuple[torch.Tensor, ...]  # the model's one input, or its inputs
+
+
+def _chunks(x: Inputs, micro: int) -> list[tuple[torch.Tensor, ...]]:
+    """``x`` cut into ``micro`` chunks along the batch, each as the model's arguments."""
+    xs = x if isinstance(x, tuple) else (x,)
+    return list(zip(*(t.chunk(micro) for t in xs)))
+
+
+def _outputs(model: nn.Module, x: Inputs, micro: int) -> Any:
     """Eager forward per micro-batch (the pipeline's batch-norm statistics), no gradients."""
     with torch.no_grad():
-        return _cat([model(c) for c in x.chunk(micro)])
+        return _cat([model(*c) for c in _chunks(x, micro)])
 
 
-def _eager_train(model: nn.Module, x: torch.Tensor, micro: int) -> float:
+def _eager_train(model: nn.Module, x: Inputs, micro: int) -> float:
     """What ``train_step`` promises: each micro-batch's loss times ``1/micro``, its
     backward run in order (gradients accumulating), then one SGD step with learning
     rate 1, so each parameter moves by exactly its gradient. Returns the mean loss."""
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     opt.zero_grad()
     total = torch.zeros(())  # summed as the runtimes sum the micro-batches' losses
-    for c in x.chunk(micro):
-        loss = loss_of(model(c)) * (1.0 / micro)
+    for c in _chunks(x, micro):
+        loss = loss_of(model(*c)) * (1.0 / micro)
         torch.autograd.backward(loss)
         total = total + loss.detach()
     opt.step()
     return float(total)
 
 
-def _compiled_train(compiled: Any, x: torch.Tensor) -> float:
+def _compiled_train(compiled: Any, x: Inputs) -> float:
     """``train_step`` with :func:`loss_of` (targets unused), then the same SGD step."""
     opt = torch.optim.SGD(compiled.parameters(), lr=1.0)
     opt.zero_grad()
-    targets = torch.zeros(x.shape[0])
+    targets = torch.zeros((x[0] if isinstance(x, tuple) else x).shape[0])
     loss = compiled.train_step(x, targets, lambda out, _targets: loss_of(out))
     opt.step()
     return float(loss.detach())
@@ -292,14 +301,16 @@ def _cat(outs: list[Any]) -> Any:
 
 def verify_plan(
     model: nn.Module,
-    x: torch.Tensor,
+    x: Inputs,
     plan: Plan | str | Path,
     *,
     devices: list[str] | None = None,
     rtol: float = 1e-4,
     atol: float = 1e-5,
 ) -> VerifyReport:
-    """Run ``plan`` on CPU devices and compare with eager (see the module docstring)."""
+    """Run ``plan`` on CPU devices and compare with eager (see the module docstring).
+
+    ``x``: the model's input, or a tuple of its inputs (each with the batch as dim 0)."""
     from crosscut.api import compile as cc_compile
 
     the_plan = _load(plan)
@@ -328,7 +339,7 @@ def verify_plan(
     chunks = the_plan.options.microbatches * the_plan.replication.replicas
     ref_out = _outputs(ref, x, chunks)
     with torch.no_grad():
-        out = compiled(x)
+        out = compiled(*x) if isinstance(x, tuple) else compiled(x)
     if train:  # the training contract: train_step against eager's micro-batches in order
         ref_loss = _eager_train(ref, x, chunks)
         loss = _compiled_train(compiled, x)

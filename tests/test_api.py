@@ -424,3 +424,29 @@ def test_verify_compares_counters_exactly() -> None:
 def test_the_verify_loss_keeps_float64_and_sums_half_precision_in_float32() -> None:
     assert loss_of(torch.ones(2, 3, dtype=torch.float64)).dtype == torch.float64
     assert loss_of(torch.ones(2, 3, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+class _TwoInputs(nn.Module):
+    """An image and a mask, both batch-major."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(9, 8, 3, padding=1)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([self.c1(x).relu(), mask], 1)
+        return self.head(self.c2(y).relu().mean((2, 3)))
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_verify_takes_a_model_of_several_inputs(devices: int) -> None:
+    """verify_plan chunked one tensor only (``x.chunk``): a two-input model could not be
+    verified. Each input is cut into the plan's micro-batches and replicas alike."""
+    torch.manual_seed(0)
+    model = _TwoInputs().double()
+    xs = (torch.randn(8, 3, 8, 8).double(), torch.randn(8, 1, 8, 8).double())
+    plan = crosscut.partition(model, ["cpu"] * devices, xs, time_limit=3)
+    report = verify_plan(model, xs, plan, rtol=1e-8, atol=1e-9)
+    assert report.ok, report.text()
+    assert report.checked_keys == len(model.state_dict())

@@ -628,6 +628,11 @@ def test_random_cnns_with_cut_values_fanouts_traced_norms_and_attributes(
 # ---- default strategies on models that write state and mix samples -----------------------
 
 STATEFUL = ("none", "counter", "ema", "centre")
+ASKED: tuple[dict[str, Any], ...] = (
+    {},
+    {"replicas": 1},
+    {"replicas": 1, "cross_shaped": True, "splits": ("batch",)},
+)
 
 
 class StatefulCNN(RandomCNN):
@@ -678,10 +683,12 @@ def test_random_cnns_with_state_and_mixed_samples_take_default_plans_like_eager(
     micro-batches (verify). Before, a counter got micro-batches the compile refused, an
     EMA got replicas that each wrote it from a share, and a centring a batch-split group."""
     extras = [data.draw(st.sampled_from(STATEFUL)) for _ in spec]
+    # by default small models get data parallelism: one replica, groups asked for, also
+    ask = data.draw(st.sampled_from(ASKED))
     torch.manual_seed(0)
     model = StatefulCNN(spec, extras).double()
     x = torch.randn(8, 3, 8, 8, dtype=torch.float64)
-    plan = crosscut.partition(model, ["cpu"] * devices, x, time_limit=3)
+    plan = crosscut.partition(model, ["cpu"] * devices, x, time_limit=3, **ask)
     event(f"replicas {plan.replication.replicas}, M {plan.options.microbatches}")
     grouped = [st for st in plan.stages if st.split == "batch" and len(st.devices) > 1]
     event("a batch-split group" if grouped else "no batch-split group")

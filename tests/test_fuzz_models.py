@@ -687,7 +687,7 @@ def test_random_cnns_with_state_and_mixed_samples_take_default_plans_like_eager(
     ask = data.draw(st.sampled_from(ASKED))
     torch.manual_seed(0)
     model = StatefulCNN(spec, extras).double()
-    x = torch.randn(8, 3, 8, 8, dtype=torch.float64)
+    x = torch.randn(16, 3, 32, 32, dtype=torch.float64)  # enough work to split
     plan = crosscut.partition(model, ["cpu"] * devices, x, time_limit=3, **ask)
     event(f"replicas {plan.replication.replicas}, M {plan.options.microbatches}")
     grouped = [st for st in plan.stages if st.split == "batch" and len(st.devices) > 1]

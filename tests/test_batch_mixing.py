@@ -17,7 +17,7 @@ from torch import nn
 
 import crosscut
 from crosscut.errors import PlanError
-from crosscut.partitioner.build import batch_fed, mixes_batch_value
+from crosscut.partitioner.build import mixing_nodes
 from crosscut.verify import verify_plan
 from tests.plan_factory import widen
 
@@ -58,13 +58,36 @@ class Shapes(nn.Module):
         return pooled.mean((2, 3)) * per_channel
 
 
+class AlongTheBatch(nn.Module):
+    """Ops that keep the batch's size but mix its samples, beside ones that do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c(x)
+        mixed = (
+            y.softmax(0)
+            + torch.flip(y, dims=[0])
+            + y[torch.arange(y.shape[0]).flip(0)]
+            + y.cumsum(0)
+            + torch.nn.functional.normalize(y, dim=0)
+            + torch.roll(y, 1, 0)
+        )
+        kept = (
+            y.permute(0, 2, 3, 1).permute(0, 3, 1, 2)
+            + torch.nn.functional.softmax(y, dim=1)
+            + y[:, :2].sum(1, keepdim=True)
+            + y.flatten(1).view(y.size(0), 4, 8, 8)
+        )
+        return mixed + kept
+
+
 def _flags(model: nn.Module, x: torch.Tensor) -> dict[str, bool]:
     graph = crosscut.trace(model, x)
-    fed, by_name = batch_fed(graph), {n.name: n for n in graph.nodes}
-    return {
-        n.name: mixes_batch_value(n, [by_name[i] for i in n.inputs if i in fed], graph.batch_size)
-        for n in graph.nodes
-    }
+    mixing = mixing_nodes(graph)
+    return {n.name: n.name in mixing for n in graph.nodes}
 
 
 def test_mixing_is_read_from_the_shapes() -> None:
@@ -78,6 +101,14 @@ def test_mixing_is_read_from_the_shapes() -> None:
     assert {k for k, v in flags.items() if v} == {"cat"}
     # one sample: nothing to mix
     assert not any(_flags(Centred(), torch.randn(1, 3, 8, 8)).values())
+
+
+def test_ops_along_the_batch_that_keep_its_size_are_read_from_the_call() -> None:
+    flags = _flags(AlongTheBatch(), torch.randn(4, 3, 8, 8))
+    mixing = {k for k, v in flags.items() if v}
+    assert {"softmax", "flip", "cumsum", "normalize", "roll"} <= mixing, mixing
+    assert any(k.startswith("getitem") for k in mixing)  # y[perm]
+    assert not {"permute", "permute_1", "softmax_1", "sum_1", "flatten", "view"} & mixing, mixing
 
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "densenet121"])

@@ -27,6 +27,7 @@ __all__ = [
     "batch_fed",
     "batch_major_value",
     "mixes_batch_value",
+    "mixing_nodes",
     "plan_groups",
     "plan_nodes",
     "plan_to_problem",
@@ -56,10 +57,9 @@ def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[
         from crosscut.frontend.readers import fanout_reads
 
         reads = fanout_reads(graph.gm)
+    mixing = mixing_nodes(graph)
     out: list[PlanNode] = []
-    fed, by_name = batch_fed(graph), {n.name: n for n in graph.nodes}
     for n in graph.nodes:
-        carriers = [by_name[i] for i in n.inputs if i in fed and i in by_name]
         fwd = {k: 0.0 if n.is_io else costs.fwd_s(n.name, k) for k in sorted(set(kinds))}
         bwd = {k: 0.0 if n.is_io or not training else costs.bwd_s(n.name, k) for k in fwd}
         shard, channels = shard_kind(graph, n)
@@ -82,7 +82,7 @@ def plan_nodes(graph: OpGraph, costs: CostLookup, kinds: Sequence[str]) -> list[
                 shard=shard,
                 channels=channels,
                 batch_major=batch_major_value(n, graph.batch_size),
-                mixes_batch=mixes_batch_value(n, carriers, graph.batch_size),
+                mixes_batch=n.name in mixing,
                 messages=value_messages(n),
                 fanout=[[r, p] for r, p in reads.get(n.name, [])],
                 batch_scale={} if n.is_io else costs.batch_scale(n.name),
@@ -113,7 +113,7 @@ def mixes_batch_value(node: OpNode, inputs: Sequence[OpNode], batch: int) -> boo
     which mixes inside, is the runtime's documented per-share contract), and so does one
     that folds the batch into dim 0 with every element kept (a window partition's
     ``(B·n, ...)`` reshape). An op that keeps the shape but mixes rows (a softmax over dim 0,
-    a permutation of the batch) is not seen."""
+    a permutation of the batch) is read from its call instead (``frontend/batch_dims.py``)."""
     if batch <= 1 or node.non_tensor or not node.shapes:
         return False
     sizes = {
@@ -135,6 +135,24 @@ def _numel(shape: Sequence[int]) -> int:
     for d in shape:
         out *= int(d)
     return out
+
+
+def mixing_nodes(graph: OpGraph) -> set[str]:
+    """The nodes of ``graph`` that compute a tensor from several samples of the batch: by
+    their shapes (:func:`mixes_batch_value`), or by a call along dim 0 that keeps the
+    batch's size (``frontend/batch_dims.py``, where the graph was traced here)."""
+    fed, by_name = batch_fed(graph), {n.name: n for n in graph.nodes}
+    along: set[str] = set()
+    if graph.gm is not None:
+        from crosscut.frontend.batch_dims import batch_dim_ops
+
+        along = batch_dim_ops(graph.gm, graph.batch_size)
+    return {
+        n.name
+        for n in graph.nodes
+        if (n.name in along and n.name in fed)
+        or mixes_batch_value(n, [by_name[i] for i in n.inputs if i in fed], graph.batch_size)
+    }
 
 
 def batch_fed(graph: OpGraph) -> set[str]:

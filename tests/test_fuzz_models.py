@@ -627,7 +627,7 @@ def test_random_cnns_with_cut_values_fanouts_traced_norms_and_attributes(
 
 # ---- default strategies on models that write state and mix samples -----------------------
 
-STATEFUL = ("none", "counter", "ema", "centre")
+STATEFUL = ("none", "counter", "ema", "centre", "along")
 ASKED: tuple[dict[str, Any], ...] = (
     {},
     {"replicas": 1},
@@ -638,8 +638,9 @@ ASKED: tuple[dict[str, Any], ...] = (
 class StatefulCNN(RandomCNN):
     """RandomCNN with, after block ``i``, ``extras[i]``: a call counter stepped in forward
     (``"counter"``), an EMA of the block's channel means under ``no_grad`` that the head
-    reads (``"ema"``: written from the batch), or batch centring ``y - y.mean(0)``
-    (``"centre"``: mixes the samples)."""
+    reads (``"ema"``: written from the batch), batch centring ``y - y.mean(0)``
+    (``"centre"``: mixes the samples), or a softmax over the batch (``"along"``: mixes
+    them, the shape unchanged)."""
 
     def __init__(self, spec: list[tuple[int, int, str, bool, bool]], extras: list[str]) -> None:
         super().__init__(spec, width=4)
@@ -663,6 +664,8 @@ class StatefulCNN(RandomCNN):
                     self.avg.mul_(0.9).add_(0.1 * y.mean((0, 2, 3)))
             elif extra == "centre":
                 y = y - y.mean(0, keepdim=True)
+            elif extra == "along":
+                y = y + 0.5 * y.softmax(0)
             outs.append(y)
         return self.head(outs[-1].mean(dim=(2, 3)) + self.avg)
 
@@ -697,8 +700,8 @@ def test_random_cnns_with_state_and_mixed_samples_take_default_plans_like_eager(
     if "ema" in extras:
         assert plan.replication.replicas == 1 and not grouped
     mixing = {n.name for n in plan.nodes if n.mixes_batch}
-    # the centring mixes samples, and so does the EMA's mean over the batch
-    assert bool(mixing) == bool({"centre", "ema"} & set(extras))
+    # the centring and the softmax mix samples, and so does the EMA's mean over the batch
+    assert bool(mixing) == bool({"centre", "ema", "along"} & set(extras))
     assert not any(plan.assignment.get(n) == g.index for n in mixing for g in grouped)
     report = verify_plan(model, x, plan, rtol=1e-8, atol=1e-9)
     assert report.ok, (extras, report.text())

@@ -81,15 +81,19 @@ class RandomCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = [x]
-        for block, (src, skip, join, _bn, _pool) in zip(self.blocks, self.spec):
-            inp = outs[src]
-            if join == "cat":
-                inp = torch.cat([inp, outs[skip]], dim=1)
-            y = block(inp)
-            if join == "add":
-                y = y + outs[skip]
-            outs.append(y)
+        for block, entry in zip(self.blocks, self.spec):
+            outs.append(self.joined(block, entry, outs))
         return self.head(outs[-1].mean(dim=(2, 3)))
+
+    @staticmethod
+    def joined(
+        block: nn.Module, entry: tuple[int, int, str, bool, bool], outs: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """Block output for ``entry`` (source, skip, join, ...) from the values so far."""
+        src, skip, join, _bn, _pool = entry
+        inp = torch.cat([outs[src], outs[skip]], dim=1) if join == "cat" else outs[src]
+        y = block(inp)
+        return y + outs[skip] if join == "add" else y
 
 
 @st.composite
@@ -369,15 +373,8 @@ class ModalCNN(RandomCNN):
 
     def forward(self, x: torch.Tensor) -> Any:
         outs = [x]
-        for block, norm, (src, skip, join, _bn, _pool), kind in zip(
-            self.blocks, self.norms, self.spec, self.modal
-        ):
-            inp = outs[src]
-            if join == "cat":
-                inp = torch.cat([inp, outs[skip]], dim=1)
-            y = block(inp)
-            if join == "add":
-                y = y + outs[skip]
+        for block, norm, entry, kind in zip(self.blocks, self.norms, self.spec, self.modal):
+            y = self.joined(block, entry, outs)
             if kind == "branch" and self.training:
                 y = y * 0.5 + 0.25
             elif kind == "functional_bn":
@@ -650,13 +647,8 @@ class StatefulCNN(RandomCNN):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = [x]
-        for block, (src, skip, join, _bn, _pool), extra in zip(self.blocks, self.spec, self.extras):
-            inp = outs[src]
-            if join == "cat":
-                inp = torch.cat([inp, outs[skip]], dim=1)
-            y = block(inp)
-            if join == "add":
-                y = y + outs[skip]
+        for block, entry, extra in zip(self.blocks, self.spec, self.extras):
+            y = self.joined(block, entry, outs)
             if extra == "counter":
                 self.calls.add_(1)
             elif extra == "ema":

@@ -1,8 +1,9 @@
 """Which plans and options the distributed runtime accepts, and how many ranks they take.
 
 Why separate from the executor: these rules read only the plan and the
-options — no process group, no model — so they run first, on every rank
-alike, and fail with a named rule before any rank waits on another
+options (:func:`check_state` also the traced model) — no process group — so
+they run first, on every rank alike, and fail with a named rule before any
+rank waits on another
 (:func:`crosscut.distributed.compile_distributed` calls :func:`check_bn_mode`
 before it even traces). The checks that need the other ranks (world size,
 same plan everywhere) live with the rank layout in :mod:`crosscut.runtime.dist.world`.

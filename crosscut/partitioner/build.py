@@ -117,24 +117,21 @@ def mixes_batch_value(node: OpNode, inputs: Sequence[OpNode], batch: int) -> boo
     if batch <= 1 or node.non_tensor or not node.shapes:
         return False
     sizes = {
-        _numel(s) for u in inputs if not u.non_tensor for s in u.shapes if s and int(s[0]) == batch
+        math.prod(s)
+        for u in inputs
+        if not u.non_tensor
+        for s in u.shapes
+        if s and int(s[0]) == batch
     }
     if not sizes:
         return False
     for s in node.shapes:
         if s and int(s[0]) == batch:
             continue
-        if s and int(s[0]) % batch == 0 and _numel(s) in sizes:
+        if s and int(s[0]) % batch == 0 and math.prod(s) in sizes:
             continue
         return True
     return False
-
-
-def _numel(shape: Sequence[int]) -> int:
-    out = 1
-    for d in shape:
-        out *= int(d)
-    return out
 
 
 def mixing_nodes(graph: OpGraph) -> set[str]:

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -509,7 +510,7 @@ def test_checkpoint_resume_equals_uninterrupted(plan2: Path, tmp_path: Path) -> 
 
 @pytest.mark.distributed
 @pytest.mark.xdist_group("dist")
-def test_crosscut_run_with_a_user_script(tmp_path: Path) -> None:
+def test_crosscut_run_with_a_user_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`crosscut run --plan plan.json script.py`: init() + crosscut.compile() in each rank."""
     import crosscut
     from crosscut.cli import main as cli_main
@@ -553,4 +554,7 @@ def test_crosscut_run_with_a_user_script(tmp_path: Path) -> None:
     assert len(losses) == 1  # printed by the last stage only
     eager = torch.nn.functional.cross_entropy(user_script.model()(x), y)
     assert losses[0] == pytest.approx(float(eager.detach()), rel=1e-5)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     assert cli_main(["run", "--plan", str(path), "--dry-run", str(script)]) == 0
+    assert not list((tmp_path / "tmp").iterdir())  # a dry run leaves no log folder behind

@@ -192,6 +192,8 @@ def run_main(argv: Sequence[str]) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     if ns.dry_run:
         print(" ".join(cmd))
+        if own_logs:  # the printed command names it; torchrun makes it again when run
+            shutil.rmtree(ns.log_dir, ignore_errors=True)
         return 0
     rc = _supervise(cmd, env, Path(ns.log_dir))
     if rc == 0 and own_logs:

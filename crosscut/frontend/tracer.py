@@ -1,7 +1,7 @@
-"""Trace an ``nn.Module`` into an :class:`~crosscut.ir.graph.OpGraph` without running it.
+"""Trace an ``nn.Module`` into an :class:`~crosscut.ir.graph.OpGraph` on fake tensors.
 
 Three steps, each chosen so that tracing a 600M-parameter model on a laptop is
-cheap and never touches real data:
+cheap and never touches real data, and a fourth that does, on a few rows:
 
 1. **Symbolic trace** with :class:`torch.fx.Tracer`. A submodule whose forward
    fx cannot follow (data-dependent control flow such as ``if x.sum() > 0``) is
@@ -21,6 +21,11 @@ cheap and never touches real data:
    outputs, with gradients required only where the real backward needs them
    (not for the input images, so the first conv pays no input-gradient FLOPs).
    In ``mode="infer"`` no backward runs and ``bwd_flops`` is 0.
+4. **Ops that mix samples** (:mod:`crosscut.frontend.row_probe`): where the
+   model and inputs are real, the graph runs once on 4 of the example rows,
+   each op also on its inputs' first 2 rows, as a batch-split member would;
+   the model's state and the random streams are given back. Skipped on
+   ``meta`` tensors (``OpGraph.row_mixing`` is ``None``).
 
 ``mode`` also sets ``module.training`` while tracing (restored afterwards), so
 ``if self.training`` branches and dropout are traced as they will run.
@@ -50,6 +55,7 @@ from crosscut.frontend.propagate import (
     shapes_of,
 )
 from crosscut.frontend.python_state import refusing_python_state
+from crosscut.frontend.row_probe import row_mixing_ops
 from crosscut.frontend.written_state import mark_bn_stats
 from crosscut.ir.graph import MODES, OpGraph, OpNode
 
@@ -253,8 +259,9 @@ def trace(
     (:mod:`crosscut.precision`).
 
     ``example_inputs`` fix the shapes (dim 0 of the first is the batch); they may
-    live on the ``meta`` device, and so may the model's parameters. Nothing is
-    computed on them. ``leaf_modules`` names submodule paths or classes to keep
+    live on the ``meta`` device, and so may the model's parameters. Only the
+    probe for ops that mix samples computes on them, on 4 rows at most, and
+    not on ``meta`` tensors. ``leaf_modules`` names submodule paths or classes to keep
     opaque. ``OpGraph.gm`` is the traced GraphModule; its node names are the
     OpNode names.
     """
@@ -263,6 +270,7 @@ def trace(
     with _training(model, train), _untouched_state(model), refusing_python_state(model):
         gm, auto = _symbolic_trace(model, leaf_paths, leaf_types)
         prop = propagate(gm, inputs, train, precision)
+        mixing = row_mixing_ops(model, gm, inputs)  # a run on a few rows, where real
     # writes through views, and buffers a functional norm writes: frontend/alias.py
     ties = _ties(gm) + order_mutations(gm) + written_state_ties(gm)
     nodes = _build_nodes(gm, prop, auto)
@@ -275,6 +283,7 @@ def trace(
         model_name=type(model).__name__,
         precision=precision,
         channels_last=runs_channels_last(model, inputs),
+        row_mixing=None if mixing is None else sorted(mixing),
         gm=gm,
     )
     return graph

@@ -91,6 +91,8 @@ class OpGraph:
     # the model's convolutions run channels-last (NHWC): their weights, or the input, are so
     # laid out; PyTorch's default is NCHW (priced in cost_models/analytic.py: transposes)
     channels_last: bool = False
+    # nodes a run on a few rows found mixing samples (frontend/row_probe.py); None: not probed
+    row_mixing: list[str] | None = None
     gm: Any = field(default=None, repr=False, compare=False)  # torch.fx.GraphModule, not serialised
     _index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -219,6 +221,7 @@ class OpGraph:
             "leaves": self.leaves,
             "precision": self.precision,
             "channels_last": self.channels_last,
+            "row_mixing": self.row_mixing,
             "nodes": [asdict(n) for n in self.nodes],
         }
 
@@ -233,6 +236,7 @@ class OpGraph:
             model_name=str(data.get("model_name", "")),
             precision=str(data.get("precision", "fp32")),
             channels_last=bool(data.get("channels_last", False)),
+            row_mixing=None if data.get("row_mixing") is None else list(data["row_mixing"]),
         )
 
     def subgraph_names(self, names: Sequence[str]) -> list[str]:

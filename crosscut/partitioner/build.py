@@ -144,6 +144,7 @@ def mixing_nodes(graph: OpGraph) -> set[str]:
         from crosscut.frontend.batch_dims import batch_dim_ops
 
         along = batch_dim_ops(graph.gm, graph.batch_size)
+    along |= set(graph.row_mixing or ())  # found by running them (frontend/row_probe.py)
     return {
         n.name
         for n in graph.nodes

@@ -13,9 +13,10 @@ inputs (4 when the batch allows), and each op is also run on the first half of
 its inputs' rows (its share), exactly as a batch-split member would run it. An
 op whose share output is not the first rows of its whole output mixes samples.
 Batch norm is left out (per-share statistics are the runtime's documented
-``bn_mode`` contract), and so is an op that gives two answers on the same
-inputs (dropout: random, not mixing). An op that cannot run on a share at all
-counts as mixing: no batch-split stage could run it either.
+``bn_mode`` contract), and so is an op that draws random numbers (dropout,
+stochastic depth: a share's rows differ by chance, not by mixing). An op
+that cannot run on a share at all counts as mixing: no batch-split stage
+could run it either.
 
 The probe needs real tensors: a model or inputs on the ``meta`` device, or a
 model whose state is too large to copy back, are not probed (``None``: the
@@ -64,10 +65,16 @@ def row_mixing_ops(
     cached = _CACHE.setdefault(model, {})
     if key not in cached:
         rows = [_rows(t, batch, big) for t in inputs]
-        devices = [t.device.index or 0 for t in inputs if t.device.type == "cuda"]
+        devices = sorted(
+            {
+                torch.cuda.current_device() if t.device.index is None else t.device.index
+                for t in [*inputs, *model.parameters()]
+                if t.device.type == "cuda"
+            }
+        )
         try:
             with _given_back(model, gm), torch.random.fork_rng(devices=devices), torch.no_grad():
-                probe = _Probe(gm, batch, big)
+                probe = _Probe(gm, batch, big, devices)
                 probe.run(*rows)
                 cached[key] = frozenset(probe.mixing)
         except Exception:  # shapes fixed at the traced batch, an op refusing few rows
@@ -121,10 +128,11 @@ def _given_back(model: nn.Module, gm: fx.GraphModule) -> Iterator[None]:
 class _Probe(fx.Interpreter):
     """Runs ``gm`` on ``big`` rows; before each op, runs it on its inputs' first half."""
 
-    def __init__(self, gm: fx.GraphModule, batch: int, big: int) -> None:
+    def __init__(self, gm: fx.GraphModule, batch: int, big: int, devices: list[int]) -> None:
         super().__init__(gm)
         self.extra_traceback = False
         self.batch, self.big, self.half = batch, big, big // 2
+        self.devices = devices  # CUDA devices whose random streams an op may draw from
         self.fed: set[fx.Node] = set()  # computed from a model input
         self.shared: dict[fx.Node, Any] = {}  # values that are not plain tensors, per share
         self.mixing: set[str] = set()
@@ -139,21 +147,25 @@ class _Probe(fx.Interpreter):
             self.fed.add(n)
         if n not in self.fed or _batch_norm(self.module, n) or _per_sample_op(self.module, n):
             return super().run_node(n)
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        again = _cloned((args, kwargs))
         share_args = fx.map_arg((n.args, n.kwargs), self._share_of)
         try:
             share = getattr(self, n.op)(n.target, *_cloned(share_args))
         except Exception:
             share = _FAILED
+        streams = self._streams()
         out = super().run_node(n)
         if not isinstance(out, Tensor) and share is not _FAILED:
             self.shared[n] = share
-        if not self._rows_agree(n, out, share):
-            repeat = getattr(self, n.op)(n.target, *again)
-            if _same(repeat, out):  # not random: the share's rows really differ
-                self.mixing.add(n.name)
+        # an op that draws random numbers (dropout, stochastic depth) gives other rows on
+        # a share by chance, not by mixing: it is not judged
+        drew = any(not torch.equal(a, b) for a, b in zip(streams, self._streams()))
+        if not drew and not self._rows_agree(n, out, share):
+            self.mixing.add(n.name)
         return out
+
+    def _streams(self) -> list[Tensor]:
+        """The random number generators' states: the CPU's and each CUDA device's used."""
+        return [torch.random.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in self.devices]
 
     def _share_of(self, u: fx.Node) -> Any:
         """What a share's member holds of ``u``'s current value."""
@@ -282,16 +294,3 @@ def _close(a: Tensor, b: Any) -> bool:
     a, b = a.detach().double(), b.detach().double()
     scale = float(a.abs().nan_to_num(0.0).max()) if a.numel() else 0.0
     return bool(torch.allclose(a, b, rtol=1e-3, atol=1e-3 * scale + 1e-6, equal_nan=True))
-
-
-def _same(a: Any, b: Any) -> bool:
-    xs, _ = tree_flatten(a)
-    ys, _ = tree_flatten(b)
-    if len(xs) != len(ys):
-        return False
-    for x, y in zip(xs, ys):
-        if isinstance(x, Tensor) != isinstance(y, Tensor):
-            return False
-        if isinstance(x, Tensor) and not _close(x, y):
-            return False
-    return True

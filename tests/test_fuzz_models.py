@@ -624,7 +624,7 @@ def test_random_cnns_with_cut_values_fanouts_traced_norms_and_attributes(
 
 # ---- default strategies on models that write state and mix samples -----------------------
 
-STATEFUL = ("none", "counter", "ema", "centre", "along")
+STATEFUL = ("none", "counter", "ema", "centre", "along", "similar")
 ASKED: tuple[dict[str, Any], ...] = (
     {},
     {"replicas": 1},
@@ -636,8 +636,9 @@ class StatefulCNN(RandomCNN):
     """RandomCNN with, after block ``i``, ``extras[i]``: a call counter stepped in forward
     (``"counter"``), an EMA of the block's channel means under ``no_grad`` that the head
     reads (``"ema"``: written from the batch), batch centring ``y - y.mean(0)``
-    (``"centre"``: mixes the samples), or a softmax over the batch (``"along"``: mixes
-    them, the shape unchanged)."""
+    (``"centre"``: mixes the samples), a softmax over the batch (``"along"``: mixes
+    them, the shape unchanged), or attention over the batch by distances (``"similar"``:
+    no shape or argument shows it; ``frontend/row_probe.py`` finds it by running it)."""
 
     def __init__(self, spec: list[tuple[int, int, str, bool, bool]], extras: list[str]) -> None:
         super().__init__(spec, width=4)
@@ -658,6 +659,9 @@ class StatefulCNN(RandomCNN):
                 y = y - y.mean(0, keepdim=True)
             elif extra == "along":
                 y = y + 0.5 * y.softmax(0)
+            elif extra == "similar":  # each sample's distances to the others: the probe's
+                f = y.mean((2, 3))
+                y = y + 0.1 * (torch.cdist(f, f).softmax(1) @ f)[:, :, None, None]
             outs.append(y)
         return self.head(outs[-1].mean(dim=(2, 3)) + self.avg)
 
@@ -693,7 +697,7 @@ def test_random_cnns_with_state_and_mixed_samples_take_default_plans_like_eager(
         assert plan.replication.replicas == 1 and not grouped
     mixing = {n.name for n in plan.nodes if n.mixes_batch}
     # the centring and the softmax mix samples, and so does the EMA's mean over the batch
-    assert bool(mixing) == bool({"centre", "ema", "along"} & set(extras))
+    assert bool(mixing) == bool({"centre", "ema", "along", "similar"} & set(extras))
     assert not any(plan.assignment.get(n) == g.index for n in mixing for g in grouped)
     report = verify_plan(model, x, plan, rtol=1e-8, atol=1e-9)
     assert report.ok, (extras, report.text())

@@ -37,7 +37,7 @@ from torch import Tensor, fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from crosscut.frontend.alias import MUTATED, STATE
+from crosscut.frontend.written_state import state_writes
 
 __all__ = ["row_mixing_ops"]
 
@@ -103,19 +103,21 @@ def _rows(t: Tensor, batch: int, big: int) -> Tensor:
 
 @contextmanager
 def _given_back(model: nn.Module, gm: fx.GraphModule) -> Iterator[None]:
-    """Parameters and buffers as they were: an op that writes in place runs three times
-    here. Only what could be written is copied (a whole VGG's weights would cost more
-    than the probe): every buffer, the parameters of modules run as opaque leaves, and
-    all parameters where the traced graph writes something in place."""
-    writes = any(n.meta.get(MUTATED) or n.meta.get(STATE) for n in gm.graph.nodes)
+    """Parameters and buffers as they were: the probe runs the ops that write them.
+
+    Copied: every buffer, the parameters the traced graph writes
+    (``written_state.state_writes``), and those of modules run as opaque leaves.
+    Not every parameter: a VGG's would cost 0.5 GB a process, on every torchrun rank."""
+    named = dict(model.named_parameters())
+    written = [named[k] for _, k in state_writes(gm) if k in named]
     leaves = [
-        gm.get_submodule(str(n.target))
+        p
         for n in gm.graph.nodes
         if n.op == "call_module"
         and type(gm.get_submodule(str(n.target))) not in _PER_SAMPLE_MODULES
+        for p in gm.get_submodule(str(n.target)).parameters()
     ]
-    params = model.parameters() if writes else (p for m in leaves for p in m.parameters())
-    state = {id(t): t for t in [*params, *model.buffers()]}.values()
+    state = {id(t): t for t in [*written, *leaves, *model.buffers()]}.values()
     saved = [(t, t.detach().clone()) for t in state]
     try:
         yield

@@ -270,9 +270,9 @@ def trace(
     with _training(model, train), _untouched_state(model), refusing_python_state(model):
         gm, auto = _symbolic_trace(model, leaf_paths, leaf_types)
         prop = propagate(gm, inputs, train, precision)
+        # writes through views, and buffers a functional norm writes: frontend/alias.py
+        ties = _ties(gm) + order_mutations(gm) + written_state_ties(gm)
         mixing = row_mixing_ops(model, gm, inputs)  # a run on a few rows, where real
-    # writes through views, and buffers a functional norm writes: frontend/alias.py
-    ties = _ties(gm) + order_mutations(gm) + written_state_ties(gm)
     nodes = _build_nodes(gm, prop, auto)
     graph = OpGraph(
         nodes=nodes,

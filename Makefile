@@ -28,8 +28,9 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
+# a worker killed (out of memory) ends the run, named, instead of leaving xdist waiting
 pytest: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n 2 --dist loadgroup -q
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n 2 --dist loadgroup --max-worker-restart 0 -q
 
 test: lint typecheck pytest
 

@@ -20,8 +20,9 @@ could run it either.
 
 The probe needs real tensors: a model or inputs on the ``meta`` device, or a
 model whose state is too large to copy back, are not probed (``None``: the
-static rules alone decide). The caller's parameters, buffers and random
-number streams are given back as they were.
+static rules alone decide). The caller's parameters and random number
+streams are given back as they were here; its buffers by the tracer, which
+runs the probe inside ``_untouched_state``.
 """
 
 from __future__ import annotations
@@ -103,28 +104,28 @@ def _rows(t: Tensor, batch: int, big: int) -> Tensor:
 
 @contextmanager
 def _given_back(model: nn.Module, gm: fx.GraphModule) -> Iterator[None]:
-    """Parameters and buffers as they were: the probe runs the ops that write them.
+    """Parameters as they were: the probe runs the ops that write them. (Buffers are
+    the tracer's: ``tracer._untouched_state`` gives every one back.)
 
-    Copied: every buffer, the parameters the traced graph writes
-    (``written_state.state_writes``), and those of modules run as opaque leaves.
-    Not every parameter: a VGG's would cost 0.5 GB a process, on every torchrun rank."""
+    Copied: the parameters the traced graph writes (``written_state.state_writes``)
+    and those of modules run as opaque leaves. Not every parameter: a VGG's would
+    cost 0.5 GB a process, on every torchrun rank."""
     named = dict(model.named_parameters())
     written = [named[k] for _, k in state_writes(gm) if k in named]
-    leaves = [
-        p
+    opaque = [
+        m
         for n in gm.graph.nodes
         if n.op == "call_module"
-        and type(gm.get_submodule(str(n.target))) not in _PER_SAMPLE_MODULES
-        for p in gm.get_submodule(str(n.target)).parameters()
+        and type(m := gm.get_submodule(str(n.target))) not in _PER_SAMPLE_MODULES
     ]
-    state = {id(t): t for t in [*written, *leaves, *model.buffers()]}.values()
-    saved = [(t, t.detach().clone()) for t in state]
+    state = {id(p): p for p in [*written, *(p for m in opaque for p in m.parameters())]}
+    saved = [(p, p.detach().clone()) for p in state.values()]
     try:
         yield
     finally:
-        with torch.no_grad():  # every one: batch norm's kernel moves no version counter
-            for t, copy in saved:
-                t.copy_(copy)
+        with torch.no_grad():
+            for p, copy in saved:
+                p.copy_(copy)
 
 
 class _Probe(fx.Interpreter):

@@ -225,20 +225,19 @@ def _untouched_state(model: nn.Module) -> Iterator[None]:
 
     Buffers read in forward are traced as graph nodes, so nothing should write
     them; but Python code the tracer runs for real (a tensor attribute that is
-    not a registered buffer's alias, a leaf's hook) still could. Buffers are
-    cloned (they are small: statistics and counters) and copied back where their
-    version counter moved. Parameters are always traced as nodes.
+    not a registered buffer's alias, a leaf's hook) still could, and the probe
+    for ops that mix samples (``row_probe.py``) runs the model on a few rows.
+    Buffers are cloned (they are small: statistics and counters) and every one
+    is copied back: batch norm's kernel updates its statistics without moving
+    their version counter. Parameters are always traced as nodes.
     """
-    saved = [
-        (b, b._version, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"
-    ]
+    saved = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
     try:
         yield
     finally:
         with torch.no_grad():
-            for b, version, copy in saved:
-                if b._version != version:
-                    b.copy_(copy)
+            for b, copy in saved:
+                b.copy_(copy)
 
 
 # ---- the public entry point ------------------------------------------------------------------

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from crosscut.frontend.written_state import state_writes
 
-__all__ = ["row_mixing_ops"]
+__all__ = ["copied_back", "row_mixing_ops"]
 
 MAX_STATE_BYTES = 2 << 30  # copies of parameters and buffers the probe may hold
 _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[str, frozenset[str] | None]] = (
@@ -119,13 +119,21 @@ def _given_back(model: nn.Module, gm: fx.GraphModule) -> Iterator[None]:
         and type(m := gm.get_submodule(str(n.target))) not in _PER_SAMPLE_MODULES
     ]
     state = {id(p): p for p in [*written, *(p for m in opaque for p in m.parameters())]}
-    saved = [(p, p.detach().clone()) for p in state.values()]
+    with copied_back(state.values()):
+        yield
+
+
+@contextmanager
+def copied_back(tensors: Iterable[Tensor]) -> Iterator[None]:
+    """Copy ``tensors`` now and copy every one back on the way out, written or not (a
+    version counter does not tell: batch norm's kernel moves none)."""
+    saved = [(t, t.detach().clone()) for t in tensors]
     try:
         yield
     finally:
         with torch.no_grad():
-            for p, copy in saved:
-                p.copy_(copy)
+            for t, copy in saved:
+                t.copy_(copy)
 
 
 class _Probe(fx.Interpreter):

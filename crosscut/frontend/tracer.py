@@ -55,7 +55,7 @@ from crosscut.frontend.propagate import (
     shapes_of,
 )
 from crosscut.frontend.python_state import refusing_python_state
-from crosscut.frontend.row_probe import row_mixing_ops
+from crosscut.frontend.row_probe import copied_back, row_mixing_ops
 from crosscut.frontend.written_state import mark_bn_stats
 from crosscut.ir.graph import MODES, OpGraph, OpNode
 
@@ -231,13 +231,8 @@ def _untouched_state(model: nn.Module) -> Iterator[None]:
     is copied back: batch norm's kernel updates its statistics without moving
     their version counter. Parameters are always traced as nodes.
     """
-    saved = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
-    try:
+    with copied_back(b for b in model.buffers() if b.device.type != "meta"):
         yield
-    finally:
-        with torch.no_grad():
-            for b, copy in saved:
-                b.copy_(copy)
 
 
 # ---- the public entry point ------------------------------------------------------------------

@@ -6,7 +6,9 @@ of views, and a model input. Each runs compiled on 2-3 CPU stages with
 traced graph: an assignment either is refused at compile time with a
 ``CodegenError`` (it splits a mutation tie, ``frontend/alias.py``) or gives
 eager's outputs, gradients and post-SGD state, bit for bit with one
-micro-batch. The eager reference runs the same micro-batches in order.
+micro-batch. The eager reference runs the same micro-batches in order. Each
+also runs as one stage split by channels over 2 and 3 devices, where a value
+lives twice (shards and a gathered copy) and a write must reach the one read.
 """
 
 from __future__ import annotations
@@ -162,6 +164,39 @@ class ConvWrites(nn.Module):
         return self.fc((y + w + z).mean((2, 3)))
 
 
+class SliceThenPlainWrite(nn.Module):
+    """A write through a slice, then a plain in-place op on the base as made
+    (``y[:, :4].mul_(2); torch.relu_(y)``): no data edge orders the second write after
+    the first, so both are tied (a cut between them used to lose the first write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        y[:, :4].mul_(2)
+        return self.b(torch.relu_(y))
+
+
+class ViewReadAcrossWrite(nn.Module):
+    """A view made before a plain in-place op on its base, read after it: in a
+    channel-split stage the view comes from the gathered copy and the write goes
+    to the shards unless codegen/width.py sends it to the copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 6, 1)
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c1(x)
+        part = y[:, 2:6]
+        y.mul_(2)
+        z = torch.relu(y) + part.sum(1, keepdim=True)
+        return self.fc(self.c2(z).mean((2, 3)))
+
+
 # ---- helpers ---------------------------------------------------------------------------
 
 
@@ -240,8 +275,10 @@ def check_every_assignment(factory: Callable[[], nn.Module], k: int, mb: int) ->
 
 
 @pytest.mark.parametrize(
-    "factory", [SliceAdd, NarrowSelect, ViewThenWrite, ChainedViews, InputWrite, ManyReaders]
-)
+    "factory",
+    [SliceAdd, NarrowSelect, ViewThenWrite, ChainedViews, InputWrite, ManyReaders,
+     SliceThenPlainWrite],
+)  # fmt: skip
 @pytest.mark.parametrize("mb", [1, 2])
 def test_every_assignment_on_two_stages_is_eager_or_refused(
     factory: Callable[[], nn.Module], mb: int
@@ -297,6 +334,51 @@ def test_solver_plan_on_three_devices_with_two_microbatches_equals_eager(schedul
     torch.testing.assert_close(out, expected)
     for key in ref_sd:
         torch.testing.assert_close(sd[key], ref_sd[key])
+
+
+def test_a_plain_write_after_a_write_through_a_view_is_tied_to_it() -> None:
+    g = crosscut.trace(SliceThenPlainWrite(), torch.randn(2, 8))
+    assert len(g.ties) == 1 and {"mul_", "relu_"} <= set(g.ties[0]), g.ties
+    nodes = {n.name: n for n in g.gm.graph.nodes}
+    assert [a.name for a in nodes["b"].all_input_nodes] == ["mutated_value"]
+
+
+_CHANNEL_CASES = [
+    (SliceAdd, (4, 8)),
+    (NarrowSelect, (4, 8)),
+    (ViewThenWrite, (4, 8)),
+    (ChainedViews, (4, 8)),
+    (InputWrite, (4, 8)),
+    (ManyReaders, (4, 8)),
+    (ViewChain, (4, 8)),
+    (SliceThenPlainWrite, (4, 8)),
+    (ConvWrites, (4, 3, 8, 8)),
+    (ViewReadAcrossWrite, (4, 3, 8, 8)),
+]
+
+
+@pytest.mark.parametrize(("factory", "shape"), _CHANNEL_CASES)
+@pytest.mark.parametrize("width", [2, 3])
+def test_a_channel_split_stage_sees_every_write(
+    factory: Callable[[], nn.Module], shape: tuple[int, ...], width: int
+) -> None:
+    """One stage split by channels over ``width`` devices: shards and the gathered
+    copies of one value never disagree about a write (outputs and the post-SGD state
+    equal eager's)."""
+    torch.manual_seed(0)
+    model = factory()
+    x = torch.randn(*shape)
+    gm = crosscut.trace(model, x).gm
+    st = {n.name: 0 for n in gm.graph.nodes if n.op not in SKIP}
+    ref = copy.deepcopy(model)
+    c = CompiledModule(model, gm, st, ["cpu"], groups=[(["cpu"] * width, "channel")])
+    assert any(col.kind == "all_gather" for col in c.program.stages[0].collectives)
+    out, sd = compiled_step(c, x.clone())
+    expected, ref_sd = eager_step(ref, x.clone(), 1)
+    c.close()
+    torch.testing.assert_close(out, expected)
+    for key in ref_sd:
+        torch.testing.assert_close(sd[key], ref_sd[key], msg=key)
 
 
 def test_a_plan_splitting_a_mutation_tie_is_refused_at_compile_time() -> None:

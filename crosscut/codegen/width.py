@@ -40,6 +40,7 @@ from torch import fx, nn
 
 from crosscut.codegen.dotted_attrs import get_attr, set_attr
 from crosscut.errors import CodegenError
+from crosscut.frontend.alias import MUTATES, inplace_target
 from crosscut.ir.program import Collective
 
 __all__ = [
@@ -156,6 +157,7 @@ class _Rewriter:
         self.sub = sub
         self.devices = [str(d) for d in devices]
         self.modules = dict(sub.named_modules())
+        self.by_name = {n.name: n for n in sub.graph.nodes}
         self.graph = fx.Graph()
         self.root = nn.Module()
         self.whole: dict[fx.Node, fx.Node] = {}
@@ -230,8 +232,30 @@ class _Rewriter:
             self.whole[n] = self.graph.get_attr(target)
         elif n.op == "output":
             self.graph.output(fx.map_arg(n.args[0], self.value))
-        elif not self._try_split(n) and not self._try_per_channel(n):
-            self._whole_op(n)
+        else:
+            written = self._written(n)
+            if any(m in self.whole for m in written):
+                self._whole_op(n)  # the value has a whole copy: write that one
+            elif not self._try_split(n) and not self._try_per_channel(n):
+                self._whole_op(n)
+            if n in self.whole:  # written whole: its shards are stale from here on
+                for m in written:
+                    self.sharded.pop(m, None)
+
+    def _written(self, n: fx.Node) -> list[fx.Node]:
+        """The values ``n`` writes in place, directly or through a view (``frontend/alias.py``).
+
+        A value may exist twice in a channel-split stage, as shards and as the
+        copy an all-gather made; a write reaches only one of them. So a write
+        runs on the whole copy once there is one (views of it may be read
+        later) and the shards are dropped after a whole write: every later
+        reader then sees the written value, as in eager mode.
+        """
+        names = set(n.meta.get(MUTATES, []))
+        target = inplace_target(n, self.modules)
+        if target is not None:
+            names.add(target.name)
+        return [self.by_name[m] for m in sorted(names) if m in self.by_name]
 
     def _ensure_path(self, path: list[str]) -> nn.Module:
         mod = self.root

@@ -267,14 +267,21 @@ def _is_chain(cls: AliasClass, order: Mapping[fx.Node, int]) -> bool:
     """Nothing outside the class can see the writes out of order: no tie is needed.
 
     True when no node outside the class reads a value made before the last
-    write (so no reader may run before a write, nor miss one), and every value
-    made after it reads only the last write or later values (so each later
-    reader depends on the last write by a data edge). timm's ``bn -> Identity
+    write (so no reader may run before a write, nor miss one), every write
+    reads the previous write or a later value (so the writes are ordered by
+    data edges), and every value made after the last write reads only it or
+    later values (so each later reader depends on it by a data edge). timm's ``bn -> Identity
     -> ReLU(inplace=True)`` blocks are such chains; a stage that receives one
     of their values and writes it clones it (``Stage.mutated_inputs``).
     """
     last = order[cls.writes[-1]]
     inside = {*cls.members, *cls.writes}
+    for prev, w in zip(cls.writes, cls.writes[1:]):
+        # ``y[:, :4].mul_(2); y.relu_()``: the second write reads ``y`` as made, so no
+        # edge puts it after the first, and a cut (or a channel split) between them
+        # would let it run on the value without the first write
+        if not any(a in inside and order[a] >= order[prev] for a in w.all_input_nodes):
+            return False
     for m in cls.members:
         if order[m] < last and any(u not in inside and _reads_data(u) for u in m.users):
             return False

@@ -17,7 +17,11 @@ against eager mode:
   broadcast's gradients are summed (a reduce) on the leader. Dropout runs
   whole on the leader so it draws the same random numbers as eager mode.
   Uneven shards are fine (``ceil``/``floor`` split, as ``torch.tensor_split``);
-  a layer with fewer channels than devices stays whole on the leader.
+  a layer with fewer channels than devices stays whole on the leader. Only
+  torch's own classes without hooks are sharded or run shard by shard
+  (``frontend/stock.py``): a hook or a parametrization sees the whole value.
+  A value may exist twice, as shards and as a gathered copy; an in-place
+  write goes to the one later ops read (:meth:`_Rewriter._written`).
 
 A channel-split stage is one graph whose shard ops are issued from the
 stage's single thread: on CUDA kernel launches are asynchronous, so the
@@ -41,6 +45,7 @@ from torch import fx, nn
 from crosscut.codegen.dotted_attrs import get_attr, set_attr
 from crosscut.errors import CodegenError
 from crosscut.frontend.alias import MUTATES, inplace_target
+from crosscut.frontend.stock import stock_module
 from crosscut.ir.program import Collective
 
 __all__ = [
@@ -279,7 +284,7 @@ class _Rewriter:
         if n.op != "call_module" or n.kwargs or len(n.args) != 1:
             return False
         mod = self.modules[str(n.target)]
-        if not isinstance(mod, _SPLIT) or (isinstance(mod, nn.Conv2d) and mod.groups != 1):
+        if not stock_module(mod, _SPLIT) or (isinstance(mod, nn.Conv2d) and mod.groups != 1):
             return False
         src = n.args[0]
         channels = mod.out_channels if isinstance(mod, nn.Conv2d) else mod.out_features
@@ -311,11 +316,11 @@ class _Rewriter:
         conv_layout = lay.dim == 1
         if n.op == "call_module":
             mod = self.modules[str(n.target)]
-            if isinstance(mod, nn.BatchNorm1d):
+            if stock_module(mod, (nn.BatchNorm1d,)):
                 ok = lay.dim == -1 and _rank(n) == 2
             else:
-                ok = isinstance(mod, _PER_CHANNEL_ANY) or (
-                    conv_layout and isinstance(mod, _PER_CHANNEL_CONV)
+                ok = stock_module(mod, _PER_CHANNEL_ANY) or (
+                    conv_layout and stock_module(mod, _PER_CHANNEL_CONV)
                 )
             if not ok or len(n.args) != 1 or n.kwargs:
                 return False

@@ -38,6 +38,7 @@ from torch import Tensor, fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from crosscut.frontend.stock import stock_module
 from crosscut.frontend.written_state import state_writes
 
 __all__ = ["copied_back", "row_mixing_ops"]
@@ -116,7 +117,7 @@ def _given_back(model: nn.Module, gm: fx.GraphModule) -> Iterator[None]:
         m
         for n in gm.graph.nodes
         if n.op == "call_module"
-        and type(m := gm.get_submodule(str(n.target))) not in _PER_SAMPLE_MODULES
+        and not stock_module(m := gm.get_submodule(str(n.target)), _PER_SAMPLE_MODULES)
     ]
     state = {id(p): p for p in [*written, *(p for m in opaque for p in m.parameters())]}
     with copied_back(state.values()):
@@ -242,7 +243,7 @@ def _batch_norm(root: nn.Module, n: fx.Node) -> bool:
 
 # ops that compute each sample's rows from its own alone, whatever their inputs: the
 # convolutions and matmuls that are most of a CNN's time are not run a second time
-_PER_SAMPLE_MODULES = {  # exact types: a subclass may override forward
+_PER_SAMPLE_MODULES = {  # exact types, without hooks (stock.py)
     nn.Conv1d,
     nn.Conv2d,
     nn.Conv3d,
@@ -288,7 +289,7 @@ _PER_SAMPLE_FUNCTIONS = {
 
 def _per_sample_op(root: nn.Module, n: fx.Node) -> bool:
     if n.op == "call_module":
-        return type(root.get_submodule(str(n.target))) in _PER_SAMPLE_MODULES
+        return stock_module(root.get_submodule(str(n.target)), _PER_SAMPLE_MODULES)
     return n.op == "call_function" and n.target in _PER_SAMPLE_FUNCTIONS
 
 

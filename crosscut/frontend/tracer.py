@@ -298,7 +298,9 @@ def runs_channels_last(model: nn.Module, inputs: list[Tensor]) -> bool:
             and t.is_contiguous(memory_format=torch.channels_last)
         )
 
-    weights = (m.weight for m in model.modules() if isinstance(m, nn.Conv2d))
+    # the stored tensors, not ``m.weight``: on a parametrized convolution that runs the
+    # parametrization, and spectral norm's then takes a power-iteration step in place
+    weights = (p for m in model.modules() if isinstance(m, nn.Conv2d) for p in m.parameters())
     return any(nhwc(w) for w in weights) or (bool(inputs) and nhwc(inputs[0]))
 
 

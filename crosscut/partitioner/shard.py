@@ -5,7 +5,9 @@ is the same classification ahead of time, from the OpGraph, so the solver can
 price a channel split: ``split`` nodes (``Conv2d`` with ``groups == 1``,
 ``Linear``) need their whole input and make channel shards, ``channel`` nodes
 (batch norm, activations, pooling, element-wise arithmetic) work shard by
-shard, and every other node (``full``) runs whole on the group's leader.
+shard, and every other node (``full``) runs whole on the group's leader. A
+module counts as its class only as torch's own class without hooks
+(``frontend/stock.py``).
 Dropout is ``full`` on purpose: it must draw eager mode's random numbers.
 """
 
@@ -13,6 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
+from crosscut.frontend.stock import stock_module
 from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = ["shard_kind"]
@@ -35,6 +40,9 @@ _CHANNEL_MODULES = (
     "AdaptiveMaxPool2d",
     "BatchNorm2d",
 )
+# torch's own classes, without hooks (frontend/stock.py): a subclass or a hook may mix
+# channels, and codegen/width.py then runs the module whole
+_CHANNEL_TYPES = frozenset(getattr(nn, name) for name in _CHANNEL_MODULES)
 _CHANNEL_FUNCTIONS = {
     "add",
     "iadd",
@@ -65,12 +73,11 @@ def shard_kind(graph: OpGraph, node: OpNode) -> tuple[str, int]:
             mod: Any = graph.gm.get_submodule(node.target)
         except AttributeError:
             return "full", 0
-        name = type(mod).__name__
-        if name == "Conv2d" and getattr(mod, "groups", 1) == 1:
+        if stock_module(mod, (nn.Conv2d,)) and mod.groups == 1:
             return "split", int(mod.out_channels)
-        if name == "Linear":
+        if stock_module(mod, (nn.Linear,)):
             return "split", int(mod.out_features)
-        if name in _CHANNEL_MODULES:
+        if stock_module(mod, _CHANNEL_TYPES):
             return "channel", _channels(node)
         return "full", 0
     if node.op in ("call_function", "call_method"):

@@ -1,0 +1,117 @@
+"""Rules about a module's type hold only for torch's own forward (``frontend/stock.py``).
+
+A channel split slices a ``Conv2d``'s filters into shards and runs a ``ReLU``
+shard by shard; the row probe skips a convolution as computing each sample
+alone. A forward hook sees whatever the module produced there (one shard's
+channels, one share's rows), and a parametrized module (spectral norm) makes
+its weight from the whole parameter. Before this rule, a hook normalising over
+channels diverged silently in a channel-split stage, a hook centring the batch
+was not seen by the probe, a spectral-norm convolution crashed the channel
+split, and tracing a spectral-norm model took a power-iteration step on the
+caller's model (``runs_channels_last`` read ``m.weight``), so every compiled
+step differed from eager's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import crosscut
+from crosscut.frontend.stock import stock_module
+from crosscut.runtime import CompiledModule
+from tests.test_mutation import SKIP, compiled_step, eager_step
+
+torch.set_num_threads(1)
+
+
+def _channel_mean(_m: nn.Module, _i: object, out: torch.Tensor) -> torch.Tensor:
+    return out * out.mean(1, keepdim=True).sigmoid()
+
+
+def _batch_centre(_m: nn.Module, _i: object, out: torch.Tensor) -> torch.Tensor:
+    return out - out.mean(0, keepdim=True)
+
+
+def _net(first: str) -> nn.Module:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 8, 3, padding=1)
+    act: nn.Module = nn.ReLU()
+    if first == "spectral norm":
+        conv = nn.utils.parametrizations.spectral_norm(conv)
+    elif first == "weight norm":
+        conv = nn.utils.parametrizations.weight_norm(conv)
+    elif first == "hook over channels":
+        conv.register_forward_hook(_channel_mean)
+    elif first == "hooked activation":
+        act.register_forward_hook(_channel_mean)
+    elif first == "hook over the batch":
+        conv.register_forward_hook(_batch_centre)
+    tail = [nn.Conv2d(8, 8, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)]
+    return nn.Sequential(conv, act, *tail)
+
+
+def test_stock_module_is_the_exact_class_without_hooks() -> None:
+    assert stock_module(nn.Conv2d(3, 8, 3), (nn.Conv2d,))
+    assert not stock_module(nn.Conv2d(3, 8, 3), (nn.Linear,))
+    hooked = nn.Conv2d(3, 8, 3)
+    handle = hooked.register_forward_pre_hook(lambda m, i: None)
+    assert not stock_module(hooked, (nn.Conv2d,))
+    handle.remove()
+    assert stock_module(hooked, (nn.Conv2d,))
+    assert not stock_module(_net("spectral norm")[0], (nn.Conv2d,))  # a generated subclass
+    with nn.modules.module.register_module_forward_hook(lambda m, i, o: None):
+        assert not stock_module(nn.ReLU(), (nn.ReLU,))
+
+
+@pytest.mark.parametrize(
+    "first", ["plain", "spectral norm", "weight norm", "hook over channels", "hooked activation"]
+)
+@pytest.mark.parametrize("width", [2, 3])
+def test_a_channel_split_stage_runs_unusual_modules_whole(first: str, width: int) -> None:
+    model = _net(first)
+    x = torch.randn(4, 3, 8, 8)
+    gm = crosscut.trace(model, x).gm
+    st = {n.name: 0 for n in gm.graph.nodes if n.op not in SKIP}
+    c = CompiledModule(model, gm, st, ["cpu"], groups=[(["cpu"] * width, "channel")])
+    code = c.program.stages[0].module.code
+    assert ("_0__shard0" in code) == (first in ("plain", "hooked activation")), code
+    ref = _net(first)  # parametrized modules cannot be deep-copied
+    for _ in range(2):  # spectral norm's power iteration moves its state every step
+        out, sd = compiled_step(c, x.clone())
+        expected, ref_sd = eager_step(ref, x.clone(), 1)
+        torch.testing.assert_close(out, expected)
+        for key in ref_sd:
+            torch.testing.assert_close(sd[key], ref_sd[key], msg=key)
+    c.close()
+
+
+def test_tracing_leaves_a_parametrized_model_as_it_was() -> None:
+    model = _net("spectral norm")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    crosscut.trace(model, torch.randn(4, 3, 8, 8))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_spectral_norm_model_compiles_to_eager_steps() -> None:
+    x = torch.randn(8, 3, 8, 8)
+    c = crosscut.compile(
+        _net("spectral norm"), ["cpu"] * 2, x, time_limit=2, require_all_devices=True
+    )
+    ref = _net("spectral norm")
+    for _ in range(2):
+        out, sd = compiled_step(c, x.clone())
+        expected, ref_sd = eager_step(ref, x.clone(), 1)
+        torch.testing.assert_close(out, expected)
+        for key in ref_sd:
+            torch.testing.assert_close(sd[key], ref_sd[key], msg=key)
+    c.close()
+
+
+def test_the_row_probe_runs_a_hooked_convolution() -> None:
+    graph = crosscut.trace(_net("hook over the batch"), torch.randn(8, 3, 8, 8))
+    assert graph.row_mixing is not None and "_0" in graph.row_mixing, graph.row_mixing
+    plain = crosscut.trace(_net("plain"), torch.randn(8, 3, 8, 8))
+    assert plain.row_mixing == []

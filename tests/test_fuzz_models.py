@@ -7,7 +7,8 @@ an SGD step with learning rate 1, i.e. the gradients). A second family also
 writes into views of its values (and of its input) and updates buffers in
 forward; a third reads ``self.training`` (branches, functional batch norm, a
 training-only head) and returns scalars beside the logits, compiled in one
-mode and run in both. Each must match eager, buffers included, or be refused
+mode and run in both; the second family also runs whole on one stage split by
+channels over 2 or 3 devices. Each must match eager, buffers included, or be refused
 at compile time with a crosscut error. A fourth draws what held-out model
 families found (issue 27): ``torch.Size`` values crossing cuts, values read by
 several kinds of reader, batch norm traced through with recomputation, bf16,
@@ -346,6 +347,42 @@ def test_random_cnns_writing_views_and_buffers_are_eager_or_refused(
         assert not bad, bad
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # the caller's model untouched
+
+
+@settings(
+    max_examples=_examples(15),
+    deadline=None,
+    derandomize=os.environ.get("CROSSCUT_FUZZ_SEEDED") != "1",
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(mutating_specs(), st.integers(2, 3))
+def test_random_cnns_writing_views_split_by_channels_like_eager(
+    drawn: tuple[list[tuple[int, int, str, bool, bool]], Any], width: int
+) -> None:
+    """The whole model on one stage split by channels: each value lives as shards and as
+    gathered copies, and every write must reach the one later ops read (codegen/width.py)."""
+    from crosscut.runtime import CompiledModule
+    from tests.test_mutation import SKIP, compiled_step, eager_step
+
+    spec, (writes, counter, ema) = drawn
+    torch.manual_seed(0)
+    # float64: SGD with lr=1 grows weights to ~1e6 by the second step, where a shard's
+    # other summation order is 1e-3 in float32 (and a conv bias before batch norm, whose
+    # true gradient is 0, moves by rounding alone: up to 2e-7 in float64; a lost write
+    # moves values by whole units)
+    model = MutatingCNN(spec, writes, counter, ema).double()
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    gm = crosscut.trace(model, x).gm
+    stage = {n.name: 0 for n in gm.graph.nodes if n.op not in SKIP}
+    ref = copy.deepcopy(model)
+    c = CompiledModule(model, gm, stage, ["cpu"], groups=[(["cpu"] * width, "channel")])
+    for _ in range(2):
+        out, sd = compiled_step(c, x.clone())
+        expected, ref_sd = eager_step(ref, x.clone(), 1)
+        torch.testing.assert_close(out, expected)
+        bad = [k for k in ref_sd if not torch.allclose(sd[k], ref_sd[k], rtol=1e-8, atol=1e-6)]
+        assert not bad, bad
+    c.close()
 
 
 # ---- forwards that read self.training, and outputs without a batch dimension (issue 13) -----

@@ -251,6 +251,13 @@ def _load(plan: Plan | str | Path) -> Plan:
 Inputs = torch.Tensor | tuple[torch.Tensor, ...]  # the model's one input, or its inputs
 
 
+def _fresh(x: Inputs) -> Any:
+    """A copy of the inputs, so that no run sees another's writes (nor the caller's data)."""
+    if isinstance(x, tuple):
+        return tuple(t.clone() for t in x)
+    return x.clone()
+
+
 def _chunks(x: Inputs, micro: int) -> list[tuple[torch.Tensor, ...]]:
     """``x`` cut into ``micro`` chunks along the batch, each as the model's arguments."""
     xs = x if isinstance(x, tuple) else (x,)
@@ -337,12 +344,14 @@ def verify_plan(
     ref.train(train)
     # the replicas' shares of each micro-batch are normalised apart, as chunks are
     chunks = the_plan.options.microbatches * the_plan.replication.replicas
-    ref_out = _outputs(ref, x, chunks)
+    # each run gets its own copy of the inputs: a model that writes into its input would
+    # otherwise hand the next run a written one (eager writes the caller's tensor)
+    ref_out = _outputs(ref, _fresh(x), chunks)
     with torch.no_grad():
-        out = compiled(*x) if isinstance(x, tuple) else compiled(x)
+        out = compiled(*_fresh(x)) if isinstance(x, tuple) else compiled(_fresh(x))
     if train:  # the training contract: train_step against eager's micro-batches in order
-        ref_loss = _eager_train(ref, x, chunks)
-        loss = _compiled_train(compiled, x)
+        ref_loss = _eager_train(ref, _fresh(x), chunks)
+        loss = _compiled_train(compiled, _fresh(x))
     else:
         ref_loss, loss = float(loss_of(ref_out)), float(loss_of(out))
     out_diff = max(

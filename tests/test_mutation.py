@@ -448,3 +448,18 @@ def test_writes_and_counters_follow_train_eval_switches(mode: str) -> None:
         ref.train(flag)
         assert torch.equal(c(x), ref(x))
     assert int(c.state_dict()["calls"]) == 4 == int(ref.state_dict()["calls"])
+
+
+def test_verify_gives_each_run_its_own_copy_of_an_input_the_model_writes() -> None:
+    """``verify_plan`` ran eager, then the compiled module, on one input tensor: eager
+    wrote the input, so the compiled run read a written one and verify reported a
+    mismatch that was not there (every random view-writing CNN that wrote its input)."""
+    from crosscut.verify import verify_plan
+
+    model = InputWrite()
+    x = torch.randn(4, 8)
+    before = x.clone()
+    plan = crosscut.partition(model, ["cpu"] * 2, x, time_limit=2, require_all_devices=True)
+    report = verify_plan(model, x, plan, rtol=1e-6, atol=1e-7)
+    assert report.ok, report.text()
+    assert torch.equal(x, before)  # nor is the caller's tensor written

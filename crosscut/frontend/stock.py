@@ -16,16 +16,27 @@ holds only while the module computes what its class computes:
 
 So such rules ask :func:`stock_module` first, and a module that fails it is
 treated as an opaque op: run whole, probed by running it.
+
+Hooks and the trace. torch.fx records a submodule's forward hooks as graph
+ops (it calls the module as eager does), and a leaf module keeps all of its
+hooks (the stage calls it). A module traced through is not called in backward,
+so its backward hooks would be lost: the tracer makes every module with one a
+leaf (:func:`backward_hooked`). What no leaf can keep is refused
+(:func:`refuse_lost_hooks`): the root's hooks (fx calls its ``forward``
+itself) and global backward hooks. Compiled, such a model would silently train
+differently.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 
-from torch import nn
+from torch import fx, nn
 from torch.nn.modules import module as _module
 
-__all__ = ["stock_module"]
+from crosscut.errors import TraceError
+
+__all__ = ["backward_hooked", "refuse_lost_hooks", "stock_module"]
 
 _GLOBAL_HOOKS = (
     "_global_forward_hooks",
@@ -42,3 +53,31 @@ def stock_module(mod: nn.Module, types: Collection[type]) -> bool:
     own = (mod._forward_hooks, mod._forward_pre_hooks, mod._backward_hooks)
     pre = getattr(mod, "_backward_pre_hooks", {})
     return not any(own) and not pre and not any(getattr(_module, h, {}) for h in _GLOBAL_HOOKS)
+
+
+def backward_hooked(mod: nn.Module) -> bool:
+    """Whether ``mod`` has a backward hook of its own: it must be called, as a leaf."""
+    return bool(mod._backward_hooks or getattr(mod, "_backward_pre_hooks", {}))
+
+
+def refuse_lost_hooks(model: nn.Module, gm: fx.GraphModule) -> None:
+    """Raise a TraceError for hooks the traced graph would drop (module docstring)."""
+    lost = []
+    if model._forward_hooks or model._forward_pre_hooks:
+        lost.append(f"forward hook on the root module {type(model).__name__}")
+    leaves = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    for path, mod in model.named_modules():
+        kept = any(path == leaf or path.startswith(leaf + ".") for leaf in leaves)
+        if not kept and backward_hooked(mod):
+            lost.append(f"backward hook on {path or 'the root module'}")
+    if any(getattr(_module, h, {}) for h in _GLOBAL_HOOKS[2:]):
+        lost.append("a global module backward hook (register_module_full_backward_hook)")
+    if lost:
+        raise TraceError(
+            "the traced graph cannot keep these hooks: fx never runs the root module's "
+            "forward hooks, and a module traced through is not called in backward, so its "
+            "backward hooks would not run; compiled, the model would train differently",
+            value=lost,
+            remedy="apply the hook's change inside forward (or to the input before the "
+            "call), or register it on a submodule (one with a backward hook runs whole)",
+        )

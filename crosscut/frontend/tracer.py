@@ -56,6 +56,7 @@ from crosscut.frontend.propagate import (
 )
 from crosscut.frontend.python_state import refusing_python_state
 from crosscut.frontend.row_probe import copied_back, row_mixing_ops
+from crosscut.frontend.stock import backward_hooked, refuse_lost_hooks
 from crosscut.frontend.written_state import mark_bn_stats
 from crosscut.ir.graph import MODES, OpGraph, OpNode
 
@@ -138,6 +139,8 @@ class _LeafTracer(torch.fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaves or isinstance(m, self.leaf_types):
+            return True
+        if backward_hooked(m):  # called in backward only if called as a module: stock.py
             return True
         return bool(super().is_leaf_module(m, module_qualified_name))
 
@@ -263,6 +266,7 @@ def trace(
     train = mode == "train"
     with _training(model, train), _untouched_state(model), refusing_python_state(model):
         gm, auto = _symbolic_trace(model, leaf_paths, leaf_types)
+        refuse_lost_hooks(model, gm)
         prop = propagate(gm, inputs, train, precision)
         # writes through views, and buffers a functional norm writes: frontend/alias.py
         ties = _ties(gm) + order_mutations(gm) + written_state_ties(gm)

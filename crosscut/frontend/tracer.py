@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten
 
 from crosscut.errors import InputError, TraceError
 from crosscut.frontend.alias import find_root, order_mutations, written_state_ties
+from crosscut.frontend.autocast_check import refusing_autocast
 from crosscut.frontend.grad_mode import NO_GRAD, detach_no_grad
 from crosscut.frontend.propagate import (
     Propagator,
@@ -265,7 +266,8 @@ def trace(
     inputs, leaf_paths, leaf_types = _validate(model, example_inputs, mode, leaf_modules)
     train = mode == "train"
     with _training(model, train), _untouched_state(model), refusing_python_state(model):
-        gm, auto = _symbolic_trace(model, leaf_paths, leaf_types)
+        with refusing_autocast(precision):
+            gm, auto = _symbolic_trace(model, leaf_paths, leaf_types)
         refuse_lost_hooks(model, gm)
         prop = propagate(gm, inputs, train, precision)
         # writes through views, and buffers a functional norm writes: frontend/alias.py

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import crosscut
-from tests.test_mutation import compiled_step, eager_step
+from tests.test_mutation import assert_steps_like_eager
 
 torch.set_num_threads(1)
 
@@ -52,12 +52,7 @@ def test_a_region_turning_autocast_off_in_fp32_trains_as_eager() -> None:
     model = Region(False)
     ref = copy.deepcopy(model)
     c = crosscut.compile(model, ["cpu"] * 2, x, time_limit=2, replicas=1, microbatches=1)
-    out, sd = compiled_step(c, x.clone())
-    expected, ref_sd = eager_step(ref, x.clone(), 1)
-    torch.testing.assert_close(out, expected)
-    for key in ref_sd:
-        torch.testing.assert_close(sd[key], ref_sd[key], msg=key)
-    c.close()
+    assert_steps_like_eager(c, ref, x)
 
 
 def test_tracing_inside_the_callers_autocast_is_not_refused_and_the_watch_is_undone() -> None:

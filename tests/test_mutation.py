@@ -241,6 +241,22 @@ def compiled_step(c: CompiledModule, x: torch.Tensor) -> tuple[torch.Tensor, dic
     return out, c.state_dict()
 
 
+def assert_steps_like_eager(
+    c: CompiledModule, ref: nn.Module, x: torch.Tensor, steps: int = 1
+) -> None:
+    """``steps`` SGD steps (lr=1) of ``c`` and of eager ``ref``: outputs and every state
+    tensor close after each; then ``c`` is closed."""
+    try:
+        for _ in range(steps):
+            out, sd = compiled_step(c, x.clone())
+            expected, ref_sd = eager_step(ref, x.clone(), 1)
+            torch.testing.assert_close(out, expected)
+            for key in ref_sd:
+                torch.testing.assert_close(sd[key], ref_sd[key], msg=key)
+    finally:
+        c.close()
+
+
 def same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
     return torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -373,12 +389,7 @@ def test_a_channel_split_stage_sees_every_write(
     ref = copy.deepcopy(model)
     c = CompiledModule(model, gm, st, ["cpu"], groups=[(["cpu"] * width, "channel")])
     assert any(col.kind == "all_gather" for col in c.program.stages[0].collectives)
-    out, sd = compiled_step(c, x.clone())
-    expected, ref_sd = eager_step(ref, x.clone(), 1)
-    c.close()
-    torch.testing.assert_close(out, expected)
-    for key in ref_sd:
-        torch.testing.assert_close(sd[key], ref_sd[key], msg=key)
+    assert_steps_like_eager(c, ref, x)
 
 
 def test_a_plan_splitting_a_mutation_tie_is_refused_at_compile_time() -> None:

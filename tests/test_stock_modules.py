@@ -21,7 +21,7 @@ from torch import nn
 import crosscut
 from crosscut.frontend.stock import stock_module
 from crosscut.runtime import CompiledModule
-from tests.test_mutation import SKIP, compiled_step, eager_step
+from tests.test_mutation import SKIP, assert_steps_like_eager
 
 torch.set_num_threads(1)
 
@@ -77,14 +77,9 @@ def test_a_channel_split_stage_runs_unusual_modules_whole(first: str, width: int
     c = CompiledModule(model, gm, st, ["cpu"], groups=[(["cpu"] * width, "channel")])
     code = c.program.stages[0].module.code
     assert ("_0__shard0" in code) == (first in ("plain", "hooked activation")), code
-    ref = _net(first)  # parametrized modules cannot be deep-copied
-    for _ in range(2):  # spectral norm's power iteration moves its state every step
-        out, sd = compiled_step(c, x.clone())
-        expected, ref_sd = eager_step(ref, x.clone(), 1)
-        torch.testing.assert_close(out, expected)
-        for key in ref_sd:
-            torch.testing.assert_close(sd[key], ref_sd[key], msg=key)
-    c.close()
+    # parametrized modules cannot be deep-copied; spectral norm's power iteration moves
+    # its state every step
+    assert_steps_like_eager(c, _net(first), x, steps=2)
 
 
 def test_tracing_leaves_a_parametrized_model_as_it_was() -> None:
@@ -100,14 +95,7 @@ def test_a_spectral_norm_model_compiles_to_eager_steps() -> None:
     c = crosscut.compile(
         _net("spectral norm"), ["cpu"] * 2, x, time_limit=2, require_all_devices=True
     )
-    ref = _net("spectral norm")
-    for _ in range(2):
-        out, sd = compiled_step(c, x.clone())
-        expected, ref_sd = eager_step(ref, x.clone(), 1)
-        torch.testing.assert_close(out, expected)
-        for key in ref_sd:
-            torch.testing.assert_close(sd[key], ref_sd[key], msg=key)
-    c.close()
+    assert_steps_like_eager(c, _net("spectral norm"), x, steps=2)
 
 
 def test_the_row_probe_runs_a_hooked_convolution() -> None:
@@ -169,9 +157,4 @@ def test_a_submodule_with_a_backward_hook_is_a_leaf_and_trains_as_eager(kind: st
     graph = crosscut.trace(model, x)
     assert "head" in {n.target for n in graph.nodes if n.op == "call_module"}
     c = crosscut.compile(model, ["cpu"] * 2, x, time_limit=2, require_all_devices=True)
-    out, sd = compiled_step(c, x.clone())
-    expected, ref_sd = eager_step(ref, x.clone(), 1)
-    torch.testing.assert_close(out, expected)
-    for key in ref_sd:
-        torch.testing.assert_close(sd[key], ref_sd[key], msg=key)
-    c.close()
+    assert_steps_like_eager(c, ref, x)

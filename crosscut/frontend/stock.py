@@ -67,8 +67,10 @@ def refuse_lost_hooks(model: nn.Module, gm: fx.GraphModule) -> None:
         lost.append(f"forward hook on the root module {type(model).__name__}")
     leaves = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
     for path, mod in model.named_modules():
-        kept = any(path == leaf or path.startswith(leaf + ".") for leaf in leaves)
-        if not kept and backward_hooked(mod):
+        if not backward_hooked(mod):
+            continue
+        parts = path.split(".")
+        if not any(".".join(parts[:k]) in leaves for k in range(1, len(parts) + 1)):
             lost.append(f"backward hook on {path or 'the root module'}")
     if any(getattr(_module, h, {}) for h in _GLOBAL_HOOKS[2:]):
         lost.append("a global module backward hook (register_module_full_backward_hook)")

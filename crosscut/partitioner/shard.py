@@ -13,11 +13,9 @@ Dropout is ``full`` on purpose: it must draw eager mode's random numbers.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
-from torch import nn
-
-from crosscut.frontend.stock import stock_module
 from crosscut.ir.graph import OpGraph, OpNode
 
 __all__ = ["shard_kind"]
@@ -40,9 +38,6 @@ _CHANNEL_MODULES = (
     "AdaptiveMaxPool2d",
     "BatchNorm2d",
 )
-# torch's own classes, without hooks (frontend/stock.py): a subclass or a hook may mix
-# channels, and codegen/width.py then runs the module whole
-_CHANNEL_TYPES = frozenset(getattr(nn, name) for name in _CHANNEL_MODULES)
 _CHANNEL_FUNCTIONS = {
     "add",
     "iadd",
@@ -66,9 +61,27 @@ def _channels(node: OpNode) -> int:
     return int(shape[1]) if len(shape) > 1 else 0
 
 
+@cache
+def _channel_types() -> frozenset[type]:
+    """torch's own classes that work shard by shard.
+
+    Imported here, not at the top: the viewers import the planner's modules, and
+    a plan is read and drawn without torch (tests/test_viz.py holds that).
+    """
+    from torch import nn
+
+    return frozenset(getattr(nn, name) for name in _CHANNEL_MODULES)
+
+
 def shard_kind(graph: OpGraph, node: OpNode) -> tuple[str, int]:
     """``(kind, output channels)`` of ``node``; kind is "split", "channel" or "full"."""
     if node.op == "call_module" and graph.gm is not None:
+        # torch's own classes, without hooks (frontend/stock.py): a subclass or a hook
+        # may mix channels, and codegen/width.py then runs the module whole
+        from torch import nn
+
+        from crosscut.frontend.stock import stock_module
+
         try:
             mod: Any = graph.gm.get_submodule(node.target)
         except AttributeError:
@@ -77,7 +90,7 @@ def shard_kind(graph: OpGraph, node: OpNode) -> tuple[str, int]:
             return "split", int(mod.out_channels)
         if stock_module(mod, (nn.Linear,)):
             return "split", int(mod.out_features)
-        if stock_module(mod, _CHANNEL_TYPES):
+        if stock_module(mod, _channel_types()):
             return "channel", _channels(node)
         return "full", 0
     if node.op in ("call_function", "call_method"):

@@ -30,7 +30,7 @@ typecheck: setup
 
 # a worker killed (out of memory) ends the run, named, instead of leaving xdist waiting
 pytest: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n 2 --dist loadgroup --max-worker-restart 0 -q
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -n 2 --dist loadgroup --max-worker-restart 0 -q --durations=30
 
 test: lint typecheck pytest
 

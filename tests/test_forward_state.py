@@ -269,16 +269,65 @@ class PythonCounter(nn.Module):
 
 
 class Reassigned(nn.Module):
-    """A buffer rebound in forward (``self.calls = self.calls + 1``), not written in place."""
+    """Buffers rebound in forward, not written in place: ``self.calls += 1`` and
+    ``self.avg = ...`` rebind (the tracer reads buffers as graph values), the old value
+    read after the rebinding, the new one read later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+        self.d = nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("avg", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = torch.relu(self.c(x))
+        old = self.avg
+        self.avg = 0.9 * self.avg + 0.1 * y.mean((0, 2, 3)).detach()
+        y = torch.relu(self.d(y)) * old.view(1, -1, 1, 1) + self.avg.view(1, -1, 1, 1)
+        return self.fc(y.mean((2, 3))) * self.calls
+
+
+class Relaid(nn.Module):
+    """A buffer rebound to another dtype: an in-place write cannot follow."""
 
     def __init__(self) -> None:
         super().__init__()
         self.c = nn.Conv2d(3, 4, 3)
-        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls = self.calls + 1
-        return self.c(x) + self.calls
+        self.calls = self.calls + 0.5
+        return self.c(x) * self.calls
+
+
+class Aliased(nn.Module):
+    """A buffer bound to another buffer: two names for one tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3)
+        self.register_buffer("u", torch.zeros(4))
+        self.register_buffer("v", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.u = self.v
+        return self.c(x) * self.u.view(1, -1, 1, 1)
+
+
+class Reset(nn.Module):
+    """A buffer rebound to a fresh constant tensor, which the graph does not compute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3)
+        self.register_buffer("u", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.u = torch.ones(4)
+        return self.c(x) * self.u.view(1, -1, 1, 1)
 
 
 class Holder(nn.Module):
@@ -305,13 +354,43 @@ class LazyCache(nn.Module):
 
 
 @pytest.mark.parametrize(
+    ("k", "recompute"), [(1, "auto"), (2, "auto"), (3, "always"), (4, "never")]
+)
+def test_rebound_buffers_are_kept_across_calls_like_eager(k: int, recompute: str) -> None:
+    """``self.calls += 1`` and ``self.avg = 0.9 * self.avg + ...`` are kept as in-place
+    writes at the graph's end: every call counts and averages as eager does, on every
+    cut, and the caller's model keeps its tensors (before: refused by name)."""
+    torch.manual_seed(0)
+    model = Reassigned()
+    tensors = dict(model._buffers)
+    x = torch.randn(4, 3, 8, 8)
+    c = crosscut.compile(
+        model, ["cpu"] * k, x, microbatches=1, require_all_devices=True, replicas=1,
+        recompute=recompute,
+    )  # fmt: skip
+    assert dict(model._buffers) == tensors and int(model.calls) == 0
+    ref = copy.deepcopy(model)
+    for _ in range(3):
+        out, sd = compiled_step(c, x)
+        expected, ref_sd = eager_step(ref, x, 1)
+        assert torch.equal(out, expected)
+        assert all(torch.equal(sd[key], ref_sd[key]) for key in ref_sd)
+    assert int(sd["calls"]) == 3 and float(sd["avg"].abs().sum()) > 0
+    c.close()
+    with pytest.raises(CrosscutError, match="'calls' is written in forward by node 'copy_'"):
+        crosscut.compile(model, ["cpu", "cpu"], x, microbatches=2, replicas=1)
+
+
+@pytest.mark.parametrize(
     ("factory", "name", "remedy"),
     [
         (PythonCounter, "'step'", "register_buffer"),
         (lambda: Holder(PythonCounter()), "'inner.step'", "register_buffer"),
-        (Reassigned, "'calls'", "in place"),
-        (lambda: Holder(Reassigned()), "'inner.calls'", "in place"),
         (LazyCache, "'last_scale'", "register_buffer"),
+        (Relaid, "'calls' to a value of another shape or dtype", "int64"),
+        (lambda: Holder(Relaid()), "'inner.calls'", ".to(self.<buffer>.dtype)"),
+        (Aliased, "'u' to another parameter or buffer \\('v'\\)", "copy_"),
+        (Reset, "'u' .* the traced graph does not compute", "in place"),
     ],
 )
 def test_python_state_written_in_forward_is_refused_by_name(

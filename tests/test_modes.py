@@ -28,6 +28,7 @@ from torch import fx, nn
 
 import crosscut
 from crosscut.api import other_mode_graph
+from crosscut.codegen import modes
 from crosscut.errors import CodegenError, RuntimeError_
 from crosscut.runtime import CompiledModule
 from tests.test_transparency import HEAVY  # one list of the heavy classifiers
@@ -107,6 +108,49 @@ class EvalOnlyHead(nn.Module):
         return out
 
 
+class TrainCounter(nn.Module):
+    """Training-only state (a step counter and an EMA) that eval reads by value after a
+    later stage's value: in eval the read needs the state's copy from its stage."""
+
+    def __init__(self, rebind: bool = False) -> None:
+        super().__init__()
+        self.rebind = rebind
+        self.a = nn.Conv2d(3, 4, 3)
+        self.b = nn.Conv2d(4, 4, 3)
+        self.c = nn.Conv2d(4, 4, 3)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.a(x))
+        if self.training and self.rebind:  # rebound, kept as in-place writes (python_state.py)
+            self.ema = 0.9 * self.ema + 0.1 * y.mean((0, 2, 3)).detach()
+            self.steps += 1
+        elif self.training:
+            self.ema.mul_(0.9).add_(0.1 * y.mean((0, 2, 3)).detach())
+            self.steps.add_(1)
+        y = torch.relu(self.b(y)) * self.steps
+        return self.c(y) + self.ema.view(1, -1, 1, 1)
+
+
+class TrainOnlyScale(nn.Module):
+    """A parameter read by value in one mode only, after a later module: its gradient
+    must come back from the stage that reads the copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3)
+        self.b = nn.Conv2d(4, 4, 3)
+        self.c = nn.Conv2d(4, 4, 3)
+        self.gamma = nn.Parameter(torch.full((1, 4, 1, 1), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.b(torch.relu(self.a(x)) * self.gamma))
+        if self.training:
+            y = y * self.gamma
+        return self.c(y)
+
+
 def run_both_ways(model: nn.Module, x: torch.Tensor, k: int, mode: str) -> None:
     """Compile in ``mode`` on k CPU devices; switch train/eval both ways against eager."""
     model.train(mode == "train")
@@ -141,7 +185,9 @@ def run_both_ways(model: nn.Module, x: torch.Tensor, k: int, mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["train", "infer"])
 @pytest.mark.parametrize("k", [2, 3])
-@pytest.mark.parametrize("make", [Branchy, EvalOnlyHead])
+@pytest.mark.parametrize(
+    "make", [Branchy, EvalOnlyHead, TrainCounter, lambda: TrainCounter(True), TrainOnlyScale]
+)
 def test_self_training_branches_follow_the_flag(make: type[nn.Module], k: int, mode: str) -> None:
     torch.manual_seed(0)
     run_both_ways(make(), torch.randn(4, 3, 12, 12), k, mode)
@@ -194,6 +240,31 @@ def test_other_mode_that_no_placement_serves_is_refused_at_compile_time() -> Non
     c.eval()
     assert torch.equal(c(x), model.eval()(x))
     c.close()
+
+
+@pytest.mark.parametrize(
+    ("make", "mode", "key"),
+    [(TrainCounter, "train", "steps"), (lambda: TrainCounter(True), "train", "steps"),
+     (TrainOnlyScale, "infer", "gamma")],
+)  # fmt: skip
+def test_state_read_by_value_after_a_later_stage_reads_a_copy(
+    make: Any, mode: str, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other mode's function nodes that read state after a later stage's value get
+    a clone made where the state lives, and both modes run like eager (before, each such
+    plan was refused: "must run on stage 0 ... reads a value made on stage 1")."""
+    copied: list[str] = []
+    real = modes._read_by_copy
+
+    def spy(gm: fx.GraphModule, n: fx.Node) -> None:
+        copied.extend(str(u.target) for u in n.all_input_nodes if u.op == "get_attr")
+        real(gm, n)
+
+    monkeypatch.setattr(modes, "_read_by_copy", spy)
+    for k in (2, 3, 4):
+        torch.manual_seed(0)
+        run_both_ways(make(), torch.randn(8, 3, 12, 12), k, mode)
+    assert copied and set(copied) == {key}, copied
 
 
 def test_graphs_equal_in_both_modes_need_no_second_program() -> None:

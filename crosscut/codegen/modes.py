@@ -16,8 +16,12 @@ or buffer goes to the stage that holds that tensor in the plan's program (so
 both programs share ONE tensor per state key — :func:`share_state` — and an
 optimizer step or ``load_state_dict`` reaches both), every other node keeps
 the plan's stage where the names match and moves no earlier than its inputs.
-Where that cannot hold (a tensor read on a stage before one of its inputs
-arrives), :class:`~crosscut.errors.CodegenError` refuses at compile time.
+A function that reads state by value (``x * self.steps``, ``y + self.gamma``)
+and whose other inputs come from a later stage reads a copy instead: a
+``clone`` of the tensor made on the stage holding it, which travels like any
+activation (its gradient flows back to the holder). Where that cannot hold
+(a module whose weights live on a stage before one of its inputs arrives),
+:class:`~crosscut.errors.CodegenError` refuses at compile time.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from crosscut.codegen.dotted_attrs import get_attr, set_attr
 from crosscut.codegen.grouped_stages import BatchStage
 from crosscut.codegen.split import build_stages
 from crosscut.errors import CodegenError
-from crosscut.frontend.alias import GROUP
+from crosscut.frontend.alias import GROUP, MUTATED
 from crosscut.ir.program import StagedProgram
 
 __all__ = [
@@ -75,6 +79,32 @@ def _keys_read(gm: fx.GraphModule, n: fx.Node) -> list[str]:
     return keys
 
 
+class _ReadTooEarly(Exception):
+    """A function node reads state held on an earlier stage than its other inputs."""
+
+    def __init__(self, node: fx.Node) -> None:
+        super().__init__(node.name)
+        self.node = node
+
+
+def _read_by_copy(gm: fx.GraphModule, n: fx.Node) -> None:
+    """Give ``n`` a clone of each state tensor it reads: made where the tensor lives, it
+    travels to ``n``'s stage as an activation (module docstring)."""
+    for u in [u for u in n.all_input_nodes if u.op == "get_attr"]:
+        with gm.graph.inserting_before(n):
+            copy = gm.graph.call_method("clone", (u,))
+        copy.meta.update({k: v for k, v in u.meta.items() if k in ("val", "tensor_meta")})
+        n.replace_input_with(u, copy)
+    gm.recompile()
+
+
+def _by_value(n: fx.Node) -> bool:
+    """Whether ``n`` may read its state inputs as copies: a function that writes none."""
+    written = set(n.meta.get(MUTATED, []))
+    reads = [u for u in n.all_input_nodes if u.op == "get_attr"]
+    return n.op in ("call_function", "call_method") and not any(u.name in written for u in reads)
+
+
 def derive_assignment(
     gm: fx.GraphModule,
     plan_gm: fx.GraphModule,
@@ -98,10 +128,27 @@ def derive_assignment(
         for n in gm.graph.nodes
         if n.name in stage_of and plan_nodes.get(n.name) == (n.op, n.target)
     }
-    try:
-        return _place_tied(gm, hints, key_stage)
-    except CodegenError:
-        return _place_tied(gm, {}, key_stage)
+    for _ in range(len(gm.graph.nodes)):
+        try:
+            try:
+                out = _place_tied(gm, hints, key_stage)
+                if _ties_hold(gm, out):
+                    return out
+            except CodegenError:
+                pass
+            return _place_tied(gm, {}, key_stage)
+        except _ReadTooEarly as early:  # each round removes one node's state reads
+            _read_by_copy(gm, early.node)
+    return _place_tied(gm, {}, key_stage)
+
+
+def _ties_hold(gm: fx.GraphModule, out: Mapping[str, int]) -> bool:
+    """Whether every mutation tie (``frontend/alias.py``) sits on one stage."""
+    stages: dict[int, set[int]] = {}
+    for n in gm.graph.nodes:
+        if n.name in out and n.meta.get(GROUP) is not None:
+            stages.setdefault(n.meta[GROUP], set()).add(out[n.name])
+    return all(len(s) == 1 for s in stages.values())
 
 
 def _place_tied(
@@ -144,6 +191,8 @@ def _place(
             )
         if held:
             s = held.pop()
+            if s < lowest and _by_value(n):
+                raise _ReadTooEarly(n)
             if s < lowest:
                 raise CodegenError(
                     f"in the other train/eval mode, node {n.name!r} must run on stage {s} "

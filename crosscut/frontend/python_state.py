@@ -1,20 +1,34 @@
-"""Python-level state a forward changes: refused by name, and given back to the caller.
+"""Python-level state a forward changes: kept where the graph can hold it, else refused.
 
 The trace turns tensor work into graph nodes, buffers included (a counter
 ``self.calls.add_(1)`` is a node that runs on every call). Python code runs
 once, while tracing: ``self.step += 1`` bumps an int attribute then, and the
 graph holds the value it had at that moment as a constant — the compiled
 module would compute with it frozen, call after call, where eager counts.
-Rebinding a buffer (``self.calls = self.calls + 1``) is the same thing for a
-tensor: the new tensor is a graph value, not state the stages own, so nothing
-would carry it from one call to the next.
 
-No rewrite reproduces these, so :func:`refusing_python_state` wraps the
-trace: it records every module's attributes (their identity) and buffer
-bindings, and afterwards — also when the trace failed on the rebinding
-itself — puts them back as they were (the caller's model is left unchanged)
-and raises :class:`~crosscut.errors.TraceError` naming the first one that
-changed, with the remedy: hold the state in a buffer updated in place.
+A buffer rebound to a value the forward computes (``self.calls += 1`` on a
+tensor buffer, ``self.ema = 0.9 * self.ema + 0.1 * m``: the tracer reads
+buffers as graph values, so both are rebindings) is different: the graph has
+the new value, only nothing would carry it to the next call.
+:func:`rebound_buffers` finds such rebindings after each trace (and binds the
+buffer back), and :func:`persist_rebound` ends the graph with an in-place
+write of the last value into the buffer — what ``self.ema.copy_(...)`` would
+do, so the rules for buffers written in forward then apply to it (with
+several micro-batches it is refused by name, as every such write is). Later
+reads in the same forward already read the new value's node; earlier ones
+read a clone, since eager leaves the old tensor unchanged (autograd may have
+saved it). The value is
+detached: a buffer holding a gradient path would backpropagate into the
+previous call, which eager refuses on the next ``backward``.
+:func:`refuse_changed_layout` refuses a rebinding that changes the buffer's
+shape or dtype, which an in-place write cannot reproduce.
+
+What no rewrite reproduces, :func:`refusing_python_state` refuses: it records
+every module's attributes (their identity) and buffer bindings around the
+trace, and afterwards — also when the trace failed on the change itself —
+puts them back as they were (the caller's model is left unchanged) and raises
+:class:`~crosscut.errors.TraceError` naming the first one that changed, with
+the remedy: hold the state in a buffer updated in place.
 """
 
 from __future__ import annotations
@@ -23,11 +37,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from torch import nn
+import torch.fx
+from torch import Tensor, nn
 
 from crosscut.errors import TraceError
 
-__all__ = ["refusing_python_state"]
+__all__ = [
+    "persist_rebound",
+    "rebound_buffers",
+    "refuse_changed_layout",
+    "refusing_python_state",
+]
 
 _IMMUTABLE = (int, float, complex, bool, str, bytes, type(None))
 
@@ -63,9 +83,9 @@ def _changes(
 def _refusal(key: str, kind: str, every: list[str]) -> TraceError:
     if kind == "buffer":
         return TraceError(
-            f"forward rebinds buffer {key!r} (self.{key.rpartition('.')[2]} = ...): the traced "
-            "graph computes the new tensor but no stage owns it, so the next call would start "
-            "from the old value again",
+            f"forward rebinds buffer {key!r} (self.{key.rpartition('.')[2]} = ...) to a tensor "
+            "the traced graph does not compute (made from constants, or None): the compiled "
+            "module would not carry it to the next call, which would start from the old value",
             value={"rebound": every},
             remedy=f"update the buffer in place: self.{key.rpartition('.')[2]}.add_(1), "
             ".copy_(new_value), .mul_(...) (crosscut traces in-place writes to buffers)",
@@ -102,3 +122,95 @@ def refusing_python_state(model: nn.Module) -> Iterator[None]:
         raise _refusal(key, kind, [k for k, _ in moved]) from failure
     if failure is not None:
         raise failure
+
+
+# ---- buffers rebound to a traced value -------------------------------------------------
+
+_REBOUND = "crosscut_rebound"  # node.meta key of the write that keeps a rebound buffer
+
+
+@contextmanager
+def rebound_buffers(model: nn.Module) -> Iterator[dict[str, torch.fx.Proxy]]:
+    """Around one trace: yields a dict that gets ``{qualified buffer name: new value}``
+    for every buffer the forward rebound to a traced value; each is bound back to its
+    tensor, so a retrace (or the caller) sees the model as it was."""
+    saved = [(path, m, dict(m._buffers)) for path, m in model.named_modules()]
+    found: dict[str, torch.fx.Proxy] = {}
+    try:
+        yield found
+    finally:
+        for path, m, buffers in saved:
+            for k, old in buffers.items():
+                now = m._buffers.get(k, vars(m).get(k))
+                if now is not old and isinstance(now, torch.fx.Proxy):
+                    found[f"{path}.{k}" if path else k] = now
+                    vars(m).pop(k, None)
+                    m._buffers[k] = old
+
+
+def persist_rebound(graph: torch.fx.Graph, rebound: dict[str, torch.fx.Proxy]) -> None:
+    """End ``graph`` with ``buffer.copy_(value.detach())`` for each rebound buffer.
+
+    At the end, so every read of the old value (before the rebinding in program
+    order) comes first; a value that is itself a parameter or buffer would alias two
+    names, which a copy does not, and is refused."""
+    if not rebound:
+        return
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for key, value in rebound.items():
+        if value.node.graph is not graph or value.node.op == "get_attr":
+            raise TraceError(
+                f"forward binds buffer {key!r} to another parameter or buffer "
+                f"({value.node.target!r}): two names for one tensor, which the stages "
+                "cannot share",
+                value={"rebound": sorted(rebound)},
+                remedy=f"copy the values instead: self.{key.rpartition('.')[2]}.copy_(...)",
+            )
+        _snapshot_old_reads(graph, key)
+        with graph.inserting_before(out):
+            kept = graph.call_method("detach", (value.node,))
+            write = graph.call_method("copy_", (graph.get_attr(key), kept))
+        write.meta[_REBOUND] = key
+
+
+def _snapshot_old_reads(graph: torch.fx.Graph, key: str) -> None:
+    """Reads of the buffer before its rebinding read a clone: eager leaves the old tensor
+    as it was, and autograd may have saved it (``y * self.avg``) or an output may be it,
+    so the write at the end must not reach them."""
+    for n in [n for n in graph.nodes if n.op == "get_attr" and n.target == key]:
+        with graph.inserting_after(n):
+            snapshot = graph.call_method("clone", (n,))
+        for user in [u for u in n.users if u is not snapshot]:
+            user.replace_input_with(n, snapshot)
+
+
+def refuse_changed_layout(gm: torch.fx.GraphModule) -> None:
+    """After shape propagation: a rebound value must have its buffer's shape and dtype."""
+    for n in gm.graph.nodes:
+        if _REBOUND not in n.meta:
+            continue
+        buf, new = (a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in n.args)
+        if (
+            isinstance(new, Tensor)
+            and isinstance(buf, Tensor)
+            and (new.shape, new.dtype) == (buf.shape, buf.dtype)
+        ):
+            continue
+        key = n.meta[_REBOUND]
+        raise TraceError(
+            f"forward rebinds buffer {key!r} to a value of another shape or dtype: crosscut "
+            "keeps a rebound buffer by writing the new value into it in place, which "
+            "cannot change its layout",
+            value={
+                "buffer": _layout(buf),
+                "new value": _layout(new),
+            },
+            remedy=f"register {key!r} with the shape and dtype it gets in forward, or "
+            "compute the new value in that dtype (e.g. .to(self.<buffer>.dtype))",
+        )
+
+
+def _layout(v: Any) -> str:
+    if isinstance(v, Tensor):
+        return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+    return type(v).__name__

@@ -55,7 +55,12 @@ from crosscut.frontend.propagate import (
     propagate,
     shapes_of,
 )
-from crosscut.frontend.python_state import refusing_python_state
+from crosscut.frontend.python_state import (
+    persist_rebound,
+    rebound_buffers,
+    refuse_changed_layout,
+    refusing_python_state,
+)
 from crosscut.frontend.row_probe import copied_back, row_mixing_ops
 from crosscut.frontend.stock import backward_hooked, refuse_lost_hooks
 from crosscut.frontend.written_state import mark_bn_stats
@@ -177,7 +182,8 @@ def _symbolic_trace(
     for _ in range(sum(1 for _ in model.modules()) + 1):
         tracer = _LeafTracer(user_leaves | set(auto), leaf_types)
         try:
-            with torch.enable_grad():  # so NO_GRAD marks only the forward's own no_grad blocks
+            # enable_grad: so NO_GRAD marks only the forward's own no_grad blocks
+            with torch.enable_grad(), rebound_buffers(model) as rebound:
                 graph = tracer.trace(model)
         except Exception as exc:
             raise _root_failure(model, exc, auto) from exc
@@ -185,6 +191,7 @@ def _symbolic_trace(
             break
         auto.update(tracer.found)
     kept = {p: r for p, r in auto.items() if not any(p.startswith(q + ".") for q in auto)}
+    persist_rebound(graph, rebound)  # self.ema = ... kept as a write: python_state.py
     gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     detach_no_grad(gm)  # fx does not record torch.no_grad(): see grad_mode.py
     mark_bn_stats(model, gm)  # functional batch norms on a module's buffers: written_state.py
@@ -270,6 +277,7 @@ def trace(
             gm, auto = _symbolic_trace(model, leaf_paths, leaf_types)
         refuse_lost_hooks(model, gm)
         prop = propagate(gm, inputs, train, precision)
+        refuse_changed_layout(gm)
         # writes through views, and buffers a functional norm writes: frontend/alias.py
         ties = _ties(gm) + order_mutations(gm) + written_state_ties(gm)
         mixing = row_mixing_ops(model, gm, inputs)  # a run on a few rows, where real

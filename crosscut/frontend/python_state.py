@@ -84,7 +84,8 @@ def _refusal(key: str, kind: str, every: list[str]) -> TraceError:
     if kind == "buffer":
         return TraceError(
             f"forward rebinds buffer {key!r} (self.{key.rpartition('.')[2]} = ...) to a tensor "
-            "the traced graph does not compute (made from constants, or None): the compiled "
+            "the traced graph does not compute (made from constants, None, or set by a leaf "
+            "module's own forward, which runs as Python): the compiled "
             "module would not carry it to the next call, which would start from the old value",
             value={"rebound": every},
             remedy=f"update the buffer in place: self.{key.rpartition('.')[2]}.add_(1), "

@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 from crosscut.errors import InputError, TraceError
 from crosscut.frontend.alias import find_root, order_mutations, written_state_ties
 from crosscut.frontend.autocast_check import refusing_autocast
+from crosscut.frontend.autograd_functions import OpaqueFunctionError, tracing_autograd_functions
 from crosscut.frontend.grad_mode import NO_GRAD, detach_no_grad
 from crosscut.frontend.propagate import (
     Propagator,
@@ -183,7 +184,11 @@ def _symbolic_trace(
         tracer = _LeafTracer(user_leaves | set(auto), leaf_types)
         try:
             # enable_grad: so NO_GRAD marks only the forward's own no_grad blocks
-            with torch.enable_grad(), rebound_buffers(model) as rebound:
+            with (
+                torch.enable_grad(),
+                rebound_buffers(model) as rebound,
+                tracing_autograd_functions(),  # custom backwards: autograd_functions.py
+            ):
                 graph = tracer.trace(model)
         except Exception as exc:
             raise _root_failure(model, exc, auto) from exc
@@ -200,6 +205,8 @@ def _symbolic_trace(
 
 def _root_failure(model: nn.Module, exc: Exception, auto: dict[str, str]) -> TraceError:
     """The root's own forward is untraceable: name it and suggest a part to partition."""
+    if isinstance(exc, OpaqueFunctionError):
+        return exc.refusal(type(model).__name__)
     children = list(model.named_children())
     suggest = "backbone" if hasattr(model, "backbone") else ""
     if not suggest and children:

@@ -179,6 +179,17 @@ def _compile_local(
         bn_mode=run.bn_mode,
         other_gm=other_mode_graph(model, run_graph),
         gm_training=the_plan.model.mode == "train",
-        recompute=recompute_flags_for(run.recompute, the_plan),
+        recompute=_recompute_flags(model, run, the_plan, run_graph),
         precision=the_plan.options.precision,
     )
+
+
+def _recompute_flags(model: nn.Module, run: RunOptions, plan: Plan, graph: Any) -> Any:
+    """The run's flags; under "auto", off on stages that write a parameter in forward,
+    which a recomputation cannot replay (``codegen/state_writes.py``)."""
+    from crosscut.codegen.state_writes import without_parameter_writers
+
+    flags = recompute_flags_for(run.recompute, plan)
+    if run.recompute != "auto":
+        return flags
+    return without_parameter_writers(model, graph.gm, dict(plan.assignment), flags)

@@ -446,3 +446,124 @@ def test_functional_batch_norm_on_plain_buffers_with_microbatches_is_refused(
         expected, ref_sd = eager_step(ref, x, 1)
         assert torch.equal(out, expected)
         assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+
+
+# ---- writes the trace cannot see, and parameter writes under recomputation ---------------
+
+
+class MeanTeacher(nn.Module):
+    """A teacher updated as an EMA of the student in forward, through ``.parameters()``:
+    the real tensors, which fx neither proxies nor records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+        self.teacher = copy.deepcopy(self.student).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                for t, s in zip(self.teacher.parameters(), self.student.parameters()):
+                    t.mul_(0.9).add_(0.1 * s)
+        return self.student(x) + self.teacher(x)
+
+
+class WithTeacher(nn.Module):
+    """The same update one level down: that submodule becomes a leaf, which runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 3, 3, padding=1)
+        self.pair = MeanTeacher()
+        self.head = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.pair(torch.relu(self.stem(x)))))
+
+
+class Clipped(nn.Module):
+    """WGAN-style weight clipping in forward, on the tensor from ``.parameters()`` (hidden
+    from the trace) or through the attribute's ``.data`` (traced)."""
+
+    def __init__(self, hidden: bool) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.c = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.b(torch.relu(self.a(x))))
+        with torch.no_grad():
+            w = next(iter(self.c.parameters())) if self.hidden else self.c.weight.data
+            w.clamp_(-0.1, 0.1)
+        return self.c(y)
+
+
+@pytest.mark.parametrize(
+    ("factory", "key"), [(MeanTeacher, "teacher.0.weight"), (lambda: Clipped(True), "c.weight")]
+)
+def test_writes_the_trace_cannot_see_are_refused_before_they_write(factory: Any, key: str) -> None:
+    """Before: the trace ran the write once on the caller's model and recorded nothing
+    (a mean teacher: every compiled step after the first differed by up to 39)."""
+    model = factory()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(CrosscutError, match=f"writes {key!r} in place") as e:
+        crosscut.compile(model, ["cpu", "cpu"], torch.randn(4, 3, 8, 8))
+    assert "outside forward" in str(e.value) and "likely a crosscut bug" not in str(e.value)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_submodule_writing_hidden_tensors_is_a_leaf_that_runs_its_write(k: int) -> None:
+    torch.manual_seed(0)
+    model = WithTeacher()
+    assert "teacher" in crosscut.trace(model, torch.randn(2, 3, 8, 8)).leaves["pair"]
+    x = torch.randn(4, 3, 8, 8)
+    c = crosscut.compile(
+        copy.deepcopy(model), ["cpu"] * k, x, microbatches=1, require_all_devices=True,
+        replicas=1,
+    )  # fmt: skip
+    ref = copy.deepcopy(model)
+    for _ in range(3):
+        out, sd = compiled_step(c, x)
+        expected, ref_sd = eager_step(ref, x, 1)
+        assert torch.equal(out, expected)
+        assert all(torch.equal(sd[key], ref_sd[key]) for key in ref_sd)
+    c.close()
+
+
+def test_a_recomputing_stage_that_writes_a_parameter_is_refused_at_compile_time() -> None:
+    """Before: compile accepted it and the first training call failed in the stage."""
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.raises(CrosscutError, match=r"stage \d recomputes .* parameter 'c.weight'"):
+        crosscut.compile(
+            Clipped(False), ["cpu"] * 3, x, microbatches=1, require_all_devices=True,
+            replicas=1, recompute="always",
+        )  # fmt: skip
+
+
+def test_auto_recomputation_stays_off_on_a_stage_that_writes_a_parameter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The planner's flags say recompute everywhere (as under memory pressure); the stage
+    clipping ``c.weight`` runs without, the others recompute, and steps equal eager's."""
+    import crosscut.api
+
+    monkeypatch.setattr(crosscut.api, "recompute_flags_for", lambda r, plan: [True] * 3)
+    torch.manual_seed(0)
+    model = Clipped(False)
+    x = torch.randn(4, 3, 8, 8)
+    c = crosscut.compile(
+        copy.deepcopy(model), ["cpu"] * 3, x, microbatches=1, require_all_devices=True,
+        replicas=1,
+    )  # fmt: skip
+    writer = c.plan.assignment["clamp_"]
+    assert c._recompute == [k != writer for k in range(3)]
+    ref = copy.deepcopy(model)
+    for _ in range(2):
+        out, sd = compiled_step(c, x)
+        expected, ref_sd = eager_step(ref, x, 1)
+        assert torch.equal(out, expected)
+        assert all(torch.equal(sd[key], ref_sd[key]) for key in ref_sd)
+    c.close()

@@ -48,12 +48,14 @@ from crosscut.frontend.written_state import (
 
 __all__ = [
     "batch_dependent_writes",
+    "check_recomputed_writes",
     "check_state_writes",
     "functional_norm_writes",
     "model_state_writes",
     "split_nodes",
     "state_writes",
     "traced_batch_norm_writes",
+    "without_parameter_writers",
 ]
 
 
@@ -142,3 +144,47 @@ def check_state_writes(
             remedy="compile with microbatches=1, or move the update out of forward (e.g. "
             "into the training loop after optimizer.step())",
         )
+
+
+# ---- recomputation: a parameter written in forward cannot be replayed -----------------
+
+
+def _parameter_writes(
+    model: nn.Module, gm: fx.GraphModule, stage_of: Mapping[str, int]
+) -> dict[int, tuple[str, str]]:
+    """Per stage, the first ``(node, parameter key)`` its forward writes in place."""
+    params = {k for k, _ in model.named_parameters(remove_duplicate=False)}
+    out: dict[int, tuple[str, str]] = {}
+    for node, key in state_writes(gm):
+        if key in params and node in stage_of:
+            out.setdefault(int(stage_of[node]), (node, key))
+    return out
+
+
+def without_parameter_writers(
+    model: nn.Module, gm: fx.GraphModule, stage_of: Mapping[str, int], flags: bool | list[bool]
+) -> bool | list[bool]:
+    """``recompute="auto"``'s flags with recomputation off on every stage whose forward
+    writes a parameter (``runtime/state_replay.py`` cannot replay that write)."""
+    writers = _parameter_writes(model, gm, stage_of)
+    if isinstance(flags, bool) or not writers:
+        return flags
+    return [f and k not in writers for k, f in enumerate(flags)]
+
+
+def check_recomputed_writes(
+    model: nn.Module, gm: fx.GraphModule, stage_of: Mapping[str, int], flags: Sequence[bool]
+) -> None:
+    """Refuse, at compile time, a recomputing stage whose forward writes a parameter: the
+    recomputation would write it again, after autograd saved it (before, the first
+    training call failed)."""
+    for k, (node, key) in sorted(_parameter_writes(model, gm, stage_of).items()):
+        if k < len(flags) and flags[k]:
+            raise CodegenError(
+                f"stage {k} recomputes its forward in backward, and its node {node!r} writes "
+                f"parameter {key!r} in place: the recomputation cannot replay a parameter "
+                "write without changing what autograd saved from it",
+                value={"stage": k, "node": node, "parameter": key},
+                remedy=f"recompute='auto' or 'never', or a list of flags with False for stage "
+                f"{k}; or write the parameter outside forward (e.g. after optimizer.step())",
+            )

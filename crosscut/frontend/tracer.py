@@ -49,6 +49,7 @@ from crosscut.frontend.alias import find_root, order_mutations, written_state_ti
 from crosscut.frontend.autocast_check import refusing_autocast
 from crosscut.frontend.autograd_functions import OpaqueFunctionError, tracing_autograd_functions
 from crosscut.frontend.grad_mode import NO_GRAD, detach_no_grad
+from crosscut.frontend.hidden_writes import HiddenWriteError, refusing_hidden_writes
 from crosscut.frontend.propagate import (
     Propagator,
     first_line,
@@ -188,6 +189,7 @@ def _symbolic_trace(
                 torch.enable_grad(),
                 rebound_buffers(model) as rebound,
                 tracing_autograd_functions(),  # custom backwards: autograd_functions.py
+                refusing_hidden_writes(model),  # p.mul_() via .parameters(): hidden_writes.py
             ):
                 graph = tracer.trace(model)
         except Exception as exc:
@@ -205,7 +207,7 @@ def _symbolic_trace(
 
 def _root_failure(model: nn.Module, exc: Exception, auto: dict[str, str]) -> TraceError:
     """The root's own forward is untraceable: name it and suggest a part to partition."""
-    if isinstance(exc, OpaqueFunctionError):
+    if isinstance(exc, (OpaqueFunctionError, HiddenWriteError)):
         return exc.refusal(type(model).__name__)
     children = list(model.named_children())
     suggest = "backbone" if hasattr(model, "backbone") else ""

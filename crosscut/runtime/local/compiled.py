@@ -67,7 +67,11 @@ from torch import fx, nn
 from crosscut.codegen.modes import other_program, share_state
 from crosscut.codegen.source import program_source
 from crosscut.codegen.split import build_stages
-from crosscut.codegen.state_writes import check_state_writes, split_nodes
+from crosscut.codegen.state_writes import (
+    check_recomputed_writes,
+    check_state_writes,
+    split_nodes,
+)
 from crosscut.cpu_malloc import keep_freed_memory
 from crosscut.errors import CrosscutError, InputError, RuntimeError_
 from crosscut.ir.program import StagedProgram
@@ -181,6 +185,7 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         self._microbatches = microbatches
         # stages that keep only their inputs and recompute in backward (runtime/recomputing.py)
         self._recompute = recompute_flags(o.recompute, len(program.stages), o.bn_mode)
+        check_recomputed_writes(model, gm, stage_of, self._recompute)  # codegen/state_writes.py
         self._executor = self._new_executor(program)
         # the other train/eval mode's program, when the traced graph differs (codegen/modes.py);
         # its stage modules are not children: they share every state tensor with ``stages``

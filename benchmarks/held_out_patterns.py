@@ -5,7 +5,9 @@ runtime could get wrong: a module called at two depths, a parameter shared by
 two modules or read by ``F.conv2d`` twice, a ``detach`` skip, a value read at
 three depths, two heads, a checkpointed block (both kinds), a custom autograd
 Function, training-only state read in eval, rebound buffers, group and layer
-norm through permutes, batch norm on every stage. Each runs on forced
+norm through permutes, batch norm on every stage, weight standardization
+(a weight read three times), weight clipping in forward, a mean teacher
+updated over ``.parameters()``. Each runs on forced
 pipelines: 2-4 CPU devices, 1-4 micro-batches, ``recompute`` auto/always/never,
 1F1B, GPipe, zero-bubble and interleaved schedules; two SGD steps (lr 1, float64)
 against eager on the same micro-batches, then (for models whose graph reads
@@ -246,6 +248,71 @@ class BNStages(nn.Module):
         return self.head(self.f(x).mean((2, 3)))
 
 
+class StdConv(nn.Conv2d):
+    """Weight standardization: a Conv2d subclass whose forward reads its weight three
+    times (mean, centre, std), traced through."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        w = (w - w.mean((1, 2, 3), keepdim=True)) / (w.std((1, 2, 3), keepdim=True) + 1e-5)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+class WeightStandardized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = StdConv(3, 8, 3, padding=1)
+        self.gn = nn.GroupNorm(2, 8)
+        self.b = StdConv(8, 8, 3, padding=1)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.b(torch.relu(self.gn(self.a(x)))))
+        return self.head(y.mean((2, 3)))
+
+
+class Clipped(nn.Module):
+    """WGAN weight clipping in forward, through the attribute's ``.data``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.b.weight.data.clamp_(-0.05, 0.05)
+        return self.head(torch.relu(self.b(torch.relu(self.a(x)))).mean((2, 3)))
+
+
+class TeacherPair(nn.Module):
+    """A mean teacher updated over ``.parameters()`` in forward (hidden from the trace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.teacher = copy.deepcopy(self.student).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                for t, s in zip(self.teacher.parameters(), self.student.parameters()):
+                    t.mul_(0.9).add_(0.1 * s)
+        return self.student(x) + self.teacher(x)
+
+
+class MeanTeacher(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.pair = TeacherPair()
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.pair(torch.relu(self.a(x)))).mean((2, 3)))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "tied-conv": TiedConv,
     "tied-param": TiedParam,
@@ -260,6 +327,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "train-state-rebound": lambda: TrainState(True),
     "norms": Norms,
     "bn-stages": BNStages,
+    "weight-standardized": WeightStandardized,
+    "weight-clip": Clipped,
+    "mean-teacher": MeanTeacher,
 }
 # (devices, micro-batches, recompute, schedule)
 PLANS: list[tuple[int, int, str, str]] = [

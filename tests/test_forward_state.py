@@ -567,3 +567,20 @@ def test_auto_recomputation_stays_off_on_a_stage_that_writes_a_parameter(
         assert torch.equal(out, expected)
         assert all(torch.equal(sd[key], ref_sd[key]) for key in ref_sd)
     c.close()
+
+
+def test_a_leaf_writing_its_parameters_follows_the_rules_for_state_written_in_forward() -> None:
+    """The leaf's writes are found by running it (version counters of its parameters), so
+    micro-batches and recomputation refuse it by name at compile time (before: autograd's
+    in-place error, or the stage's, at the first training call)."""
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.raises(CrosscutError, match=r"'pair\.teacher\.0\.weight' is written in forward"):
+        crosscut.compile(WithTeacher(), ["cpu", "cpu"], x, microbatches=2, replicas=1)
+    with pytest.raises(CrosscutError, match=r"recomputes .* parameter 'pair.teacher.0.weight'"):
+        crosscut.compile(
+            WithTeacher(), ["cpu"] * 3, x, microbatches=1, replicas=1, recompute="always",
+            require_all_devices=True,
+        )  # fmt: skip
+    c = crosscut.compile(WithTeacher(), ["cpu", "cpu"], x)  # the planner keeps one micro-batch
+    assert c.plan.options.microbatches == 1
+    c.close()

@@ -86,7 +86,7 @@ __all__ = [
 ]
 
 MUTATED = "crosscut_mutated"  # meta: input nodes whose storage this node wrote (trace time)
-STATE = "crosscut_state_writes"  # meta: a call_module's own buffers it wrote (qualified keys)
+STATE = "crosscut_state_writes"  # meta: a call_module's own state it wrote (qualified keys)
 MUTATES = "crosscut_mutates"  # meta: names of the values (base and views) this node writes
 GROUP = "crosscut_mutation_group"  # meta: index of the mutation tie this node belongs to
 
@@ -161,11 +161,12 @@ def _tensors(value: Any) -> list[Tensor]:
 def versions(
     node: fx.Node, env: Mapping[fx.Node, Any], module: nn.Module | None
 ) -> dict[str, list[int]]:
-    """Version counters of what ``node`` can write: its inputs, and a module's own buffers."""
+    """Version counters of what ``node`` can write: its inputs, and a module's own buffers
+    and parameters (a leaf that updates a mean teacher's weights in its forward)."""
     out = {a.name: [t._version for t in _tensors(env.get(a))] for a in node.all_input_nodes}
     if module is not None:
-        for key, b in module.named_buffers():
-            out[f"{node.target}.{key}"] = [b._version]
+        for key, t in [*module.named_buffers(), *module.named_parameters()]:
+            out[f"{node.target}.{key}"] = [t._version]
     return out
 
 

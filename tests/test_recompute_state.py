@@ -280,17 +280,18 @@ class ParamWriter(nn.Module):
 
 
 def test_a_parameter_written_in_forward_is_not_recomputed_but_refused_by_name() -> None:
-    """A parameter write cannot be replayed (autograd saved the parameter): the first call
-    names it, before any backward; without recomputation it runs as eager."""
-    from crosscut.errors import RuntimeError_
+    """A parameter write cannot be replayed (autograd saved the parameter): compile names
+    it, with the stage and the node (the graph records the write); without recomputation
+    it runs as eager. (The first call's refusal, runtime/state_replay.py, stays behind it
+    for writes no trace finds.)"""
+    from crosscut.errors import CodegenError
 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 8, 8)
-    c = crosscut.compile(ParamWriter(), ["cpu", "cpu"], x, recompute=True,
+    with pytest.raises(CodegenError, match=r"parameter 'c1\.weight'") as e:
+        crosscut.compile(ParamWriter(), ["cpu", "cpu"], x, recompute=True,
                          require_all_devices=True, microbatches=1, replicas=1)  # fmt: skip
-    with pytest.raises(RuntimeError_, match=r"parameter 'c1\.weight'") as e:
-        c(x).sum().backward()
-    assert "recompute=False" in str(e.value)
+    assert "recompute='auto' or 'never'" in str(e.value) and "clamp_" in str(e.value)
     model = ParamWriter()
     c = crosscut.compile(
         copy.deepcopy(model), ["cpu", "cpu"], x, recompute=False, microbatches=1, replicas=1

@@ -38,6 +38,11 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+# the suite's own models for the habits it already tests one plan at a time
+from tests.test_autograd_functions import Reverser  # noqa: E402
+from tests.test_forward_state import WithTeacher  # noqa: E402
+from tests.test_modes import TrainCounter  # noqa: E402
+
 __all__ = ["MODELS", "PLANS", "main", "run_one"]
 
 
@@ -159,21 +164,6 @@ class Checkpointed(nn.Module):
         return self.head(torch.relu(self.c(x)).mean((2, 3)))
 
 
-class GradReverse(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        return -0.5 * g
-
-
-class Reverser(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return GradReverse.apply(x)  # type: ignore[no-any-return]
-
-
 class Adversarial(nn.Module):
     """A gradient reversal layer (a custom autograd Function) before a second head."""
 
@@ -189,31 +179,6 @@ class Adversarial(nn.Module):
         x = torch.relu(self.a(x))
         dom = self.h2(torch.relu(self.b(self.rev(x))).mean((2, 3)))
         return self.h1(x.mean((2, 3))) + dom
-
-
-class TrainState(nn.Module):
-    """A step counter and an EMA updated in training only (in place, or rebound),
-    read after a later module in both modes."""
-
-    def __init__(self, rebind: bool) -> None:
-        super().__init__()
-        self.rebind = rebind
-        self.a = nn.Conv2d(3, 8, 3, padding=1)
-        self.b = nn.Conv2d(8, 8, 3, padding=1)
-        self.c = nn.Conv2d(8, 8, 3, padding=1)
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
-        self.register_buffer("ema", torch.zeros(8))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.relu(self.a(x))
-        if self.training and self.rebind:
-            self.ema = 0.9 * self.ema + 0.1 * y.mean((0, 2, 3)).detach()
-            self.steps += 1
-        elif self.training:
-            self.ema.mul_(0.9).add_(0.1 * y.mean((0, 2, 3)).detach())
-            self.steps.add_(1)
-        y = torch.relu(self.b(y)) * self.steps
-        return self.c(y).mean((2, 3)) + self.ema
 
 
 class Norms(nn.Module):
@@ -286,33 +251,6 @@ class Clipped(nn.Module):
         return self.head(torch.relu(self.b(torch.relu(self.a(x)))).mean((2, 3)))
 
 
-class TeacherPair(nn.Module):
-    """A mean teacher updated over ``.parameters()`` in forward (hidden from the trace)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.student = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
-        self.teacher = copy.deepcopy(self.student).requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            with torch.no_grad():
-                for t, s in zip(self.teacher.parameters(), self.student.parameters()):
-                    t.mul_(0.9).add_(0.1 * s)
-        return self.student(x) + self.teacher(x)
-
-
-class MeanTeacher(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Conv2d(3, 8, 3, padding=1)
-        self.pair = TeacherPair()
-        self.head = nn.Linear(8, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.pair(torch.relu(self.a(x)))).mean((2, 3)))
-
-
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "tied-conv": TiedConv,
     "tied-param": TiedParam,
@@ -323,13 +261,13 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "checkpoint": lambda: Checkpointed(False),
     "checkpoint-reentrant": lambda: Checkpointed(True),
     "grad-reverse": Adversarial,
-    "train-state-inplace": lambda: TrainState(False),
-    "train-state-rebound": lambda: TrainState(True),
+    "train-state-inplace": lambda: TrainCounter(False),
+    "train-state-rebound": lambda: TrainCounter(True),
     "norms": Norms,
     "bn-stages": BNStages,
     "weight-standardized": WeightStandardized,
     "weight-clip": Clipped,
-    "mean-teacher": MeanTeacher,
+    "mean-teacher": WithTeacher,
 }
 # (devices, micro-batches, recompute, schedule)
 PLANS: list[tuple[int, int, str, str]] = [

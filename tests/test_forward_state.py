@@ -30,6 +30,21 @@ from tests.test_mutation import compiled_step, eager_step
 torch.set_num_threads(1)
 
 
+def assert_steps_equal(
+    c: Any, ref: nn.Module, x: torch.Tensor, steps: int
+) -> dict[str, torch.Tensor]:
+    """``steps`` SGD steps of ``c`` and eager ``ref``, bit for bit; closes ``c``."""
+    try:
+        for _ in range(steps):
+            out, sd = compiled_step(c, x)
+            expected, ref_sd = eager_step(ref, x, 1)
+            assert torch.equal(out, expected)
+            assert all(torch.equal(sd[key], ref_sd[key]) for key in ref_sd)
+    finally:
+        c.close()
+    return sd
+
+
 # ---- models --------------------------------------------------------------------------
 
 
@@ -369,14 +384,8 @@ def test_rebound_buffers_are_kept_across_calls_like_eager(k: int, recompute: str
         recompute=recompute,
     )  # fmt: skip
     assert dict(model._buffers) == tensors and int(model.calls) == 0
-    ref = copy.deepcopy(model)
-    for _ in range(3):
-        out, sd = compiled_step(c, x)
-        expected, ref_sd = eager_step(ref, x, 1)
-        assert torch.equal(out, expected)
-        assert all(torch.equal(sd[key], ref_sd[key]) for key in ref_sd)
+    sd = assert_steps_equal(c, copy.deepcopy(model), x, 3)
     assert int(sd["calls"]) == 3 and float(sd["avg"].abs().sum()) > 0
-    c.close()
     with pytest.raises(CrosscutError, match="'calls' is written in forward by node 'copy_'"):
         crosscut.compile(model, ["cpu", "cpu"], x, microbatches=2, replicas=1)
 
@@ -524,13 +533,7 @@ def test_a_submodule_writing_hidden_tensors_is_a_leaf_that_runs_its_write(k: int
         copy.deepcopy(model), ["cpu"] * k, x, microbatches=1, require_all_devices=True,
         replicas=1,
     )  # fmt: skip
-    ref = copy.deepcopy(model)
-    for _ in range(3):
-        out, sd = compiled_step(c, x)
-        expected, ref_sd = eager_step(ref, x, 1)
-        assert torch.equal(out, expected)
-        assert all(torch.equal(sd[key], ref_sd[key]) for key in ref_sd)
-    c.close()
+    assert_steps_equal(c, copy.deepcopy(model), x, 3)
 
 
 def test_a_recomputing_stage_that_writes_a_parameter_is_refused_at_compile_time() -> None:
@@ -560,13 +563,7 @@ def test_auto_recomputation_stays_off_on_a_stage_that_writes_a_parameter(
     )  # fmt: skip
     writer = c.plan.assignment["clamp_"]
     assert c._recompute == [k != writer for k in range(3)]
-    ref = copy.deepcopy(model)
-    for _ in range(2):
-        out, sd = compiled_step(c, x)
-        expected, ref_sd = eager_step(ref, x, 1)
-        assert torch.equal(out, expected)
-        assert all(torch.equal(sd[key], ref_sd[key]) for key in ref_sd)
-    c.close()
+    assert_steps_equal(c, copy.deepcopy(model), x, 2)
 
 
 def test_a_leaf_writing_its_parameters_follows_the_rules_for_state_written_in_forward() -> None:

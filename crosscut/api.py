@@ -187,9 +187,8 @@ def _compile_local(
 def _recompute_flags(model: nn.Module, run: RunOptions, plan: Plan, graph: Any) -> Any:
     """The run's flags; under "auto", off on stages that write a parameter in forward,
     which a recomputation cannot replay (``codegen/state_writes.py``)."""
-    from crosscut.codegen.state_writes import without_parameter_writers
+    from crosscut.codegen.state_writes import recompute_honouring_writes
 
     flags = recompute_flags_for(run.recompute, plan)
-    if run.recompute != "auto":
-        return flags
-    return without_parameter_writers(model, graph.gm, dict(plan.assignment), flags)
+    stage_of = dict(plan.assignment)
+    return recompute_honouring_writes(model, graph.gm, stage_of, run.recompute, flags)

@@ -299,6 +299,40 @@ def test_a_parameter_written_in_forward_is_not_recomputed_but_refused_by_name() 
     assert torch.equal(c(x), model(x))
 
 
+def test_the_distributed_runtime_refuses_a_recomputed_parameter_write_at_build(
+    tmp_path: Path,
+) -> None:
+    """The distributed runtime applies the local rule (codegen/state_writes.py) when it
+    builds a rank: a recomputation the caller asked for is refused by name there (it used
+    to fail at the first training call), and one the plan chose under "auto" is turned
+    off, so the step is eager's. One gloo rank in this process: the rule reads no peer."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import crosscut.distributed as cd
+    from crosscut.errors import CodegenError
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        torch.manual_seed(0)
+        x, y = torch.randn(2, 3, 8, 8), torch.randn(2, 4, 4, 4)
+        with pytest.raises(CodegenError, match=r"stage 0 recomputes.*'c1\.weight'"):
+            cd.compile_distributed(ParamWriter(), x, None, replicas=1, recompute=True)
+        model = ParamWriter()
+        plan = crosscut.partition(model, ["cpu"], x, recompute="always", microbatches=1)
+        assert plan.stages[0].recompute  # the plan asks for it; "auto" takes the plan's
+        pipe = cd.compile_distributed(copy.deepcopy(model), x, plan, recompute="auto")
+        got = pipe.train_step(x, y, F.mse_loss)
+        pipe.close()
+        want = F.mse_loss(model(x), y)
+        want.backward()
+        assert torch.equal(got, want.detach())
+    finally:
+        dist.destroy_process_group()
+
+
 def test_timm_stochastic_depth_in_bf16_on_three_stages_recomputes() -> None:
     """The issue's case: timm's resnet with drop_path_rate, bf16, 3 stages, a cut handing a
     stage the ``x`` of ``x += shortcut``: backward ran into "modified by an inplace

@@ -52,6 +52,7 @@ __all__ = [
     "check_state_writes",
     "functional_norm_writes",
     "model_state_writes",
+    "recompute_honouring_writes",
     "split_nodes",
     "state_writes",
     "traced_batch_norm_writes",
@@ -188,3 +189,23 @@ def check_recomputed_writes(
                 remedy=f"recompute='auto' or 'never', or a list of flags with False for stage "
                 f"{k}; or write the parameter outside forward (e.g. after optimizer.step())",
             )
+
+
+def recompute_honouring_writes(
+    model: nn.Module,
+    gm: fx.GraphModule,
+    stage_of: Mapping[str, int],
+    requested: object,
+    flags: bool | list[bool],
+) -> bool | list[bool]:
+    """The run's recompute ``flags``, checked against parameters written in forward, for
+    both runtimes: under ``requested == "auto"`` recomputation is turned off on a writing
+    stage (the plan chose it for memory only); a choice the caller made is refused at
+    compile time, naming the stage and the parameter, not at the first training call."""
+    if requested == "auto":
+        return without_parameter_writers(model, gm, stage_of, flags)
+    stages = max(stage_of.values(), default=0) + 1
+    check_recomputed_writes(
+        model, gm, stage_of, [flags] * stages if isinstance(flags, bool) else flags
+    )
+    return flags

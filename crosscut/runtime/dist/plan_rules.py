@@ -15,9 +15,14 @@ from typing import Any
 
 from torch import fx, nn
 
-from crosscut.codegen.state_writes import check_state_writes, split_nodes
+from crosscut.codegen.state_writes import (
+    check_state_writes,
+    recompute_honouring_writes,
+    split_nodes,
+)
 from crosscut.errors import DistributedError, InputError
 from crosscut.ir.schedule import virtual_stages
+from crosscut.partitioner.recompute_choice import recompute_flags_for
 
 __all__ = [
     "check_bn_mode",
@@ -26,6 +31,7 @@ __all__ = [
     "check_recompute",
     "check_state",
     "group_widths",
+    "recompute_for",
 ]
 
 
@@ -119,3 +125,11 @@ def check_mode(lock: tuple[bool, list[str]] | None, training: bool) -> None:
         "'infer' for the mode you need, or run it locally (crosscut.compile without torchrun "
         "switches programs)",
     )
+
+
+def recompute_for(model: nn.Module, gm: fx.GraphModule, plan: Any, requested: Any) -> Any:
+    """The plan's per-stage recompute choice, or the caller's, checked against parameters
+    written in forward (``codegen/state_writes.py``, as the local runtime does): off where
+    the plan chose it, refused here, on every rank alike, where the caller asked for it."""
+    flags = recompute_flags_for(requested, plan)
+    return recompute_honouring_writes(model, gm, dict(plan.assignment), requested, flags)

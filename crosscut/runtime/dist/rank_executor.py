@@ -62,7 +62,6 @@ from crosscut.ir.schedule import (
     virtual_stages,
 )
 from crosscut.options import RunOptions
-from crosscut.partitioner.recompute_choice import recompute_flags_for
 from crosscut.precision import autocast
 from crosscut.runtime.batch_split import BatchSplitStage
 from crosscut.runtime.batchnorm import install_step_batchnorm
@@ -80,6 +79,7 @@ from crosscut.runtime.dist.plan_rules import (
     check_recompute,
     check_state,
     group_widths,
+    recompute_for,
 )
 from crosscut.runtime.dist.rank_stages import (
     RankStages,
@@ -141,7 +141,7 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
         super().__init__()
         run = run if run is not None else RunOptions()
         # "auto": the plan's per-stage choice; a bool or one bool per stage: as given
-        bn_mode, recompute = run.bn_mode, recompute_flags_for(run.recompute, plan)
+        bn_mode, recompute = run.bn_mode, recompute_for(model, gm, plan, run.recompute)
         check_bn_mode(bn_mode)
         check_one_stage_per_device(plan)
         check_initialised()

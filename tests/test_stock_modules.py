@@ -158,3 +158,32 @@ def test_a_submodule_with_a_backward_hook_is_a_leaf_and_trains_as_eager(kind: st
     assert "head" in {n.target for n in graph.nodes if n.op == "call_module"}
     c = crosscut.compile(model, ["cpu"] * 2, x, time_limit=2, require_all_devices=True)
     assert_steps_like_eager(c, ref, x)
+
+
+@pytest.mark.parametrize("kind", ["keeps features", "pre-hook keeps inputs", "rescales"])
+def test_a_submodule_with_a_forward_hook_is_a_leaf_and_its_hook_runs_every_call(
+    kind: str,
+) -> None:
+    """fx runs a traced-through module's forward hooks once, on Proxies, while tracing:
+    a hook keeping features (distillation, Grad-CAM, activation statistics) got Proxies
+    at compile time and nothing on any call after. As a leaf the block is called by its
+    stage, so the hook sees each call's real tensors, as in eager."""
+    x = torch.randn(4, 3, 8, 8)
+    model, ref = _Blocks(), _Blocks()
+    seen: dict[str, list[torch.Tensor]] = {"compiled": [], "eager": []}
+    for m, key in ((model, "compiled"), (ref, "eager")):
+        if kind == "keeps features":
+            m.block.register_forward_hook(lambda _m, _i, o, k=key: seen[k].append(o.detach()))
+        elif kind == "pre-hook keeps inputs":
+            m.block.register_forward_pre_hook(lambda _m, i, k=key: seen[k].append(i[0]))
+        else:
+            m.block.register_forward_hook(lambda _m, _i, o: o * 0.5)
+    assert "block" in {n.target for n in crosscut.trace(model, x).nodes if n.op == "call_module"}
+    c = crosscut.compile(model, ["cpu"] * 2, x, time_limit=2, require_all_devices=True)
+    assert not any(isinstance(t, torch.fx.Proxy) for t in seen["compiled"])
+    seen["compiled"].clear()
+    assert torch.equal(c(x), ref(x))
+    assert len(seen["compiled"]) == len(seen["eager"])
+    assert all(torch.equal(a, b) for a, b in zip(seen["compiled"], seen["eager"]))
+    seen["compiled"].clear()
+    assert_steps_like_eager(c, ref, x)

@@ -17,14 +17,16 @@ holds only while the module computes what its class computes:
 So such rules ask :func:`stock_module` first, and a module that fails it is
 treated as an opaque op: run whole, probed by running it.
 
-Hooks and the trace. torch.fx records a submodule's forward hooks as graph
-ops (it calls the module as eager does), and a leaf module keeps all of its
-hooks (the stage calls it). A module traced through is not called in backward,
-so its backward hooks would be lost: the tracer makes every module with one a
-leaf (:func:`backward_hooked`). What no leaf can keep is refused
-(:func:`refuse_lost_hooks`): the root's hooks (fx calls its ``forward``
-itself) and global backward hooks. Compiled, such a model would silently train
-differently.
+Hooks and the trace. A leaf module keeps all of its hooks: the stage calls
+it, on real tensors, on every call. A module traced through loses them: fx
+runs its forward hooks once, on Proxies, while tracing, and records only
+their tensor ops — a hook that keeps features (``feats.append(out)``), counts
+calls or logs statistics got Proxies at compile time and nothing after — and
+it is never called in backward, so its backward hooks never run. So the
+tracer makes every submodule with a hook of its own a leaf (:func:`hooked`).
+What no leaf can keep is refused (:func:`refuse_lost_hooks`): the root's hooks
+(fx calls its ``forward`` itself) and global backward hooks. Compiled, such a
+model would silently train differently.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from torch.nn.modules import module as _module
 
 from crosscut.errors import TraceError
 
-__all__ = ["backward_hooked", "refuse_lost_hooks", "stock_module"]
+__all__ = ["backward_hooked", "hooked", "refuse_lost_hooks", "stock_module"]
 
 _GLOBAL_HOOKS = (
     "_global_forward_hooks",
@@ -58,6 +60,12 @@ def stock_module(mod: nn.Module, types: Collection[type]) -> bool:
 def backward_hooked(mod: nn.Module) -> bool:
     """Whether ``mod`` has a backward hook of its own: it must be called, as a leaf."""
     return bool(mod._backward_hooks or getattr(mod, "_backward_pre_hooks", {}))
+
+
+def hooked(mod: nn.Module) -> bool:
+    """Whether ``mod`` has a hook of its own (forward, forward-pre or backward): it must
+    be called as a module, a leaf, for the hook to run on every call (module docstring)."""
+    return bool(mod._forward_hooks or mod._forward_pre_hooks or backward_hooked(mod))
 
 
 def refuse_lost_hooks(model: nn.Module, gm: fx.GraphModule) -> None:

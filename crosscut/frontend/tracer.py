@@ -64,7 +64,7 @@ from crosscut.frontend.python_state import (
     refusing_python_state,
 )
 from crosscut.frontend.row_probe import copied_back, row_mixing_ops
-from crosscut.frontend.stock import backward_hooked, refuse_lost_hooks
+from crosscut.frontend.stock import hooked, refuse_lost_hooks
 from crosscut.frontend.written_state import mark_bn_stats
 from crosscut.ir.graph import MODES, OpGraph, OpNode
 
@@ -148,7 +148,7 @@ class _LeafTracer(torch.fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaves or isinstance(m, self.leaf_types):
             return True
-        if backward_hooked(m):  # called in backward only if called as a module: stock.py
+        if hooked(m):  # its hooks run only if it is called as a module: stock.py
             return True
         return bool(super().is_leaf_module(m, module_qualified_name))
 

@@ -368,6 +368,70 @@ class LazyCache(nn.Module):
         return self.c(x) * self.last_scale
 
 
+class FeatureList(nn.Module):
+    """Features kept for a loss outside (deep supervision, distillation) in a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.d = nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3)
+        self.feats: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.c(x))
+        self.feats.append(y)
+        return self.d(y)
+
+
+class FeatureDict(FeatureList):
+    """Statistics of an activation kept by name, next to a parameter-only entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats: dict[str, Any] = {"kept": 1}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.c(x))
+        self.stats["norm"] = self.d.weight.norm()  # parameters only: a cache, not refused
+        self.stats["mean"] = (y.mean(), 0)
+        return self.d(y)
+
+
+class EvalCache(nn.Module):
+    """An attention-bias-like table cached per device in eval (as timm's LeViT and
+    EfficientViT do): parameters only, so the graph computes it and the cache is put back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3)
+        self.table = nn.Parameter(torch.randn(4, 1, 1))
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            bias = self.table * 2
+        else:
+            key = str(x.device)  # traced: the name of a Proxy, as in timm
+            if key not in self.cache:
+                self.cache[key] = self.table * 2
+            bias = self.cache[key]
+        return self.c(x) + bias
+
+
+def test_a_parameter_cache_in_a_dict_is_put_back_and_computed_by_the_graph() -> None:
+    """Before, compile left a traced or fake tensor in the caller's cache, which its
+    next eager eval call would have read."""
+    torch.manual_seed(0)
+    model, x = EvalCache(), torch.randn(4, 3, 8, 8)
+    ref = copy.deepcopy(model)
+    c = crosscut.compile(model, ["cpu", "cpu"], x, microbatches=1, replicas=1)
+    assert model.cache == {}
+    c.eval(), ref.eval()
+    with torch.no_grad():
+        assert torch.equal(c(x), ref(x))
+    c.train(), ref.train()
+    assert_steps_equal(c, ref, x, 1)
+
+
 @pytest.mark.parametrize(
     ("k", "recompute"), [(1, "auto"), (2, "auto"), (3, "always"), (4, "never")]
 )
@@ -400,6 +464,8 @@ def test_rebound_buffers_are_kept_across_calls_like_eager(k: int, recompute: str
         (lambda: Holder(Relaid()), "'inner.calls'", ".to(self.<buffer>.dtype)"),
         (Aliased, "'u' to another parameter or buffer \\('v'\\)", "copy_"),
         (Reset, "'u' .* the traced graph does not compute", "in place"),
+        (FeatureList, "stores a value computed from its inputs in 'feats'", "forward hook"),
+        (lambda: Holder(FeatureDict()), "in 'inner.stats' \\(a Python dict", "extra output"),
     ],
 )
 def test_python_state_written_in_forward_is_refused_by_name(
@@ -417,6 +483,10 @@ def test_python_state_written_in_forward_is_refused_by_name(
         k: v for k, v in before.items() if not k.startswith("_")
     }
     assert dict(after["_buffers"]) == dict(before["_buffers"])
+    kept = {"feats": [], "stats": {"kept": 1}}  # contents put back, not only the objects
+    assert {k: after[k] for k in kept if k in after} == {
+        k: v for k, v in kept.items() if k in after
+    }
 
 
 class OwnNorm(nn.Module):

@@ -29,6 +29,14 @@ trace, and afterwards — also when the trace failed on the change itself —
 puts them back as they were (the caller's model is left unchanged) and raises
 :class:`~crosscut.errors.TraceError` naming the first one that changed, with
 the remedy: hold the state in a buffer updated in place.
+
+The same holds for what forward stores in a list, dict or set a module keeps
+(``self.feats.append(y)``): it runs once, storing a Proxy, and never on a
+call. Their contents are put back too (nothing traced, fake or probed is left
+in the caller's model), and a stored value computed from the inputs is
+refused, with the remedy of an output or a hook. A stored value made from
+parameters alone is a cache (timm's attention-bias caches in eval): the graph
+already computes it, so only the contents are put back.
 """
 
 from __future__ import annotations
@@ -102,16 +110,91 @@ def _refusal(key: str, kind: str, every: list[str]) -> TraceError:
     )
 
 
+_CONTAINERS = (list, dict, set)
+
+
+def _containers(model: nn.Module) -> list[tuple[str, Any, Any]]:
+    """``(qualified name, container, shallow copy)`` of every list, dict and set attribute."""
+    out = []
+    for path, m in model.named_modules():
+        for k, v in _attributes(m).items():
+            if isinstance(v, _CONTAINERS):
+                copy = dict(v) if isinstance(v, dict) else list(v)
+                out.append((f"{path}.{k}" if path else k, v, copy))
+    return out
+
+
+def _stored(now: Any, before: Any) -> list[Any] | None:
+    """What was stored in a container since ``before`` (its shallow copy); None: unchanged."""
+    if isinstance(now, dict):
+        if now.keys() == before.keys() and all(now[k] is before[k] for k in now):
+            return None
+        return [v for k, v in now.items() if k not in before or v is not before[k]]
+    old = {id(x) for x in before}
+    if len(now) == len(before) and all(id(x) in old for x in now):
+        return None
+    return [x for x in now if id(x) not in old] or [None]
+
+
+def _from_inputs(value: Any) -> bool:
+    """Whether a stored value (or a tuple, list or dict of them) is a traced value
+    computed from the forward's inputs."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    items = value if isinstance(value, (tuple, list)) else [value]
+    todo = [a.node for a in items if isinstance(a, torch.fx.Proxy)]
+    seen = set()
+    while todo:
+        node = todo.pop()
+        if node.op == "placeholder":
+            return True
+        seen.add(node)
+        todo += [n for n in node.all_input_nodes if n not in seen]
+    return False
+
+
+def _put_back(containers: list[tuple[str, Any, Any]]) -> list[str]:
+    """Restore every container's contents; the names of those a value from the inputs
+    was stored in."""
+    fed = []
+    for key, now, before in containers:
+        stored = _stored(now, before)
+        if stored is None:
+            continue
+        if any(_from_inputs(v) for v in stored):
+            fed.append(key)
+        now.clear()
+        if isinstance(now, list):
+            now.extend(before)
+        else:
+            now.update(before)
+    return fed
+
+
 @contextmanager
 def refusing_python_state(model: nn.Module) -> Iterator[None]:
-    """Refuse (and undo) Python attributes and buffer bindings the traced forward changed."""
+    """Refuse (and undo) Python attributes and buffer bindings the traced forward changed,
+    and values from the inputs it stored in a module's list, dict or set."""
     saved = [(path, m, _attributes(m), dict(m._buffers)) for path, m in model.named_modules()]
+    containers = _containers(model)
     failure: BaseException | None = None
     try:
         yield
     except Exception as exc:  # the rebinding may itself be what failed the trace
         failure = exc
     moved = _changes(model, saved)
+    fed = _put_back(containers)
+    if fed and not moved:
+        raise TraceError(
+            f"forward stores a value computed from its inputs in {fed[0]!r} (a Python "
+            f"{type(next(c for k, c, _ in containers if k == fed[0])).__name__}, e.g. "
+            "self.feats.append(y)): tracing runs Python code once, so it stored a traced "
+            "stand-in (a Proxy) then, and the compiled module would store nothing on a call",
+            value={"stored in": fed},
+            remedy="return the value from forward (an extra output), or store it from a "
+            "forward hook on a submodule (crosscut keeps that submodule whole, so the hook "
+            "runs on every call, on each micro-batch)",
+        ) from failure
     for _, m, attrs, buffers in saved:  # the caller's model as it was
         for k in [k for k in _attributes(m) if k not in attrs]:
             del vars(m)[k]

@@ -229,9 +229,13 @@ def _root_failure(model: nn.Module, exc: Exception, auto: dict[str, str]) -> Tra
 
 @contextmanager
 def _training(model: nn.Module, train: bool) -> Iterator[None]:
-    """Set ``training`` on every submodule, restoring each one's own flag afterwards."""
+    """Trace in ``train`` mode, restoring each module's own flag afterwards. In the mode the
+    model is in, each submodule keeps its own flag (a batch norm frozen by ``.eval()``
+    inside a training model must trace as eval); the other mode is what the model's own
+    ``.train(train)`` makes (an override that keeps batch norms frozen included)."""
     saved = [(m, m.training) for m in model.modules()]
-    model.train(train)
+    if model.training != train:
+        model.train(train)
     try:
         yield
     finally:

@@ -101,6 +101,7 @@ from crosscut.runtime.dist.world import (
     plan_hash,
 )
 from crosscut.runtime.engine import RunStage, StageEngine
+from crosscut.runtime.module_flags import KeepsModuleFlags
 from crosscut.runtime.output_merge import OutputMerge, check_outputs
 from crosscut.runtime.recomputing import recompute_flags, recomputing, written_inputs
 from crosscut.runtime.rng import RandomScope
@@ -115,7 +116,7 @@ __all__ = [
 ]
 
 
-class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
+class DistributedPipeline(RankState, KeepsModuleFlags):  # type: ignore[misc]
     """This rank's stage of a pipelined, possibly replicated, model.
 
     ``parameters()`` are this rank's parameters only (build the optimizer
@@ -140,7 +141,6 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
     ) -> None:
         super().__init__()
         run = run if run is not None else RunOptions()
-        # "auto": the plan's per-stage choice; a bool or one bool per stage: as given
         bn_mode, recompute = run.bn_mode, recompute_for(model, gm, plan, run.recompute)
         check_bn_mode(bn_mode)
         check_one_stage_per_device(plan)
@@ -175,9 +175,9 @@ class DistributedPipeline(RankState, nn.Module):  # type: ignore[misc]
             self._join_group(gm, program)
         self.stage = self.stage.to(self.device)
         # plan-independent draws (runtime/rng.py), hooked on each stage module this rank runs
-        self._rng = RandomScope(
-            [self.stage] if self.virtual == 1 else list(self._stage_modules.values())
-        )
+        mods = [self.stage] if self.virtual == 1 else list(self._stage_modules.values())
+        self._rng = RandomScope(mods)
+        self.keep_module_flags(mods, model.training)  # a frozen batch norm: module_flags.py
         if bn_mode == "step":
             install_step_batchnorm(self.stage)
         if self._group is not None:

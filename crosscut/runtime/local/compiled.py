@@ -93,6 +93,7 @@ from crosscut.runtime.contract import (
 )
 from crosscut.runtime.local.model_keys import ModelKeyedState
 from crosscut.runtime.local.thread_executor import LocalExecutor
+from crosscut.runtime.module_flags import KeepsModuleFlags
 from crosscut.runtime.output_merge import check_outputs
 from crosscut.runtime.recomputing import recompute_flags, recomputing, written_inputs
 from crosscut.runtime.rng import RandomScope, in_program_order
@@ -141,7 +142,7 @@ class LocalOptions:
     precision: str = "fp32"
 
 
-class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
+class CompiledModule(ModelKeyedState, KeepsModuleFlags):  # type: ignore[misc]
     """A model split into stages on devices, run by a pipelined local executor."""
 
     def __init__(
@@ -201,6 +202,8 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         self._eager_draws = inline and in_program_order(gm, dict(stage_of))
         self._keep_model_keys(model)
         self._install_batchnorm()
+        # each module's own flag (a batch norm frozen by .eval()): runtime/module_flags.py
+        self.keep_module_flags([st.module for st in program.stages], self._gm_training)
         self.train(model.training)
 
     def _build_other(
@@ -299,8 +302,11 @@ class CompiledModule(ModelKeyedState, nn.Module):  # type: ignore[misc]
         return self._program, self._executor
 
     def train(self, mode: bool = True) -> CompiledModule:
-        """Switch train/eval like the model: leaf flags, and the program that runs."""
-        super().train(mode)
+        """Switch train/eval like the model: leaf flags, and the program that runs. In the
+        mode it was compiled in, each module runs in the mode it had then: the graph was
+        traced so (a frozen batch norm stays frozen, as an override of the model's
+        ``train`` would keep it); the other mode sets every module, as ``model.train``."""
+        super().train(mode)  # the compile-time flags in that mode: runtime/module_flags.py
         if self._other is not None:
             for st in self._other.stages:
                 st.module.train(mode)

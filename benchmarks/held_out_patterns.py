@@ -7,7 +7,9 @@ three depths, two heads, a checkpointed block (both kinds), a custom autograd
 Function, training-only state read in eval, rebound buffers, group and layer
 norm through permutes, batch norm on every stage, weight standardization
 (a weight read three times), weight clipping in forward, a mean teacher
-updated over ``.parameters()``. Each runs on forced
+updated over ``.parameters()``, batch norms frozen by ``.eval()`` in a training
+model (a leaf one and one traced through), a parameter table cached in a dict
+in eval. Each runs on forced
 pipelines: 2-4 CPU devices, 1-4 micro-batches, ``recompute`` auto/always/never,
 1F1B, GPipe, zero-bubble and interleaved schedules; two SGD steps (lr 1, float64)
 against eager on the same micro-batches, then (for models whose graph reads
@@ -40,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 # the suite's own models for the habits it already tests one plan at a time
 from tests.test_autograd_functions import Reverser  # noqa: E402
-from tests.test_forward_state import WithTeacher  # noqa: E402
-from tests.test_modes import TrainCounter  # noqa: E402
+from tests.test_forward_state import EvalCache, WithTeacher  # noqa: E402
+from tests.test_modes import TrainCounter, _frozen_norms  # noqa: E402
 
 __all__ = ["MODELS", "PLANS", "main", "run_one"]
 
@@ -268,6 +270,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "weight-standardized": WeightStandardized,
     "weight-clip": Clipped,
     "mean-teacher": WithTeacher,
+    "frozen-bn": _frozen_norms,
+    "eval-cache": EvalCache,
 }
 # (devices, micro-batches, recompute, schedule)
 PLANS: list[tuple[int, int, str, str]] = [

@@ -396,6 +396,24 @@ class FeatureDict(FeatureList):
         return self.d(y)
 
 
+class PythonDepth(nn.Module):
+    """Stochastic depth decided by Python's (or NumPy's) generator, as some code writes it."""
+
+    def __init__(self, numpy: bool = False) -> None:
+        super().__init__()
+        self.c, self.d = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.numpy = numpy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        y = torch.relu(self.c(x))
+        keep = np.random.rand() if self.numpy else random.random()
+        return y + self.d(y) if self.training and keep > 0.5 else y
+
+
 class EvalCache(nn.Module):
     """An attention-bias-like table cached per device in eval (as timm's LeViT and
     EfficientViT do): parameters only, so the graph computes it and the cache is put back."""
@@ -465,6 +483,8 @@ def test_rebound_buffers_are_kept_across_calls_like_eager(k: int, recompute: str
         (Aliased, "'u' to another parameter or buffer \\('v'\\)", "copy_"),
         (Reset, "'u' .* the traced graph does not compute", "in place"),
         (FeatureList, "stores a value computed from its inputs in 'feats'", "forward hook"),
+        (lambda: Holder(PythonDepth()), "draws from random.random\\(\\)", "torch.rand"),
+        (lambda: PythonDepth(numpy=True), "draws from numpy.random.rand\\(\\)", "bernoulli"),
         (lambda: Holder(FeatureDict()), "in 'inner.stats' \\(a Python dict", "extra output"),
     ],
 )
@@ -473,7 +493,9 @@ def test_python_state_written_in_forward_is_refused_by_name(
 ) -> None:
     """A Python attribute or a rebound buffer changed in forward cannot be a graph node:
     compile refuses it naming the attribute, and leaves the caller's model as it was."""
-    model = factory()
+    import random
+
+    model, draw = factory(), random.random
     before = dict(vars(model.inner if isinstance(model, Holder) else model))
     with pytest.raises(CrosscutError, match=name) as e:
         crosscut.compile(model, ["cpu", "cpu"], torch.randn(4, 3, 8, 8), microbatches=1, replicas=1)
@@ -483,6 +505,7 @@ def test_python_state_written_in_forward_is_refused_by_name(
         k: v for k, v in before.items() if not k.startswith("_")
     }
     assert dict(after["_buffers"]) == dict(before["_buffers"])
+    assert random.random is draw  # Python's draws are watched only while tracing
     kept = {"feats": [], "stats": {"kept": 1}}  # contents put back, not only the objects
     assert {k: after[k] for k in kept if k in after} == {
         k: v for k, v in kept.items() if k in after

@@ -30,6 +30,12 @@ puts them back as they were (the caller's model is left unchanged) and raises
 :class:`~crosscut.errors.TraceError` naming the first one that changed, with
 the remedy: hold the state in a buffer updated in place.
 
+A draw from Python's or NumPy's global generator while fx traces
+(``if random.random() < self.p: return x``, stochastic depth written in
+Python) would be frozen into the graph — that block dropped on every call,
+or never — so it is refused, naming the function, with torch's generator as
+the remedy (crosscut traces torch's random ops and replays them).
+
 The same holds for what forward stores in a list, dict or set a module keeps
 (``self.feats.append(y)``): it runs once, storing a Proxy, and never on a
 call. Their contents are put back too (nothing traced, fake or probed is left
@@ -41,6 +47,9 @@ already computes it, so only the contents are put back.
 
 from __future__ import annotations
 
+import random
+import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -171,6 +180,88 @@ def _put_back(containers: list[tuple[str, Any, Any]]) -> list[str]:
     return fed
 
 
+_DRAWS = (
+    "random",
+    "uniform",
+    "randint",
+    "randrange",
+    "choice",
+    "choices",
+    "sample",
+    "shuffle",
+    "gauss",
+    "normalvariate",
+    "betavariate",
+    "expovariate",
+    "triangular",
+)
+_NUMPY_DRAWS = ("rand", "randn", "random", "random_sample", "uniform", "randint", "choice",
+                "binomial", "normal", "beta", "permutation", "shuffle")  # fmt: skip
+_patch_lock = threading.Lock()
+_patched: list[tuple[Any, str, Any]] = []
+_watchers = 0
+
+
+class _PythonDraw(BaseException):
+    """A Python or NumPy draw while fx traces. A BaseException: the tracer makes a
+    submodule that raises an ``Exception`` a leaf, and a leaf's draw would be replayed
+    (with other numbers) when its stage recomputes."""
+
+
+def _symbolic_tracing() -> bool:
+    from torch.fx import _symbolic_trace as st
+
+    return bool(st._get_is_fx_tracing())  # per thread: other threads draw as usual
+
+
+def _watch(module: Any, name: str) -> None:
+    draw = getattr(module, name)
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        if _symbolic_tracing():
+            raise _PythonDraw(f"{module.__name__}.{name}")
+        return draw(*args, **kwargs)
+
+    _patched.append((module, name, draw))
+    setattr(module, name, watched)
+
+
+@contextmanager
+def _watching_python_draws() -> Iterator[None]:
+    """Python's and NumPy's module-level draws raise :class:`_PythonDraw` while fx traces
+    in this thread (installed once for nested or concurrent traces)."""
+    global _watchers
+    with _patch_lock:
+        if _watchers == 0:
+            numpy = sys.modules.get("numpy")  # a model using it has imported it
+            for name in _DRAWS:
+                _watch(random, name)
+            for name in _NUMPY_DRAWS:
+                if numpy is not None:
+                    _watch(numpy.random, name)
+        _watchers += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _watchers -= 1
+            while _watchers == 0 and _patched:
+                module, name, draw = _patched.pop()
+                setattr(module, name, draw)
+
+
+def _draw_refusal(draw: _PythonDraw) -> TraceError:
+    return TraceError(
+        f"forward draws from {draw.args[0]}() while it is traced: tracing runs Python once, "
+        "so the draw would be frozen into the graph (a block dropped on every call, or "
+        "never), where eager draws on every call",
+        value={"draw": draw.args[0]},
+        remedy="draw with torch instead (torch.rand(()) < p, torch.bernoulli, F.dropout): "
+        "crosscut traces torch's random ops and replays them per micro-batch and under "
+        "recomputation",
+    )
+
+
 @contextmanager
 def refusing_python_state(model: nn.Module) -> Iterator[None]:
     """Refuse (and undo) Python attributes and buffer bindings the traced forward changed,
@@ -178,12 +269,18 @@ def refusing_python_state(model: nn.Module) -> Iterator[None]:
     saved = [(path, m, _attributes(m), dict(m._buffers)) for path, m in model.named_modules()]
     containers = _containers(model)
     failure: BaseException | None = None
+    draw: _PythonDraw | None = None
     try:
-        yield
+        with _watching_python_draws():
+            yield
+    except _PythonDraw as exc:
+        draw = exc
     except Exception as exc:  # the rebinding may itself be what failed the trace
         failure = exc
     moved = _changes(model, saved)
     fed = _put_back(containers)
+    if draw is not None:
+        raise _draw_refusal(draw) from None
     if fed and not moved:
         raise TraceError(
             f"forward stores a value computed from its inputs in {fed[0]!r} (a Python "

@@ -116,10 +116,10 @@ def pipeline(name: str, size: int, devices: int, m: int, recompute: bool, sched:
         return f"REFUSED: {type(e).__name__}: {str(e)[:240]}"
     ref = copy.deepcopy(model).train()
     torch.manual_seed(3)  # one micro-batch keeps eager's draws
-    want = sum(
-        float(_backward(F.cross_entropy(logits(ref(xm)), ym) / m))
-        for xm, ym in zip(x.chunk(m), y.chunk(m))
-    )
+    total = torch.zeros(())  # summed as train_step sums its micro-batches' losses
+    for xm, ym in zip(x.chunk(m), y.chunk(m)):
+        total = total + _backward(F.cross_entropy(logits(ref(xm)), ym) / m)
+    want = float(total)
     torch.manual_seed(3)
     got = float(c.train_step(x, y, lambda o, t: F.cross_entropy(logits(o), t)))
     bad = [] if got == want else [f"loss {got} vs {want}"]

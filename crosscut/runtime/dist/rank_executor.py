@@ -141,7 +141,7 @@ class DistributedPipeline(RankState, KeepsModuleFlags):  # type: ignore[misc]
     ) -> None:
         super().__init__()
         run = run if run is not None else RunOptions()
-        bn_mode, recompute = run.bn_mode, recompute_for(model, gm, plan, run.recompute)
+        bn_mode = run.bn_mode
         check_bn_mode(bn_mode)
         check_one_stage_per_device(plan)
         check_initialised()
@@ -167,9 +167,10 @@ class DistributedPipeline(RankState, KeepsModuleFlags):  # type: ignore[misc]
         self._wire = WireDtypes(gm, self.device, any(w > 1 for w in self.rank_layout.widths))
         self._make_groups()
         self._group: GroupRole | None = None
-        # forward/backward of one micro-batch, shared with the local runtime (runtime/engine.py);
-        # a recomputing stage keeps only its inputs (runtime/recomputing.py)
-        self._here = self._stages_here(program, recompute, bn_mode)
+        # one micro-batch's forward/backward (runtime/engine.py); recomputing: recomputing.py
+        self._here = self._stages_here(
+            program, recompute_for(model, gm, plan, run.recompute), bn_mode
+        )
         self._io = self._here.ios[self.stage_index]
         if self.width > 1:
             self._join_group(gm, program)

@@ -180,21 +180,8 @@ def _put_back(containers: list[tuple[str, Any, Any]]) -> list[str]:
     return fed
 
 
-_DRAWS = (
-    "random",
-    "uniform",
-    "randint",
-    "randrange",
-    "choice",
-    "choices",
-    "sample",
-    "shuffle",
-    "gauss",
-    "normalvariate",
-    "betavariate",
-    "expovariate",
-    "triangular",
-)
+_DRAWS = ("random", "uniform", "randint", "randrange", "choice", "choices", "sample", "shuffle",
+          "gauss", "normalvariate", "betavariate", "expovariate", "triangular")  # fmt: skip
 _NUMPY_DRAWS = ("rand", "randn", "random", "random_sample", "uniform", "randint", "choice",
                 "binomial", "normal", "beta", "permutation", "shuffle")  # fmt: skip
 _patch_lock = threading.Lock()

@@ -176,6 +176,7 @@ def test_measure_link_cpu() -> None:
 
 
 # ---- clusters of nodes (issue 16) --------------------------------------------------------
+@pytest.mark.timed
 def test_nodes_spec_is_one_node_times_a_count_on_a_network() -> None:
     import time
 
@@ -215,6 +216,7 @@ def test_a_multi_node_cluster_needs_a_network() -> None:
         c.validate()
 
 
+@pytest.mark.timed
 def test_transfers_inside_a_node_and_between_nodes_are_priced_apart() -> None:
     import time
 

@@ -25,6 +25,9 @@ from crosscut.partitioner.solvers import SolveResult, SolveSettings, solve
 from crosscut.partitioner.solvers.baselines import all_baselines, chain_dp, greedy, time_balanced
 from crosscut.partitioner.solvers.cross import cross_dp_search, solve_cross
 
+# timed against the wall clock: `make test` runs this file alone, after the parallel run
+pytestmark = pytest.mark.timed
+
 SLACK_S = 0.75  # a loaded machine's scheduling noise, on top of the 10 % the API promises
 
 

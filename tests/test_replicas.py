@@ -205,6 +205,7 @@ def _two_big_layers(batch: int) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, torch.empty(batch, 20_000, device="meta")
 
 
+@pytest.mark.timed
 def test_the_planner_chooses_micro_batches_for_a_pipeline_layout() -> None:
     """Only pipelines fit, and a pipeline fed one micro-batch runs one stage at a time:
     left to the planner, the layout gets more micro-batches and a shorter step; a count

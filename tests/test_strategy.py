@@ -48,6 +48,7 @@ def _meta(batch: int, size: int = 224) -> torch.Tensor:
 SERVERS = list(_zoo().SERVERS)  # type: ignore[attr-defined]
 
 
+@pytest.mark.timed
 @pytest.mark.parametrize(("name", "spec", "batch", "precision", "one"), SERVERS)
 def test_one_server_default_plan_is_at_least_data_parallel(
     name: str, spec: str, batch: int, precision: str, one: int
@@ -94,12 +95,18 @@ SAMPLED = [
 ZOO = [(m, c) for m in (_zoo().MODELS[:10]) for c in _zoo().CLUSTERS]  # type: ignore[attr-defined]
 
 
+@pytest.mark.timed
 @pytest.mark.parametrize(("name", "spec"), ZOO if HEAVY else SAMPLED)
 def test_never_slower_than_listed_or_fixed_by_hand(name: str, spec: str) -> None:
     """The chosen plan is never predicted slower than an alternative it lists, nor than
     the best of a grid of (replicas, micro-batches) fixed by hand (10 models × 5 clusters
-    with CROSSCUT_HEAVY=1; benchmarks/strategy_zoo.py prints the whole table)."""
-    row = _zoo().check(name, spec, limit=20.0 if HEAVY else 10.0)  # type: ignore[attr-defined]
+    with CROSSCUT_HEAVY=1; benchmarks/strategy_zoo.py prints the whole table).
+
+    The search is anytime: a layout it has no time left for is "not tried". 20 s is
+    twice what these need on an idle 2-core machine (mobilenet_v2 on 8 H100s: 8.8 s), so
+    a slower machine still searches every layout (at 10 s a loaded CI run left the
+    one-replica layout untried and chose a plan 0.5 % slower than it)."""
+    row = _zoo().check(name, spec, limit=20.0)  # type: ignore[attr-defined]
     assert not row.slower_than_listed, row
     assert row.best_fixed_s == 0 or row.step_s <= row.best_fixed_s * (1 + 1e-9), row
 
@@ -149,6 +156,7 @@ def test_predictions_within_the_profiles_spread_choose_the_simpler_strategy(
         assert Plan.from_dict(plan.to_dict()).strategy == plan.strategy
 
 
+@pytest.mark.timed
 @pytest.mark.parametrize("gain", [0.9, 1.1])
 def test_time_the_search_left_re_solves_a_best_strategy_cut_short(
     monkeypatch: pytest.MonkeyPatch, gain: float

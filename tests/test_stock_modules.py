@@ -126,21 +126,38 @@ def _scale_grad(_m: nn.Module, grad_in: tuple[torch.Tensor, ...], _out: object) 
         ("root forward", "forward hook on the root module _Blocks"),
         ("root pre", "forward hook on the root module _Blocks"),
         ("root backward", "backward hook on the root module"),
+        ("global forward", "a global module forward hook"),
+        ("global pre", "a global module forward hook"),
+        ("global backward", "a global module backward hook"),
     ],
 )
 def test_hooks_the_trace_would_drop_are_refused_by_name(where: str, named: str) -> None:
     """Before, each compiled silently and the hook never ran (resnet18: outputs off by
-    0.17-1.3, weights by 1e4)."""
+    0.17-1.3, weights by 1e4). A global forward hook ran 41 times while compiling, then
+    saw crosscut's modules: a hook naming the modules it is called on saw the two
+    Sequentials and _Blocks in eager, two GraphModules and the CompiledModule compiled."""
     model = _Blocks()
+    handle = None
     if where == "root forward":
         model.register_forward_hook(lambda m, i, o: o * 2)
     elif where == "root pre":
         model.register_forward_pre_hook(lambda m, i: (i[0] * 0.5,))
-    else:
+    elif where == "root backward":
         model.register_full_backward_hook(_scale_grad)
-    with pytest.raises(crosscut.TraceError, match="cannot keep these hooks") as info:
-        crosscut.trace(model, torch.randn(2, 3, 8, 8))
+    elif where == "global forward":
+        handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    elif where == "global pre":
+        handle = nn.modules.module.register_module_forward_pre_hook(lambda m, i: None)
+    else:
+        handle = nn.modules.module.register_module_full_backward_hook(lambda m, gi, go: None)
+    try:
+        with pytest.raises(crosscut.TraceError, match="cannot keep these hooks") as info:
+            crosscut.trace(model, torch.randn(2, 3, 8, 8))
+    finally:
+        if handle is not None:
+            handle.remove()
     assert named in str(info.value) and "submodule" in str(info.value)
+    crosscut.trace(model if handle is not None else _Blocks(), torch.randn(2, 3, 8, 8))
 
 
 @pytest.mark.parametrize("kind", ["full", "pre"])

@@ -25,8 +25,10 @@ calls or logs statistics got Proxies at compile time and nothing after — and
 it is never called in backward, so its backward hooks never run. So the
 tracer makes every submodule with a hook of its own a leaf (:func:`hooked`).
 What no leaf can keep is refused (:func:`refuse_lost_hooks`): the root's hooks
-(fx calls its ``forward`` itself) and global backward hooks. Compiled, such a
-model would silently train differently.
+(fx calls its ``forward`` itself) and global hooks. A global forward hook runs
+on every module call in eager; compiled, it would run once per traced-through
+module on Proxies, then only on the leaves and on crosscut's own stage modules.
+Compiled, such a model would silently train (or record) differently.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def refuse_lost_hooks(model: nn.Module, gm: fx.GraphModule) -> None:
         parts = path.split(".")
         if not any(".".join(parts[:k]) in leaves for k in range(1, len(parts) + 1)):
             lost.append(f"backward hook on {path or 'the root module'}")
+    if any(getattr(_module, h, {}) for h in _GLOBAL_HOOKS[:2]):
+        lost.append("a global module forward hook (register_module_forward_hook or _pre_hook)")
     if any(getattr(_module, h, {}) for h in _GLOBAL_HOOKS[2:]):
         lost.append("a global module backward hook (register_module_full_backward_hook)")
     if lost:

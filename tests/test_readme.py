@@ -58,17 +58,67 @@ def test_the_readme_has_what_this_test_runs() -> None:
     assert _blocks("python")
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.xdist_group("dist")
-def test_every_readme_command_runs_as_written(tmp_path: Path) -> None:
+def _files(cmd: str) -> tuple[set[str], set[str]]:
+    """The JSON/HTML files a README command reads and the ones it writes (``-o``)."""
+    words = shlex.split(cmd)
+    wrote = {words[i + 1] for i, w in enumerate(words[:-1]) if w == "-o"}
+    read = {w for w in words if w.endswith((".json", ".html"))} - wrote
+    return read, wrote
+
+
+def command_chains() -> list[list[str]]:
+    """The README's commands in runs that share files: a command reading a plan joins the
+    run(s) that wrote it (merged into one), any other starts a run of its own, each run in
+    README order. Runs are independent, so they are separate tests that xdist can spread;
+    only the one with ``crosscut run`` (torchrun) waits its turn with the distributed ones."""
+    lines = [c for c in shell_lines() if not c.startswith("source ")]
+    run_of = list(range(len(lines)))  # each command's run, by its first command's index
+    writer: dict[str, int] = {}
+    for i, cmd in enumerate(lines):
+        read, wrote = _files(cmd)
+        joined = {run_of[writer[f]] for f in read if f in writer} | {run_of[i]}
+        first = min(joined)
+        run_of = [first if r in joined else r for r in run_of]
+        writer.update({f: i for f in wrote})
+    return [[c for c, r in zip(lines, run_of) if r == k] for k in sorted(set(run_of))]
+
+
+def _chain_params() -> list[object]:
+    out: list[object] = []
+    for chain in command_chains():
+        name = f"{len(out)}-" + "-".join(shlex.split(chain[0])[1:3])
+        runs = any(c.startswith("crosscut run ") for c in chain)
+        dist = [pytest.mark.distributed, pytest.mark.xdist_group("dist")] if runs else []
+        out.append(pytest.param(chain, id=name, marks=[pytest.mark.slow, *dist]))
+    return out
+
+
+def test_the_readme_activates_the_venv_make_creates() -> None:
+    """``source`` lines are not run (this test's PATH already has the venv's bin first);
+    the path they name must be the one ``make`` creates."""
+    sources = [c for c in shell_lines() if c.startswith("source ")]
+    assert sources and all(c == "source .venv/bin/activate" for c in sources), sources
+    assert "VENV   ?= .venv" in (ROOT / "Makefile").read_text()
+
+
+def test_the_command_chains_keep_every_command_once_in_order() -> None:
+    chains = command_chains()
+    flat = [c for chain in chains for c in chain]
+    lines = [c for c in shell_lines() if not c.startswith("source ")]
+    assert sorted(flat) == sorted(lines) and len(chains) > 1
+    for chain in chains:  # README order within a run, and each file written before it is read
+        assert chain == [c for c in lines if c in chain]
+        written: set[str] = set()
+        for cmd in chain:
+            read, wrote = _files(cmd)
+            assert read <= written or not any(read & _files(o)[1] for o in lines), cmd
+            written |= wrote
+
+
+@pytest.mark.parametrize("chain", _chain_params())
+def test_every_readme_command_runs_as_written(tmp_path: Path, chain: list[str]) -> None:
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    for cmd in shell_lines():
-        if cmd.startswith("source "):  # the venv's bin is already first on PATH here
-            # ... and the path it names is the one `make` creates
-            assert cmd == "source .venv/bin/activate", cmd
-            assert "VENV   ?= .venv" in (ROOT / "Makefile").read_text()
-            continue
+    for cmd in chain:
         done = _run(shlex.split(cmd), tmp_path, cmd)
         if cmd.startswith("crosscut run "):
             assert "went down" in done.stdout, done.stdout[-2000:]
@@ -79,7 +129,8 @@ def test_every_readme_command_runs_as_written(tmp_path: Path) -> None:
 
             plan = Plan.load(tmp_path / "plan-dp.json")
             assert (plan.replication.replicas, plan.num_stages) == (8, 1), done.stdout
-    assert (tmp_path / "plan.html").stat().st_size > 0
+        for out in _files(cmd)[1]:
+            assert (tmp_path / out).stat().st_size > 0, (cmd, out)
 
 
 @pytest.mark.slow

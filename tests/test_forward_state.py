@@ -414,6 +414,25 @@ class PythonDepth(nn.Module):
         return y + self.d(y) if self.training and keep > 0.5 else y
 
 
+_MODULE_LEVEL = torch.Generator().manual_seed(7)
+
+
+class OwnGenerator(nn.Module):
+    """A random mask drawn from a generator of the model's own (or a module-level one)."""
+
+    def __init__(self, module_level: bool = False) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+        if not module_level:
+            self.g = torch.Generator().manual_seed(123)
+        self.module_level = module_level
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c(x)
+        g = _MODULE_LEVEL if self.module_level else self.g
+        return y * (torch.rand(y.shape, generator=g) > 0.5)
+
+
 class EvalCache(nn.Module):
     """An attention-bias-like table cached per device in eval (as timm's LeViT and
     EfficientViT do): parameters only, so the graph computes it and the cache is put back."""
@@ -486,6 +505,8 @@ def test_rebound_buffers_are_kept_across_calls_like_eager(k: int, recompute: str
         (lambda: Holder(PythonDepth()), "draws from random.random\\(\\)", "torch.rand"),
         (lambda: PythonDepth(numpy=True), "draws from numpy.random.rand\\(\\)", "bernoulli"),
         (lambda: Holder(FeatureDict()), "in 'inner.stats' \\(a Python dict", "extra output"),
+        (lambda: Holder(OwnGenerator()), "Generator of its own \\('inner.g'\\)", "manual_seed"),
+        (lambda: OwnGenerator(True), "Generator of its own \\('one outside", "manual_seed"),
     ],
 )
 def test_python_state_written_in_forward_is_refused_by_name(
@@ -497,6 +518,8 @@ def test_python_state_written_in_forward_is_refused_by_name(
 
     model, draw = factory(), random.random
     before = dict(vars(model.inner if isinstance(model, Holder) else model))
+    gen = before.get("g")
+    gen_state = None if gen is None else gen.get_state()
     with pytest.raises(CrosscutError, match=name) as e:
         crosscut.compile(model, ["cpu", "cpu"], torch.randn(4, 3, 8, 8), microbatches=1, replicas=1)
     assert remedy in str(e.value) and "likely a crosscut bug" not in str(e.value)
@@ -506,6 +529,8 @@ def test_python_state_written_in_forward_is_refused_by_name(
     }
     assert dict(after["_buffers"]) == dict(before["_buffers"])
     assert random.random is draw  # Python's draws are watched only while tracing
+    if gen is not None:  # no draw from it was left behind
+        assert torch.equal(gen.get_state(), gen_state)
     kept = {"feats": [], "stats": {"kept": 1}}  # contents put back, not only the objects
     assert {k: after[k] for k in kept if k in after} == {
         k: v for k, v in kept.items() if k in after
@@ -674,3 +699,22 @@ def test_a_leaf_writing_its_parameters_follows_the_rules_for_state_written_in_fo
     c = crosscut.compile(WithTeacher(), ["cpu", "cpu"], x)  # the planner keeps one micro-batch
     assert c.plan.options.microbatches == 1
     c.close()
+
+
+def test_a_leaf_drawing_from_its_own_generator_is_left_unmoved_by_compile() -> None:
+    """Before, a model's own torch.Generator used in the graph was copied into the stages:
+    compile advanced the model's generator (propagation draws), a compiled call never did,
+    and no call equalled eager's (now refused by name, above). A submodule that runs whole
+    (a hook makes it a leaf) draws from the generator itself: compile gives its state
+    back, and with one micro-batch the compiled calls draw eager's numbers (from the
+    stage's copy of the submodule, as its parameters are)."""
+    x = torch.randn(4, 3, 8, 8)
+    torch.manual_seed(0)
+    model = Holder(OwnGenerator())
+    model.inner.register_forward_hook(lambda _m, _i, o: None)  # a leaf: called by its stage
+    ref = copy.deepcopy(model)
+    before = model.inner.g.get_state()
+    c = crosscut.compile(model, ["cpu", "cpu"], x, microbatches=1, replicas=1)
+    assert torch.equal(model.inner.g.get_state(), before)
+    for _ in range(2):
+        assert torch.equal(c(x), ref(x))

@@ -36,6 +36,15 @@ Python) would be frozen into the graph — that block dropped on every call,
 or never — so it is refused, naming the function, with torch's generator as
 the remedy (crosscut traces torch's random ops and replays them).
 
+A random op given a generator of the model's own (``torch.rand(shape,
+generator=self.g)``, or a module-level one) is refused too: the compiled
+stages hold a copy of that generator (fx keeps it as a constant of the graph),
+so the model's own is never advanced by a call and re-seeding it changes
+nothing, where eager draws from it in order. The remedy is torch's default
+generator, which crosscut seeds per call, micro-batch and op. Every
+generator the model holds gets its state back after tracing (propagation and
+the probe for ops that mix samples draw from it).
+
 The same holds for what forward stores in a list, dict or set a module keeps
 (``self.feats.append(y)``): it runs once, storing a Proxy, and never on a
 call. Their contents are put back too (nothing traced, fake or probed is left
@@ -63,6 +72,7 @@ __all__ = [
     "persist_rebound",
     "rebound_buffers",
     "refuse_changed_layout",
+    "refuse_own_generators",
     "refusing_python_state",
 ]
 
@@ -255,6 +265,7 @@ def refusing_python_state(model: nn.Module) -> Iterator[None]:
     and values from the inputs it stored in a module's list, dict or set."""
     saved = [(path, m, _attributes(m), dict(m._buffers)) for path, m in model.named_modules()]
     containers = _containers(model)
+    generators = [(g, g.get_state()) for _, g in _generators(model)]
     failure: BaseException | None = None
     draw: _PythonDraw | None = None
     try:
@@ -264,6 +275,8 @@ def refusing_python_state(model: nn.Module) -> Iterator[None]:
         draw = exc
     except Exception as exc:  # the rebinding may itself be what failed the trace
         failure = exc
+    for g, state in generators:
+        g.set_state(state)
     moved = _changes(model, saved)
     fed = _put_back(containers)
     if draw is not None:
@@ -290,6 +303,48 @@ def refusing_python_state(model: nn.Module) -> Iterator[None]:
         raise _refusal(key, kind, [k for k, _ in moved]) from failure
     if failure is not None:
         raise failure
+
+
+# ---- a model's own torch.Generator --------------------------------------------------------
+
+
+def _generators(model: nn.Module) -> list[tuple[str, torch.Generator]]:
+    """Every ``torch.Generator`` a module of ``model`` holds as an attribute, by path (not
+    the ``_opaque_obj<N>`` attributes fx stows a graph's constant generators in)."""
+    return [
+        (f"{path}.{k}" if path else k, v)
+        for path, m in model.named_modules()
+        for k, v in vars(m).items()
+        if isinstance(v, torch.Generator) and not k.startswith("_opaque_obj")
+    ]
+
+
+def refuse_own_generators(model: nn.Module, gm: torch.fx.GraphModule) -> None:
+    """Raise a TraceError for a graph op given a generator of its own (module docstring)."""
+    names = {id(g): path for path, g in _generators(model)}
+    for node in gm.graph.nodes:
+        found: list[torch.Generator] = []
+
+        def visit(a: Any, found: list[torch.Generator] = found) -> Any:
+            if isinstance(a, torch.fx.Node) and a.op == "get_attr":
+                a = getattr(gm, str(a.target), None)
+            if isinstance(a, torch.Generator):
+                found.append(a)
+            return a
+
+        torch.fx.node.map_aggregate((node.args, node.kwargs), visit)
+        if found:
+            where = names.get(id(found[0]), "one outside the model, e.g. a module-level one")
+            raise TraceError(
+                f"{node.name} ({getattr(node.target, '__name__', node.target)}) draws from "
+                "a torch.Generator of its own "
+                f"({where!r}): the compiled stages would draw from a copy of it, which a call "
+                "never advances and re-seeding it does not reach, where eager draws from it "
+                "call after call",
+                value={"op": node.name, "generator": where},
+                remedy="draw from torch's default generator (torch.manual_seed rules it; "
+                "crosscut seeds each random op per call, micro-batch and op)",
+            )
 
 
 # ---- buffers rebound to a traced value -------------------------------------------------

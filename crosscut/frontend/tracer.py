@@ -61,6 +61,7 @@ from crosscut.frontend.python_state import (
     persist_rebound,
     rebound_buffers,
     refuse_changed_layout,
+    refuse_own_generators,
     refusing_python_state,
 )
 from crosscut.frontend.row_probe import copied_back, row_mixing_ops
@@ -247,13 +248,11 @@ def _training(model: nn.Module, train: bool) -> Iterator[None]:
 def _untouched_state(model: nn.Module) -> Iterator[None]:
     """Give every buffer back as it was: tracing must not change the caller's model.
 
-    Buffers read in forward are traced as graph nodes, so nothing should write
-    them; but Python code the tracer runs for real (a tensor attribute that is
-    not a registered buffer's alias, a leaf's hook) still could, and the probe
-    for ops that mix samples (``row_probe.py``) runs the model on a few rows.
-    Buffers are cloned (they are small: statistics and counters) and every one
-    is copied back: batch norm's kernel updates its statistics without moving
-    their version counter. Parameters are always traced as nodes.
+    Nothing traced writes a buffer (buffers are graph nodes), but Python code run for
+    real (a tensor attribute that is not a buffer's alias, a leaf's hook) could, and the
+    probe for ops that mix samples (``row_probe.py``) runs the model on a few rows. Every
+    buffer is cloned (statistics, counters: small) and copied back (batch norm's kernel
+    updates its statistics without moving their version counter); parameters are nodes.
     """
     with copied_back(b for b in model.buffers() if b.device.type != "meta"):
         yield
@@ -289,6 +288,7 @@ def trace(
         with refusing_autocast(precision):
             gm, auto = _symbolic_trace(model, leaf_paths, leaf_types)
         refuse_lost_hooks(model, gm)
+        refuse_own_generators(model, gm)
         prop = propagate(gm, inputs, train, precision)
         refuse_changed_layout(gm)
         # writes through views, and buffers a functional norm writes: frontend/alias.py

@@ -25,7 +25,7 @@ from torch import nn
 
 import crosscut
 from crosscut.errors import CrosscutError
-from tests.test_mutation import compiled_step, eager_step
+from tests.test_mutation import assert_steps_like_eager, compiled_step, eager_step
 
 torch.set_num_threads(1)
 
@@ -718,3 +718,32 @@ def test_a_leaf_drawing_from_its_own_generator_is_left_unmoved_by_compile() -> N
     assert torch.equal(model.inner.g.get_state(), before)
     for _ in range(2):
         assert torch.equal(c(x), ref(x))
+
+
+class RetainsGrad(nn.Module):
+    """``y.retain_grad()`` in forward, as gradient-inspection code leaves it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.h = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        y.retain_grad()
+        return self.h(self.b(y).mean((2, 3)))
+
+
+def test_retain_grad_in_forward_compiles_and_trains_as_eager() -> None:
+    """Before, compile refused it as "the model rejected the example inputs" (shapes are
+    propagated without gradients, and retain_grad refuses a tensor that needs none),
+    with a remedy about input shapes. It changes no value: propagation skips it, and
+    the stages run it on tensors that need gradients, as eager does."""
+    x = torch.randn(4, 3, 8, 8)
+    torch.manual_seed(0)
+    model = RetainsGrad()
+    ref = copy.deepcopy(model)
+    c = crosscut.compile(
+        model, ["cpu", "cpu"], x, time_limit=2, require_all_devices=True, microbatches=2
+    )
+    assert_steps_like_eager(c, ref, x)

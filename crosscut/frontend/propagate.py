@@ -109,6 +109,8 @@ class Propagator(torch.fx.Interpreter):
             return self.fetch_attr(str(n.target))  # type: ignore[no-any-return]
         if n.op == "call_method":
             name = str(n.target)
+            if name == "retain_grad":  # only what a backward keeps; shapes need no grad
+                return lambda obj: None
             return lambda obj, *a, **k: getattr(obj, name)(*a, **k)
         return n.target  # type: ignore[return-value]
 

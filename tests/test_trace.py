@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+import crosscut
 from crosscut.errors import InputError, TraceError
 from crosscut.frontend import trace
 from crosscut.ir.graph import OpGraph
@@ -360,3 +362,23 @@ def test_analytic_backward_flops_equal_autograd_counts(precision: str) -> None:
             counts[analytic] = {n.name: (n.fwd_flops, n.bwd_flops) for n in graph.nodes}
         assert counts[True] == counts[False], type(model).__name__
         assert sum(b for _, b in counts[True].values()) > 0
+
+
+def test_an_uninitialised_lazy_model_is_refused_by_name_and_compiles_once_called() -> None:
+    """Before, compile failed inside the cost model ("likely a crosscut bug") on a model
+    of LazyConv2d/LazyLinear that had not run yet; torch's rule is the remedy."""
+    from tests.test_mutation import assert_steps_like_eager
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.LazyConv2d(8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.LazyLinear(5),
+    )  # fmt: skip
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.raises(InputError, match="uninitialised lazy") as info:
+        crosscut.compile(model, ["cpu", "cpu"], x)
+    assert "0.weight" in str(info.value) and "call the model once" in str(info.value)
+    model(x)  # materialises the parameters
+    ref = copy.deepcopy(model)
+    c = crosscut.compile(model, ["cpu", "cpu"], x, require_all_devices=True, microbatches=2)
+    assert_steps_like_eager(c, ref, x)

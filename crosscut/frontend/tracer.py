@@ -50,6 +50,7 @@ from crosscut.frontend.autocast_check import refusing_autocast
 from crosscut.frontend.autograd_functions import OpaqueFunctionError, tracing_autograd_functions
 from crosscut.frontend.grad_mode import NO_GRAD, detach_no_grad
 from crosscut.frontend.hidden_writes import HiddenWriteError, refusing_hidden_writes
+from crosscut.frontend.model_check import check_model
 from crosscut.frontend.propagate import (
     Propagator,
     first_line,
@@ -334,12 +335,7 @@ def runs_channels_last(model: nn.Module, inputs: list[Tensor]) -> bool:
 def _validate(
     model: Any, example_inputs: Any, mode: Any, leaf_modules: Any
 ) -> tuple[list[Tensor], set[str], tuple[type[nn.Module], ...]]:
-    if not isinstance(model, nn.Module):
-        raise InputError(
-            "trace() needs a torch.nn.Module",
-            value=type(model).__name__,
-            remedy="pass the model object itself (e.g. torchvision.models.resnet50(weights=None))",
-        )
+    check_model(model)  # a module, lazy ones initialised
     if isinstance(example_inputs, Tensor):
         example_inputs = [example_inputs]
     if not isinstance(example_inputs, (tuple, list)) or not all(

@@ -65,6 +65,7 @@ from typing import Any
 
 import torch.fx
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from crosscut.errors import TraceError
 
@@ -319,25 +320,22 @@ def _generators(model: nn.Module) -> list[tuple[str, torch.Generator]]:
     ]
 
 
+def _is_get_attr(a: Any) -> bool:
+    return isinstance(a, torch.fx.Node) and a.op == "get_attr"
+
+
 def refuse_own_generators(model: nn.Module, gm: torch.fx.GraphModule) -> None:
     """Raise a TraceError for a graph op given a generator of its own (module docstring)."""
     names = {id(g): path for path, g in _generators(model)}
     for node in gm.graph.nodes:
-        found: list[torch.Generator] = []
-
-        def visit(a: Any, found: list[torch.Generator] = found) -> Any:
-            if isinstance(a, torch.fx.Node) and a.op == "get_attr":
-                a = getattr(gm, str(a.target), None)
-            if isinstance(a, torch.Generator):
-                found.append(a)
-            return a
-
-        torch.fx.node.map_aggregate((node.args, node.kwargs), visit)
+        args = tree_flatten((node.args, node.kwargs))[0]
+        consts = [getattr(gm, str(a.target), None) if _is_get_attr(a) else a for a in args]
+        found = [g for g in consts if isinstance(g, torch.Generator)]
         if found:
             where = names.get(id(found[0]), "one outside the model, e.g. a module-level one")
+            op = getattr(node.target, "__name__", node.target)
             raise TraceError(
-                f"{node.name} ({getattr(node.target, '__name__', node.target)}) draws from "
-                "a torch.Generator of its own "
+                f"{node.name} ({op}) draws from a torch.Generator of its own "
                 f"({where!r}): the compiled stages would draw from a copy of it, which a call "
                 "never advances and re-seeding it does not reach, where eager draws from it "
                 "call after call",

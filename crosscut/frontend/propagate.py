@@ -157,8 +157,18 @@ class Propagator(torch.fx.Interpreter):
         """
         start = self.flops_mode.total
         self.flops_mode.conv = self.flops_mode.pool = None
-        with torch.no_grad():
-            out = fn(*args, **kwargs)
+        try:
+            with torch.no_grad():
+                out = fn(*args, **kwargs)
+        except RuntimeError:
+            if not (self.train and (grad_in or self._grad_params(n))):
+                raise
+            # a forward that needs autograd (a leaf registering a tensor hook, which
+            # torch refuses on a tensor that wants no gradient): as training runs it
+            self.flops_mode.conv = self.flops_mode.pool = None
+            start = self.flops_mode.total
+            with torch.enable_grad():
+                out = fn(*args, **kwargs)
         fwd = self.flops_mode.total - start
         if self.flops_mode.conv is not None:
             self.convs[n.name] = self.flops_mode.conv

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -137,6 +137,18 @@ def copied_back(tensors: Iterable[Tensor]) -> Iterator[None]:
                 t.copy_(copy)
 
 
+def _graded(n: fx.Node, run: Callable[[], Any]) -> Any:
+    """``run()`` without autograd, as the probe runs; a leaf module that fails there runs
+    again with it (one registering a tensor hook needs it: frontend/tensor_hooks.py)."""
+    try:
+        return run()
+    except RuntimeError:
+        if n.op != "call_module":
+            raise
+        with torch.enable_grad():
+            return run()
+
+
 class _Probe(fx.Interpreter):
     """Runs ``gm`` on ``big`` rows; before each op, runs it on its inputs' first half."""
 
@@ -161,11 +173,11 @@ class _Probe(fx.Interpreter):
             return super().run_node(n)
         share_args = fx.map_arg((n.args, n.kwargs), self._share_of)
         try:
-            share = getattr(self, n.op)(n.target, *_cloned(share_args))
+            share = _graded(n, lambda: getattr(self, n.op)(n.target, *_cloned(share_args)))
         except Exception:
             share = _FAILED
         streams = self._streams()
-        out = super().run_node(n)
+        out = _graded(n, lambda: super(_Probe, self).run_node(n))
         if not isinstance(out, Tensor) and share is not _FAILED:
             self.shared[n] = share
         # an op that draws random numbers (dropout, stochastic depth) gives other rows on

@@ -51,13 +51,7 @@ from crosscut.frontend.autograd_functions import OpaqueFunctionError, tracing_au
 from crosscut.frontend.grad_mode import NO_GRAD, detach_no_grad
 from crosscut.frontend.hidden_writes import HiddenWriteError, refusing_hidden_writes
 from crosscut.frontend.model_check import check_model
-from crosscut.frontend.propagate import (
-    Propagator,
-    first_line,
-    iter_tensors,
-    propagate,
-    shapes_of,
-)
+from crosscut.frontend.propagate import Propagator, first_line, iter_tensors, propagate, shapes_of
 from crosscut.frontend.python_state import (
     persist_rebound,
     rebound_buffers,
@@ -67,6 +61,7 @@ from crosscut.frontend.python_state import (
 )
 from crosscut.frontend.row_probe import copied_back, row_mixing_ops
 from crosscut.frontend.stock import hooked, refuse_lost_hooks
+from crosscut.frontend.tensor_hooks import TensorHookError, check_tensor_hook
 from crosscut.frontend.written_state import mark_bn_stats
 from crosscut.ir.graph import MODES, OpGraph, OpNode
 
@@ -147,6 +142,10 @@ class _LeafTracer(torch.fx.Tracer):
             node.meta[NO_GRAD] = True
         return node
 
+    def create_proxy(self, kind: str, target: Any, *args: Any, **kwargs: Any) -> Any:
+        check_tensor_hook(kind, target)  # y.register_hook(fn): a leaf, or refused
+        return super().create_proxy(kind, target, *args, **kwargs)
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaves or isinstance(m, self.leaf_types):
             return True
@@ -209,7 +208,7 @@ def _symbolic_trace(
 
 def _root_failure(model: nn.Module, exc: Exception, auto: dict[str, str]) -> TraceError:
     """The root's own forward is untraceable: name it and suggest a part to partition."""
-    if isinstance(exc, (OpaqueFunctionError, HiddenWriteError)):
+    if isinstance(exc, (OpaqueFunctionError, HiddenWriteError, TensorHookError)):
         return exc.refusal(type(model).__name__)
     children = list(model.named_children())
     suggest = "backbone" if hasattr(model, "backbone") else ""

@@ -14,7 +14,8 @@ first one's state:
   first pass's draw key (:meth:`~crosscut.runtime.rng.RandomScope.replaying`);
   only when no draw scope is active (ops draw from the caller's generator,
   one thread) does checkpoint save and restore that generator
-  (``preserve_rng_state``);
+  (``preserve_rng_state``); a leaf's draws from Python's ``random`` or NumPy
+  get the first pass's values back (runtime/python_draws.py);
 * **state** (every buffer the forward writes: batch norm's running statistics
   and counter, leaf or traced through, counters, EMAs) is read as the first
   pass read it and written only once: the recomputation runs against copies
@@ -38,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from crosscut.errors import InputError
 from crosscut.ir.program import Stage
+from crosscut.runtime import python_draws
 from crosscut.runtime.batch_split import BatchSplitStage
 from crosscut.runtime.rng import RandomScope
 from crosscut.runtime.state_replay import Snapshot, StateReplay
@@ -116,11 +118,12 @@ def recomputing(
             return list(module(*ins)), None
         key: list[tuple[int, int] | None] = [None]
         snap: list[Snapshot] = [{}]
+        draws: list[Any] = []  # Python's and NumPy's draws of the first pass
 
         @contextmanager
         def first_pass() -> Iterator[None]:
             versions, before = state.before()
-            with _sequential(shares):
+            with _sequential(shares), python_draws.recording(draws):
                 yield
             snap[0] = state.after(versions, before)
             rng = scope()
@@ -131,6 +134,7 @@ def recomputing(
                 stack.enter_context(RandomScope.replaying(key[0]))
                 stack.enter_context(state.replaying(snap[0]))
                 stack.enter_context(_sequential(shares))
+                stack.enter_context(python_draws.replaying(draws))
                 return stack.pop_all()
 
         def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[Any]]:

@@ -382,3 +382,49 @@ def test_an_uninitialised_lazy_model_is_refused_by_name_and_compiles_once_called
     ref = copy.deepcopy(model)
     c = crosscut.compile(model, ["cpu", "cpu"], x, require_all_devices=True, microbatches=2)
     assert_steps_like_eager(c, ref, x)
+
+
+class _ResBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.relu(self.conv(x)) + x
+
+
+def _with(inner: nn.Module) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), inner, _ResBlock(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_a_torchscript_submodule_is_refused_by_name(how: str) -> None:
+    """Before, tracing failed on a ScriptModule's buffer table ('OrderedDictWrapper' has no
+    attribute 'get'), reported as a crosscut failure inside a dependency."""
+    block = _ResBlock()
+    inner = (
+        torch.jit.script(block)
+        if how == "script"
+        else torch.jit.trace(block, torch.randn(2, 8, 8, 8))
+    )
+    with pytest.raises(InputError, match="TorchScript") as info:
+        crosscut.compile(_with(inner), ["cpu", "cpu"], torch.randn(4, 3, 8, 8))
+    assert "['2']" in str(info.value) and "Python nn.Module" in str(info.value)
+
+
+def test_a_torch_compile_wrapper_is_refused_and_a_compiled_submodule_runs_whole() -> None:
+    from tests.test_mutation import assert_steps_like_eager
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.raises(InputError, match=r"torch\.compile wrapper") as info:
+        crosscut.compile(torch.compile(_with(_ResBlock()), backend="eager"), ["cpu"], x)
+    assert "model._orig_mod" in str(info.value)
+    model = _with(torch.compile(_ResBlock(), backend="eager"))  # dynamo only: no C++ compiler
+    assert "2" in crosscut.trace(model, x).leaves  # a leaf: fx does not trace dynamo's forward
+    ref = copy.deepcopy(model)
+    c = crosscut.compile(model, ["cpu", "cpu"], x, replicas=1, require_all_devices=True)
+    assert_steps_like_eager(c, ref, x, steps=2)

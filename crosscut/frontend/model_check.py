@@ -5,12 +5,22 @@ shapes until its first call. Tracing reads every parameter's size to price
 it, and torch refuses that on an uninitialised one, which surfaced from deep
 inside the cost model as if crosscut had failed. Torch's own rule is the
 remedy: call the model once on an example batch, which materialises them.
+
+A model already handed to another compiler is refused too, naming the module:
+``torch.compile(model)`` returns a wrapper whose forward is dynamo's, which
+torch.fx refuses to trace; a TorchScript module (``torch.jit.script`` or
+``torch.jit.trace``) keeps its code and state in C++, where fx cannot read its
+ops and crosscut cannot copy it per stage or replay its buffers (it failed deep
+in the trace, on its buffer table). The remedy is the Python module before that
+step. (A ``torch.compile``d *submodule* is fine: it runs whole, as a leaf.)
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
@@ -27,6 +37,7 @@ def check_model(model: Any) -> None:
             value=type(model).__name__,
             remedy="pass the model object itself (e.g. torchvision.models.resnet50(weights=None))",
         )
+    _refuse_other_compilers(model)
     lazy = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if is_lazy(t)]
     if lazy:
         raise InputError(
@@ -36,4 +47,32 @@ def check_model(model: Any) -> None:
             value=lazy[:8],
             remedy="call the model once on an example batch before compiling "
             "(model(x) materialises them, as torch requires before any other use)",
+        )
+
+
+def _refuse_other_compilers(model: nn.Module) -> None:
+    """A ``torch.compile`` wrapper as the model, or a TorchScript module anywhere in it."""
+    frames = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing compiled
+    if frames is not None and isinstance(model, frames.OptimizedModule):
+        raise InputError(
+            "the model is a torch.compile wrapper (OptimizedModule): its forward is "
+            "dynamo's, which torch.fx cannot trace",
+            value=type(model._orig_mod).__name__,
+            remedy="pass the module before torch.compile (model._orig_mod, the same "
+            "parameters); torch.compile a submodule instead if you want it compiled",
+        )
+    scripted: list[str] = []
+    for name, m in model.named_modules():
+        inside = (
+            any(name.startswith(f"{outer}.") for outer in scripted) or "(the model)" in scripted
+        )
+        if isinstance(m, torch.jit.ScriptModule) and not inside:
+            scripted.append(name or "(the model)")
+    if scripted:
+        raise InputError(
+            "the model holds TorchScript modules (torch.jit.script or torch.jit.trace): "
+            "their ops and state live in C++, which torch.fx cannot trace and crosscut "
+            "cannot copy per stage",
+            value=scripted[:8],
+            remedy="pass the Python nn.Module each was scripted or traced from",
         )

@@ -14,6 +14,7 @@ escapes a public function becomes a :class:`~crosscut.errors.CrosscutError`.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, Unpack
@@ -61,10 +62,25 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def public_errors(fn: F) -> F:
-    """Let CrosscutErrors through; wrap anything else with the stage it came from."""
+    """Let CrosscutErrors through; wrap anything else with the stage it came from. A call
+    that does not fit the signature is the caller's error, not a crosscut failure."""
+    signature = inspect.signature(fn)
+    plain = signature.replace(  # for the remedy: names and defaults, no annotations
+        parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+        return_annotation=signature.empty,
+    )
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise InputError(
+                f"crosscut.{fn.__name__}() was called with arguments that do not fit it: {exc}",
+                value={"positional": len(args), "keywords": sorted(kwargs)},
+                remedy=f"call crosscut.{fn.__name__}{plain}; several example inputs go "
+                "in one tuple, e.g. (x, y)",
+            ) from None
         try:
             return fn(*args, **kwargs)
         except CrosscutError:

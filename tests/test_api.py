@@ -238,6 +238,26 @@ def test_bad_example_inputs(resnet18: nn.Module) -> None:
         )
 
 
+def test_a_call_that_does_not_fit_the_signature_is_the_callers_error() -> None:
+    """Before, compile(model, devices, x, y) said "failed inside a dependency ... likely a
+    crosscut bug"."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
+    with pytest.raises(InputError, match="do not fit") as info:
+        crosscut.compile(model, ["cpu"], X, X)  # type: ignore[call-arg]
+    assert "too many positional" in str(info.value) and "(x, y)" in str(info.value)
+    assert "crosscut bug" not in str(info.value)
+    with pytest.raises(InputError, match="missing a required argument: 'cluster'"):
+        crosscut.partition(model)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("wrapper", [nn.DataParallel])
+def test_a_data_parallel_wrapper_is_refused_naming_the_module(wrapper: type) -> None:
+    model = wrapper(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()))
+    with pytest.raises(InputError, match="wrapped in DataParallel") as info:
+        crosscut.compile(model, ["cpu", "cpu"], X)
+    assert "model.module" in str(info.value) and "Sequential" in str(info.value)
+
+
 def test_compiled_module_refuses_to_move(resnet18: nn.Module) -> None:
     compiled = crosscut.compile(copy.deepcopy(resnet18), ["cpu"], X, microbatches=1, replicas=1)
     with pytest.raises(crosscut.CrosscutError, match="plan"):

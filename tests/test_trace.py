@@ -428,3 +428,35 @@ def test_a_torch_compile_wrapper_is_refused_and_a_compiled_submodule_runs_whole(
     ref = copy.deepcopy(model)
     c = crosscut.compile(model, ["cpu", "cpu"], x, replicas=1, require_all_devices=True)
     assert_steps_like_eager(c, ref, x, steps=2)
+
+
+class _Normed(nn.Module):
+    """A convolution under torch's hook-based weight or spectral norm (deprecated forms)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        conv = nn.Conv2d(8, 8, 3, padding=1)
+        utils = torch.nn.utils
+        self.conv = utils.weight_norm(conv) if how == "weight" else utils.spectral_norm(conv)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.relu(self.conv(self.stem(x))))
+
+
+def test_hook_based_spectral_norm_trains_as_eager_and_weight_norm_is_refused() -> None:
+    """Before, both were refused as 'forward changes the Python attribute conv.weight': the
+    hook sets it afresh before every call, from parameters, in a module that runs whole."""
+    from tests.test_mutation import assert_steps_like_eager
+
+    x = torch.randn(4, 3, 8, 8)
+    torch.manual_seed(0)
+    model = _Normed("spectral")
+    torch.manual_seed(0)
+    ref = _Normed("spectral")  # the same weights, built twice (the hook's tensors resist deepcopy)
+    c = crosscut.compile(model, ["cpu", "cpu"], x, replicas=1, require_all_devices=True)
+    assert_steps_like_eager(c, ref, x, steps=2)  # weight_u, weight_v included
+    with pytest.raises(InputError, match=r"torch\.nn\.utils\.weight_norm") as info:
+        crosscut.compile(_Normed("weight"), ["cpu", "cpu"], x)
+    assert "['conv']" in str(info.value) and "parametrizations.weight_norm" in str(info.value)

@@ -6,7 +6,9 @@ it, and torch refuses that on an uninitialised one, which surfaced from deep
 inside the cost model as if crosscut had failed. Torch's own rule is the
 remedy: call the model once on an example batch, which materialises them.
 
-A model already handed to another compiler is refused too, naming the module:
+A model already handed to another compiler or data-parallel wrapper is refused
+too, naming the module (``nn.DataParallel`` and ``DistributedDataParallel``
+scatter the batch themselves, which crosscut plans as replicas):
 ``torch.compile(model)`` returns a wrapper whose forward is dynamo's, which
 torch.fx refuses to trace; a TorchScript module (``torch.jit.script`` or
 ``torch.jit.trace``) keeps its code and state in C++, where fx cannot read its
@@ -52,6 +54,29 @@ def check_model(model: Any) -> None:
 
 def _refuse_other_compilers(model: nn.Module) -> None:
     """A ``torch.compile`` wrapper as the model, or a TorchScript module anywhere in it."""
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        raise InputError(
+            f"the model is wrapped in {type(model).__name__}, which splits the batch across "
+            "devices itself: crosscut chooses the replicas (data parallelism) as part of "
+            "its plan, and torch.fx cannot trace the wrapper's scatter and gather",
+            value=type(model.module).__name__,
+            remedy="pass the wrapped module (model.module); crosscut replicates it where "
+            "that is fastest (replicas='auto')",
+        )
+    weight_norms = [
+        name or "(the model)"
+        for name, m in model.named_modules()
+        if any(type(h).__name__ == "WeightNorm" for h in m._forward_pre_hooks.values())
+    ]
+    if weight_norms:
+        raise InputError(
+            "the model uses torch.nn.utils.weight_norm, whose hook keeps a derived weight "
+            "tensor that torch cannot copy (deepcopy refuses non-leaf tensors), and crosscut "
+            "copies the model into its stages",
+            value=weight_norms[:8],
+            remedy="use torch.nn.utils.parametrizations.weight_norm (torch's replacement; "
+            "crosscut supports parametrized modules)",
+        )
     frames = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing compiled
     if frames is not None and isinstance(model, frames.OptimizedModule):
         raise InputError(

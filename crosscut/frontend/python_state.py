@@ -91,6 +91,19 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and isinstance(a, _IMMUTABLE) and bool(a == b)
 
 
+def _rederived(m: nn.Module) -> set[str]:
+    """Attributes a module's own pre-hook sets afresh before every call, from its parameters:
+    torch's hook-based ``weight_norm`` and ``spectral_norm`` (``weight`` from ``weight_g`` and
+    ``weight_v``). Such a module runs whole (a leaf: ``stock.hooked``), so the hook runs on
+    every call of the compiled module and nothing is frozen."""
+    return {
+        str(getattr(hook, "name", ""))
+        for hook in m._forward_pre_hooks.values()
+        if type(hook).__name__ in ("WeightNorm", "SpectralNorm")
+        and type(hook).__module__.startswith("torch.nn.utils")
+    }
+
+
 def _changes(
     model: nn.Module, saved: list[tuple[str, nn.Module, dict[str, Any], dict[str, Any]]]
 ) -> list[tuple[str, str]]:
@@ -99,7 +112,7 @@ def _changes(
     for path, m, attrs, buffers in saved:
         prefix = f"{path}." if path else ""
         now = _attributes(m)
-        for k in sorted(set(attrs) | set(now)):
+        for k in sorted((set(attrs) | set(now)) - _rederived(m)):
             if k not in now or k not in attrs or not _same(attrs[k], now[k]):
                 out.append((prefix + k, "attribute"))
         for k in sorted(set(buffers) | set(m._buffers)):

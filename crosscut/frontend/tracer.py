@@ -48,6 +48,7 @@ from crosscut.errors import InputError, TraceError
 from crosscut.frontend.alias import find_root, order_mutations, written_state_ties
 from crosscut.frontend.autocast_check import refusing_autocast
 from crosscut.frontend.autograd_functions import OpaqueFunctionError, tracing_autograd_functions
+from crosscut.frontend.factory_sizes import packing_factory_sizes
 from crosscut.frontend.grad_mode import NO_GRAD, detach_no_grad
 from crosscut.frontend.hidden_writes import HiddenWriteError, refusing_hidden_writes
 from crosscut.frontend.model_check import check_model
@@ -190,6 +191,7 @@ def _symbolic_trace(
                 torch.enable_grad(),
                 rebound_buffers(model) as rebound,
                 tracing_autograd_functions(),  # custom backwards: autograd_functions.py
+                packing_factory_sizes(),  # torch.zeros(x.size(0), 4): factory_sizes.py
                 refusing_hidden_writes(model),  # p.mul_() via .parameters(): hidden_writes.py
             ):
                 graph = tracer.trace(model)

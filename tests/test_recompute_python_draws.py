@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import random
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -109,3 +110,15 @@ def test_outside_a_replay_the_generators_are_untouched() -> None:
         extra = random.random()  # past the log: drawn anew
     assert extra not in first
     assert (random.random, np.random.rand) == originals
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("dist")
+def test_torchrun_recomputation_replays_python_draws(tmp_path: Path) -> None:
+    """2 gloo ranks, 2 micro-batches, three steps: recomputing vs not, bit for bit."""
+    from tests.test_recompute import run_two_ranks
+
+    run_two_ranks("python_draws_check.py", tmp_path)
+    for rank in (0, 1):
+        count, verdict = (tmp_path / f"rank{rank}.txt").read_text().split()
+        assert verdict == "EQUAL" and int(count) > 4, (rank, count, verdict)

@@ -106,3 +106,26 @@ def test_a_hook_in_the_root_forward_is_refused_by_name() -> None:
     assert "Net" in message and "submodule" in message, message
     assert "argument of type" not in message and "likely a crosscut bug" not in message
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+def test_an_eval_call_with_autograd_on_runs_the_hook_as_eager() -> None:
+    """The eval program is traced in inference mode; the leaf's hook needs autograd there
+    too (before: "this module was compiled in train mode and the model cannot be traced
+    in the other")."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model).eval()
+    x = torch.randn(4, 3, 8, 8)
+    c = crosscut.compile(
+        copy.deepcopy(model), ["cpu", "cpu"], x, replicas=1, microbatches=2,
+        require_all_devices=True, cross_shaped=False,
+    )  # fmt: skip
+    try:
+        c.eval()
+        out, want = c(x), ref(x)
+        torch.testing.assert_close(out, want)  # micro-batches: oneDNN's rounding per batch
+        out.sum().backward()
+        want.sum().backward()
+        assert len(_recorded(c)) == 2 and len(_recorded(ref)) == 1  # per micro-batch, per call
+    finally:
+        c.close()

@@ -161,10 +161,11 @@ class Propagator(torch.fx.Interpreter):
             with torch.no_grad():
                 out = fn(*args, **kwargs)
         except RuntimeError:
-            if not (self.train and (grad_in or self._grad_params(n))):
+            if not (grad_in or self._grad_params(n)):
                 raise
             # a forward that needs autograd (a leaf registering a tensor hook, which
-            # torch refuses on a tensor that wants no gradient): as training runs it
+            # torch refuses on a tensor that wants no gradient): as a call with autograd
+            # on runs it (a training step; an eval call outside no_grad)
             self.flops_mode.conv = self.flops_mode.pool = None
             start = self.flops_mode.total
             with torch.enable_grad():

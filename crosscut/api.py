@@ -103,6 +103,7 @@ def compile(
     # error everywhere, before any rank waits on another
     request, the_run = split_options(options, run, keywords)
     normalize_merge(the_run.output_merge)  # a bad rule fails here, before tracing
+    _check_materialised(model)
     if _distributed_run():
         # Under torchrun every rank runs its own stage; the devices come from the ranks
         # (or, given, say what rank 0 plans for).
@@ -118,6 +119,19 @@ def compile(
             model, example_inputs, plan, devices=devices, options=request, run=the_run
         )
     return _compile_local(model, devices, example_inputs, plan, request, the_run, progress)
+
+
+def _check_materialised(model: Any) -> None:
+    """A model on the ``meta`` device can be traced and partitioned, not run."""
+    meta = [k for k, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise InputError(
+            f"compile runs the model, and {len(meta)} of its parameters and buffers are on "
+            "the meta device (shapes without data)",
+            value=meta[:8],
+            remedy="crosscut.partition plans a meta model; to compile, materialise it first "
+            "(model.to_empty(device='cpu'), then initialise or load_state_dict)",
+        )
 
 
 def _compile_local(

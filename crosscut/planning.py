@@ -97,13 +97,21 @@ def public_errors(fn: F) -> F:
 
 
 def as_tuple(example_inputs: Any) -> tuple[torch.Tensor, ...]:
+    """The example inputs as a tuple of tensors, the first with a batch dimension."""
     if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
+        example_inputs = (example_inputs,)
     if (
         isinstance(example_inputs, (tuple, list))
         and example_inputs
         and all(isinstance(t, torch.Tensor) for t in example_inputs)
     ):
+        if example_inputs[0].dim() == 0:
+            raise InputError(
+                "the first example input needs a batch dimension: crosscut splits the batch "
+                "along its dim 0 (micro-batches, replicas)",
+                value={"shape": list(example_inputs[0].shape)},
+                remedy="pass a batch, e.g. torch.randn(32, 3, 224, 224)",
+            )
         return tuple(example_inputs)
     raise InputError(
         "example_inputs must be a Tensor or a non-empty tuple of Tensors",

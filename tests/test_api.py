@@ -258,6 +258,21 @@ def test_a_data_parallel_wrapper_is_refused_naming_the_module(wrapper: type) -> 
     assert "model.module" in str(info.value) and "Sequential" in str(info.value)
 
 
+def test_edge_models_and_inputs_are_refused_by_rule() -> None:
+    """Before, each of these was "failed inside a dependency ... likely a crosscut bug"."""
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    with pytest.raises(InputError, match="computes nothing to place"):
+        crosscut.compile(nn.Identity(), ["cpu", "cpu"], X)
+    with pytest.raises(InputError, match="needs a batch dimension"):
+        crosscut.compile(net, ["cpu", "cpu"], torch.tensor(1.0))
+    meta = copy.deepcopy(net).to("meta")
+    with pytest.raises(InputError, match="meta device") as info:
+        crosscut.compile(meta, ["cpu", "cpu"], X)
+    assert "'0.weight'" in str(info.value) and "to_empty" in str(info.value)
+    plan = crosscut.partition(meta, ["cpu", "cpu"], X, microbatches=1, replicas=1)
+    assert plan.stages  # a meta model is still planned
+
+
 def test_compiled_module_refuses_to_move(resnet18: nn.Module) -> None:
     compiled = crosscut.compile(copy.deepcopy(resnet18), ["cpu"], X, microbatches=1, replicas=1)
     with pytest.raises(crosscut.CrosscutError, match="plan"):

@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from crosscut.errors import InfeasiblePlanError, PartitionError
+from crosscut.errors import InfeasiblePlanError, InputError, PartitionError
 from crosscut.ir.graph import OpGraph
 from crosscut.ir.plan import (
     ModelInfo,
@@ -190,6 +190,13 @@ def partition_graph(
     Inference never recomputes. ``"never"`` is exactly the plan of a planner
     that knows nothing of recomputation.
     """
+    if not any(n.op not in ("placeholder", "output", "get_attr") for n in graph.nodes):
+        raise InputError(
+            "the model computes nothing to place: its forward returns its inputs (or "
+            "constants) without an operation",
+            value=graph.model_name or "model",
+            remedy="partition a model whose forward runs at least one op",
+        )
     s = settings or SolveSettings()
     dl = Deadline.of(s.deadline, options.time_limit_s)
 

@@ -17,7 +17,7 @@ from torch import nn
 
 import crosscut
 from crosscut.errors import TraceError
-from tests.test_mutation import compiled_step, eager_step
+from tests.test_mutation import assert_steps_like_eager
 
 torch.set_num_threads(1)
 
@@ -81,15 +81,7 @@ def test_functions_and_reentrant_checkpoints_train_like_eager(
         copy.deepcopy(model), ["cpu"] * k, x, replicas=1, microbatches=mb,
         require_all_devices=True, recompute=recompute,
     )  # fmt: skip
-    try:
-        for _ in range(2):
-            out, sd = compiled_step(c, x.clone())
-            expected, ref_sd = eager_step(ref, x.clone(), mb)
-            torch.testing.assert_close(out, expected, rtol=0, atol=0)
-            for key in ref_sd:
-                torch.testing.assert_close(sd[key], ref_sd[key], rtol=1e-6, atol=1e-7, msg=key)
-    finally:
-        c.close()
+    assert_steps_like_eager(c, ref, x, 2, mb=mb, exact_outputs=True)
 
 
 def test_a_function_in_a_submodule_makes_it_a_leaf_and_checkpoints_trace_through() -> None:

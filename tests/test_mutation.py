@@ -242,19 +242,29 @@ def compiled_step(c: CompiledModule, x: torch.Tensor) -> tuple[torch.Tensor, dic
 
 
 def assert_steps_like_eager(
-    c: CompiledModule, ref: nn.Module, x: torch.Tensor, steps: int = 1
+    c: CompiledModule,
+    ref: nn.Module,
+    x: torch.Tensor,
+    steps: int = 1,
+    *,
+    mb: int = 1,
+    exact_outputs: bool = False,
+    close: bool = True,
 ) -> None:
-    """``steps`` SGD steps (lr=1) of ``c`` and of eager ``ref``: outputs and every state
-    tensor close after each; then ``c`` is closed."""
+    """``steps`` SGD steps (lr=1) of ``c`` and of eager ``ref`` on ``mb`` micro-batches:
+    outputs and every state tensor close after each (``exact_outputs``: outputs bit for
+    bit, states within 1e-6 relative); then ``c`` is closed unless ``close`` is False."""
+    tol = {"rtol": 1e-6, "atol": 1e-7} if exact_outputs else {}
     try:
         for _ in range(steps):
             out, sd = compiled_step(c, x.clone())
-            expected, ref_sd = eager_step(ref, x.clone(), 1)
-            torch.testing.assert_close(out, expected)
+            expected, ref_sd = eager_step(ref, x.clone(), mb)
+            torch.testing.assert_close(out, expected, **({"rtol": 0, "atol": 0} if tol else {}))
             for key in ref_sd:
-                torch.testing.assert_close(sd[key], ref_sd[key], msg=key)
+                torch.testing.assert_close(sd[key], ref_sd[key], msg=key, **tol)  # type: ignore[arg-type]
     finally:
-        c.close()
+        if close:
+            c.close()
 
 
 def same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
+from torch.nn.utils.weight_norm import WeightNorm
 
 from crosscut.errors import InputError
 
@@ -53,7 +54,8 @@ def check_model(model: Any) -> None:
 
 
 def _refuse_other_compilers(model: nn.Module) -> None:
-    """A ``torch.compile`` wrapper as the model, or a TorchScript module anywhere in it."""
+    """A data-parallel or ``torch.compile`` wrapper as the model; a hook-based weight norm or a
+    TorchScript module anywhere in it."""
     if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         raise InputError(
             f"the model is wrapped in {type(model).__name__}, which splits the batch across "
@@ -66,7 +68,7 @@ def _refuse_other_compilers(model: nn.Module) -> None:
     weight_norms = [
         name or "(the model)"
         for name, m in model.named_modules()
-        if any(type(h).__name__ == "WeightNorm" for h in m._forward_pre_hooks.values())
+        if any(isinstance(h, WeightNorm) for h in m._forward_pre_hooks.values())
     ]
     if weight_norms:
         raise InputError(

@@ -65,6 +65,7 @@ from typing import Any
 
 import torch.fx
 from torch import Tensor, nn
+from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.utils._pytree import tree_flatten
 
 from crosscut.errors import TraceError
@@ -93,15 +94,11 @@ def _same(a: Any, b: Any) -> bool:
 
 def _rederived(m: nn.Module) -> set[str]:
     """Attributes a module's own pre-hook sets afresh before every call, from its parameters:
-    torch's hook-based ``weight_norm`` and ``spectral_norm`` (``weight`` from ``weight_g`` and
-    ``weight_v``). Such a module runs whole (a leaf: ``stock.hooked``), so the hook runs on
-    every call of the compiled module and nothing is frozen."""
-    return {
-        str(getattr(hook, "name", ""))
-        for hook in m._forward_pre_hooks.values()
-        if type(hook).__name__ in ("WeightNorm", "SpectralNorm")
-        and type(hook).__module__.startswith("torch.nn.utils")
-    }
+    torch's hook-based ``spectral_norm`` (``weight`` from ``weight_orig`` and its ``u``/``v``
+    buffers). Such a module runs whole (a leaf: ``stock.hooked``), so the hook runs on every
+    call of the compiled module and nothing is frozen. (The hook-based ``weight_norm`` is
+    refused before tracing: ``model_check.py``.)"""
+    return {h.name for h in m._forward_pre_hooks.values() if isinstance(h, SpectralNorm)}
 
 
 def _changes(

@@ -158,8 +158,15 @@ def _rank(node: fx.Node) -> int | None:
 class _Rewriter:
     """Builds the channel-split graph node by node (module docstring)."""
 
-    def __init__(self, sub: fx.GraphModule, devices: Sequence[torch.device]) -> None:
+    def __init__(
+        self, sub: fx.GraphModule, devices: Sequence[torch.device], whole_only: set[int]
+    ) -> None:
         self.sub = sub
+        self.whole_only = whole_only  # ids of tensors whose modules run whole (_clashes)
+        # (id(module), device) -> its shard module's name; (id(tensor), device) -> its piece:
+        # a module called twice, or a weight two modules share, is sharded once
+        self.shard_names: dict[tuple[int, int], str] = {}
+        self.pieces: dict[tuple[int, int], tuple[int, int, torch.Tensor]] = {}
         self.devices = [str(d) for d in devices]
         self.modules = dict(sub.named_modules())
         self.by_name = {n.name: n for n in sub.graph.nodes}
@@ -201,20 +208,49 @@ class _Rewriter:
         self.root.add_module(safe, mod)
         return safe
 
-    def _shard_module(self, target: str, mod: nn.Module, i: int, lo: int, hi: int) -> str:
-        """A copy of ``mod`` holding output channels ``[lo, hi)`` on device ``i``."""
+    def _shardable(self, mod: nn.Module) -> bool:
+        """``mod`` may be cut into shards: none of its tensors must also be read whole."""
+        own = [*mod._parameters.values(), *mod._buffers.values()]
+        return not any(id(t) in self.whole_only for t in own if t is not None)
+
+    def _piece(self, t: torch.Tensor, i: int, lo: int, hi: int) -> torch.Tensor:
+        """Device ``i``'s piece of ``t``: one per tensor, however many modules hold it."""
+        if (id(t), i) in self.pieces:
+            plo, phi, piece = self.pieces[(id(t), i)]
+            if (plo, phi) != (lo, hi):
+                raise CodegenError(
+                    "a tensor two modules share is cut into shards of different bounds",
+                    value={"first": (plo, phi), "then": (lo, hi), "device": self.devices[i]},
+                    remedy="report this model; compile without cross_shaped=True meanwhile",
+                )
+            return piece
         dev = torch.device(self.devices[i])
+        if isinstance(t, nn.Parameter):
+            new: torch.Tensor = nn.Parameter(
+                t.detach()[lo:hi].clone().to(dev), requires_grad=t.requires_grad
+            )
+        else:
+            new = (t[lo:hi] if t.dim() > 0 else t).detach().clone().to(dev)
+        self.pieces[(id(t), i)] = (lo, hi, new)
+        return new
+
+    def _shard_module(self, target: str, mod: nn.Module, i: int, lo: int, hi: int) -> str:
+        """A copy of ``mod`` holding output channels ``[lo, hi)`` on device ``i``.
+
+        A module called twice gets one shard per device (the second call reuses
+        it); a tensor tied between modules one piece per device, so a tie holds.
+        """
+        if (id(mod), i) in self.shard_names:
+            return self.shard_names[(id(mod), i)]
         shard = copy.copy(mod)
         shard._parameters = dict(mod._parameters)  # type: ignore[assignment]
         shard._buffers = dict(mod._buffers)  # type: ignore[assignment]
         for pname, p in list(mod._parameters.items()):
             if p is not None:
-                piece = p.detach()[lo:hi].clone().to(dev)
-                shard._parameters[pname] = nn.Parameter(piece, requires_grad=p.requires_grad)
+                shard._parameters[pname] = self._piece(p, i, lo, hi)  # type: ignore[assignment]
         for bname, b in list(mod._buffers.items()):
             if b is not None:
-                piece = b[lo:hi] if b.dim() > 0 else b
-                shard._buffers[bname] = piece.detach().clone().to(dev)
+                shard._buffers[bname] = self._piece(b, i, lo, hi)
         for attr in ("out_channels", "out_features", "num_features"):
             if hasattr(shard, attr):
                 setattr(shard, attr, hi - lo)
@@ -225,7 +261,25 @@ class _Rewriter:
             dim = None if getattr(mod, local).dim() == 0 else 0
             names, _ = self.out.shards.setdefault(f"{target}.{local}", ([], dim))
             names.append(f"{name}.{local}")
+        self.shard_names[(id(mod), i)] = name
         return name
+
+    def clashes(self) -> set[int]:
+        """Ids of sharded tensors the rewritten stage also reads whole.
+
+        A module that runs whole (a call with keywords, a hooked module) or a
+        ``get_attr`` can read the same parameter as a module cut into shards;
+        the shards are copies, so the tie would break silently: two gradients,
+        one tensor updated. :func:`channel_split` rewrites again with those
+        modules whole.
+        """
+        cut = {key[0] for key in self.pieces}
+        held: list[object] = []
+        for _name, m in self.root.named_modules(remove_duplicate=False):
+            held += [*m._parameters.values(), *m._buffers.values(), *vars(m).values()]
+        whole = {id(t) for t in held if isinstance(t, torch.Tensor)}
+        whole -= {id(piece) for _lo, _hi, piece in self.pieces.values()}
+        return cut & whole
 
     # ---- nodes -----------------------------------------------------------------
     def node(self, n: fx.Node) -> None:
@@ -275,8 +329,10 @@ class _Rewriter:
             target = str(n.target)
             *path, leaf = target.split(".")
             owner = self._ensure_path(path)
-            if not hasattr(owner, leaf):
-                owner.add_module(leaf, self.modules[target])
+            # a get_attr of one of its tensors may have made a holder at its path first:
+            # the module replaces it (the holder's tensors are the module's own)
+            if owner._modules.get(leaf) is not self.modules[target]:
+                owner._modules[leaf] = self.modules[target]
         new = self.graph.node_copy(n, self.value)
         self.whole[n] = new
 
@@ -285,6 +341,8 @@ class _Rewriter:
             return False
         mod = self.modules[str(n.target)]
         if not stock_module(mod, _SPLIT) or (isinstance(mod, nn.Conv2d) and mod.groups != 1):
+            return False
+        if not self._shardable(mod):
             return False
         src = n.args[0]
         channels = mod.out_channels if isinstance(mod, nn.Conv2d) else mod.out_features
@@ -316,6 +374,8 @@ class _Rewriter:
         conv_layout = lay.dim == 1
         if n.op == "call_module":
             mod = self.modules[str(n.target)]
+            if not self._shardable(mod):
+                return False
             if stock_module(mod, (nn.BatchNorm1d,)):
                 ok = lay.dim == -1 and _rank(n) == 2
             else:
@@ -367,9 +427,15 @@ def channel_split(sub: fx.GraphModule, devices: Sequence[torch.device]) -> Chann
             value=[str(d) for d in devices],
             remedy="use split 'none' for a one-device stage",
         )
-    rw = _Rewriter(sub, devices)
-    for n in sub.graph.nodes:
-        rw.node(n)
+    whole_only: set[int] = set()
+    while True:  # each pass keeps more tensors whole, so this ends
+        rw = _Rewriter(sub, devices, whole_only)
+        for n in sub.graph.nodes:
+            rw.node(n)
+        clashes = rw.clashes()
+        if not clashes:
+            break
+        whole_only |= clashes
     rw.graph.lint()
     gm = fx.GraphModule(rw.root, rw.graph)
     rw.out.module = gm

@@ -45,6 +45,7 @@ __all__ = [
     "PlanError",
     "TraceError",
     "__version__",
+    "clip_grad_norm_",
     "compile",
     "partition",
     "simulate",
@@ -53,6 +54,7 @@ __all__ = [
 
 _LAZY = {
     "compile": "crosscut.api",
+    "clip_grad_norm_": "crosscut.distributed",
     "trace": "crosscut.api",
     "partition": "crosscut.api",
     "simulate": "crosscut.partitioner.simulate",
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
     from crosscut.api import compile, partition, trace
     from crosscut.cost_models.cluster import Cluster
     from crosscut.cost_models.devices import DeviceSpec
+    from crosscut.distributed import clip_grad_norm_
     from crosscut.ir.graph import OpGraph
     from crosscut.ir.plan import Plan
     from crosscut.partitioner.simulate import simulate

@@ -31,9 +31,12 @@ from crosscut.ir.schedule import AUTO_SCHEDULE
 from crosscut.options import CompileKeywords, PlanRequest, RunOptions, split_options
 from crosscut.partitioner.validate import validate_plan
 from crosscut.planning import as_tuple
+from crosscut.runtime.dist.grad_clip import rank_clip_grad_norm_
 from crosscut.runtime.dist.grad_scaler import PipelineGradScaler
 from crosscut.runtime.dist.rank_executor import DistributedPipeline, check_bn_mode, plan_hash
-from crosscut.runtime.dist.state_files import assemble_checkpoint
+from crosscut.runtime.dist.state_files import RankState, assemble_checkpoint
+from crosscut.runtime.grad_norm import checked_norm_type, clip_pieces_
+from crosscut.runtime.local.model_keys import ModelKeyedState
 
 __all__ = [
     "DistContext",
@@ -41,6 +44,7 @@ __all__ = [
     "DistributedPipeline",
     "PipelineGradScaler",
     "assemble_checkpoint",
+    "clip_grad_norm_",
     "compile_distributed",
     "init",
     "plan_hash",
@@ -344,3 +348,38 @@ def _rank_pipeline(
         why = [str(other)] if isinstance(other, Exception) else mode_differences(graph.gm, other)
         pipe.mode_lock = (graph.mode == "train", why)
     return pipe
+
+
+def clip_grad_norm_(
+    module: nn.Module,
+    max_norm: float,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` by the whole model's norm, on any plan.
+
+    Pass the compiled module itself (not its ``parameters()``): under torchrun
+    a rank holds one stage's parameters, and clipping them by their own norm
+    scales every stage by a different factor. Call it on every rank, after
+    ``train_step`` (a collective: two small all-reduces). The norm counts each
+    parameter once, whatever the replicas and groups hold, computed as eager
+    computes it (bit for bit unless a parameter is channel-sharded); returns
+    it, as torch does. A local ``CompiledModule`` holds the whole model and a
+    plain ``nn.Module`` is clipped by torch's own function.
+    """
+    if isinstance(module, RankState):
+        return rank_clip_grad_norm_(module, max_norm, norm_type, error_if_nonfinite, foreach)
+    if isinstance(module, ModelKeyedState):
+        pieces, keys = module.grad_pieces()
+        params = module.parameters()
+        return clip_pieces_(params, pieces, keys, max_norm, norm_type, error_if_nonfinite, foreach)
+    if isinstance(module, nn.Module):
+        return torch.nn.utils.clip_grad_norm_(
+            module.parameters(), max_norm, checked_norm_type(norm_type), error_if_nonfinite, foreach
+        )
+    raise InputError(
+        "clip_grad_norm_ takes the compiled module (or a plain nn.Module)",
+        value=type(module).__name__,
+        remedy="pass the module crosscut.compile returned, not its parameters()",
+    )

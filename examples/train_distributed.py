@@ -31,6 +31,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--clip", type=float, default=5.0, help="max gradient norm (0: off)")
     args = ap.parse_args()
 
     ctx = crosscut.distributed.init()  # reads torchrun's environment
@@ -45,6 +46,8 @@ def main() -> None:
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = pipe.train_step(x, y, F.cross_entropy)  # None off the loss-computing rank
+        if args.clip > 0:  # the whole model's norm, on every rank (not torch's: one stage's)
+            crosscut.clip_grad_norm_(pipe, args.clip)
         opt.step()
         if loss is not None:
             last = float(loss)

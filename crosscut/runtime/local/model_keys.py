@@ -28,6 +28,7 @@ from torch import nn
 from crosscut.codegen.dotted_attrs import get_attr
 from crosscut.errors import CrosscutError, InputError
 from crosscut.ir.program import StagedProgram
+from crosscut.runtime.grad_norm import Piece
 
 __all__ = ["ModelKeyedState"]
 
@@ -174,3 +175,25 @@ class ModelKeyedState:
         """The original model's buffers, names and order."""
         names = self._unique_buffers if remove_duplicate else self._buffer_names
         yield from self._named_state(names, prefix, recurse)
+
+    def grad_pieces(self) -> tuple[list[Piece], int]:
+        """Every parameter's gradient as a piece of the model's keys, and the key count.
+
+        For ``runtime/grad_norm.py``. One process holds the whole model: each
+        parameter once (a tied one under its first name), a channel-sharded one
+        as its shards (a replicated scalar's shard 0 only).
+        """
+        index = {key: i for i, key in enumerate(self._keys)}
+        out: list[Piece] = []
+        for name, param in self.named_parameters():
+            key, _, shard = name.partition("#shard")
+            if param.grad is None:
+                continue
+            if not shard:
+                out.append(Piece(index[key], False, param.grad))
+                continue
+            dim = self._program.shard_sources[key][2]
+            if dim is None and int(shard) > 0:
+                continue
+            out.append(Piece(index[key], dim is not None, param.grad, speaks=int(shard) == 0))
+        return out, len(self._keys)

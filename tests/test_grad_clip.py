@@ -179,4 +179,5 @@ def test_torchrun_clips_by_the_whole_models_norm(case: str, ranks: int, tmp_path
     limit = {"pipeline": 0.0, "replicas": 0.0, "channel": 1e-7, "batch": 1e-9, "tied": 1e-6}[case]
     for rep in reports:
         assert rep["param_diff"] <= limit, (case, rep["param_diff"])
+        assert rep["aliases"], "a rank's state_dict() values must share its tensors' storage"
     assert (reports[0]["shards"] > 0) == (case in ("channel", "tied"))

@@ -117,7 +117,10 @@ def main() -> None:
         (trained[k].double() - p.detach().double()).abs().max().item()
         for k, p in eager.named_parameters()
     )
+    state = pipe.state_dict()  # shares storage with the rank's tensors, as nn.Module's
+    aliases = all(state[k].data_ptr() == p.data_ptr() for k, p in pipe.named_parameters())
     report = {"steps": steps, "param_diff": diff, "shards": len(pipe.local_shards())}
+    report["aliases"] = aliases
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(report))
     pipe.close()
 

@@ -149,10 +149,13 @@ class RankState:
 
         A channel-split member's pieces appear as ``KEY#shardM``;
         :func:`assemble_checkpoint` joins every rank's share into the model's.
+        As ``nn.Module.state_dict``, values share storage with this rank's
+        tensors (a write through one changes the stage);
+        :meth:`local_state_dict` gives CPU copies.
         """
         out: dict[str, Any] = OrderedDict() if destination is None else destination
         for name, t in self._named_share():
-            out[prefix + name] = t if keep_vars else t.detach().to("cpu", copy=True)
+            out[prefix + name] = t if keep_vars else t.detach()
         return out
 
     def load_state_dict(  # type: ignore[override]

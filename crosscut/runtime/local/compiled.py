@@ -433,7 +433,8 @@ class CompiledModule(ModelKeyedState, KeepsModuleFlags):  # type: ignore[misc]
         Parameters follow the model's order, so the file loads under any plan of
         the model (and ``state`` into the model itself).
         """
-        save_file(self.state_dict(), path, optimizer, extra)
+        state = {k: v.to("cpu", copy=True) for k, v in self.state_dict().items()}
+        save_file(state, path, optimizer, extra)
 
     def load_checkpoint(self, path: str | Path, optimizer: Any = None) -> Any:
         """Restore :meth:`save_checkpoint`'s file (and the optimizer); returns ``extra``."""

@@ -98,11 +98,17 @@ class ModelKeyedState:
     def state_dict(  # type: ignore[override]
         self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, Any]:
-        """Exactly the original model's keys, in its order, values copied to CPU."""
+        """Exactly the original model's keys, in its order.
+
+        As ``nn.Module.state_dict``, a value shares storage with the tensor the
+        stages hold, on its device: a write through it changes the module (an
+        EMA that updates ``ema.state_dict()`` in place, as timm's does, needs
+        that). A channel-sharded tensor is its shards concatenated: a copy.
+        """
         out: dict[str, Any] = OrderedDict() if destination is None else destination
         for key in self._keys:
             t = self._source(key)
-            out[prefix + key] = t if keep_vars else t.detach().to("cpu", copy=True)
+            out[prefix + key] = t if keep_vars else t.detach()
         return out
 
     def load_state_dict(  # type: ignore[override]

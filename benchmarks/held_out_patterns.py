@@ -17,11 +17,16 @@ pipelines: 2-4 CPU devices, 1-4 micro-batches, ``recompute`` auto/always/never,
 against eager on the same micro-batches, then (for models whose graph reads
 ``self.training``) an eval call.
 
+With ``--groups`` each model runs instead on cross-shaped plans: a stage
+channel-split over a group of 2-3 devices (the whole model, or the second of two
+stages), 1-4 micro-batches, built by widening the planner's cut (as the torchrun
+tests do), so every sharded weight, shared or not, meets the channel split.
+
 A case is ``ok`` (within 1e-9), ``refused`` (a crosscut error naming a rule:
 state written in forward with several micro-batches) or ``BAD`` (a mismatch
 or a crash). Refusals are listed; any ``BAD`` makes the exit status 1.
 
-Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/held_out_patterns.py``
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/held_out_patterns.py [--groups]``
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from tests.test_forward_state import EvalCache, WithTeacher  # noqa: E402
 from tests.test_modes import TrainCounter, _frozen_norms  # noqa: E402
 from tests.test_tensor_hooks import Net as TensorHooked  # noqa: E402
 
-__all__ = ["MODELS", "PLANS", "main", "run_one"]
+__all__ = ["GROUP_PLANS", "MODELS", "PLANS", "main", "run_one"]
 
 
 class TiedConv(nn.Module):
@@ -348,6 +353,15 @@ PLANS: list[tuple[int, int, str, str]] = [
 ]
 
 
+# channel-split layouts: (per stage: group width, split), micro-batches
+GROUP_PLANS: list[tuple[tuple[tuple[int, str], ...], int]] = [
+    (((2, "channel"),), 1),
+    (((2, "channel"),), 2),
+    (((1, "none"), (2, "channel")), 2),
+    (((3, "channel"),), 4),
+]
+
+
 def _step(model: Any, x: torch.Tensor, mb: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Outputs over ``mb`` micro-batches in order, then one SGD step (lr 1) on their sum."""
     out = torch.cat([model(c) for c in x.chunk(mb)])
@@ -360,21 +374,37 @@ def _step(model: Any, x: torch.Tensor, mb: int) -> tuple[torch.Tensor, dict[str,
     return out, model.state_dict()
 
 
-def run_one(name: str, plan: tuple[int, int, str, str]) -> str:
-    """``ok``, ``refused: ...`` or ``BAD: ...`` for one model on one forced plan."""
+def _compiled(model: nn.Module, x: torch.Tensor, plan: tuple[Any, ...]) -> tuple[Any, int]:
+    """The compiled module for a pipeline plan or a channel-split layout, and its M."""
     import crosscut
+    from tests.plan_factory import widen
+
+    if len(plan) == 2:  # GROUP_PLANS
+        groups, mb = plan
+        cut = crosscut.partition(
+            copy.deepcopy(model), ["cpu"] * len(groups), x, microbatches=mb,
+            require_all_devices=True, solver="dp",
+        )  # fmt: skip
+        total = sum(width for width, _split in groups)
+        return crosscut.compile(model, ["cpu"] * total, x, plan=widen(cut, groups)), mb
+    devices, mb, recompute, schedule = plan
+    c = crosscut.compile(
+        model, ["cpu"] * devices, x, replicas=1, microbatches=mb,
+        require_all_devices=True, recompute=recompute, schedule=schedule, time_limit=5,
+    )  # fmt: skip
+    return c, mb
+
+
+def run_one(name: str, plan: tuple[Any, ...]) -> str:
+    """``ok``, ``refused: ...`` or ``BAD: ...`` for one model on one forced plan."""
     from crosscut.errors import CrosscutError
 
-    devices, mb, recompute, schedule = plan
     torch.manual_seed(0)
     model = MODELS[name]().double()
     x = torch.randn(8, 3, 8, 8, dtype=torch.float64)
     ref = copy.deepcopy(model)
     try:
-        c = crosscut.compile(
-            copy.deepcopy(model), ["cpu"] * devices, x, replicas=1, microbatches=mb,
-            require_all_devices=True, recompute=recompute, schedule=schedule, time_limit=5,
-        )  # fmt: skip
+        c, mb = _compiled(copy.deepcopy(model), x, plan)
     except CrosscutError as exc:
         return "refused: " + str(exc).split(";")[0][:110]
     try:
@@ -403,17 +433,22 @@ def run_one(name: str, plan: tuple[int, int, str, str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--groups", action="store_true", help="channel-split plans instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     # the eager reference's reentrant checkpoint warns that its input needs no gradient
     warnings.filterwarnings("ignore", message=".*requires_grad=True.*")
     tally = {"ok": 0, "refused": 0, "BAD": 0}
     for name in args.models:
-        for plan in PLANS:
+        for plan in GROUP_PLANS if args.groups else PLANS:
             verdict = run_one(name, plan)
             tally[verdict.split(":")[0].split(" ")[0]] += 1
-            print(f"{name:22s} devices={plan[0]} mb={plan[1]} recompute={plan[2]:6s} "
-                  f"schedule={plan[3]:8s} {verdict}", flush=True)  # fmt: skip
+            where = (
+                f"groups={plan[0]} mb={plan[1]}"
+                if args.groups
+                else f"devices={plan[0]} mb={plan[1]} recompute={plan[2]:6s} schedule={plan[3]:8s}"
+            )
+            print(f"{name:22s} {where} {verdict}", flush=True)
     print(f"{sum(tally.values())} cases: {tally['ok']} ok, {tally['refused']} refused, "
           f"{tally['BAD']} BAD")  # fmt: skip
     return 1 if tally["BAD"] else 0

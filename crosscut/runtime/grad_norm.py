@@ -86,8 +86,9 @@ def piece_norms(pieces: Sequence[Piece], norm_type: float, foreach: bool | None)
             if fast
             else [torch.linalg.vector_norm(g, norm_type) for g in grads]
         )
-        for i, norm in zip(members, norms):
-            out[i] = float(norm.item())
+        # one copy to the host per group (a .item() per tensor would sync a GPU each time)
+        for i, norm in zip(members, torch.stack(list(norms)).tolist()):
+            out[i] = float(norm)
     return out
 
 

@@ -116,11 +116,14 @@ class RankStages:
                 f"stages {sorted(self.ios)} read the model's inputs, so rank {rank} needs them",
                 remedy="pass the same global batch on every rank",
             )
-        tgts = io.split_batch(targets, "targets") if needs[1] else None
+        # the targets are one structure: a tuple of them is not a tuple of model inputs
+        # (each micro-batch's loss gets the whole structure, cut, as in the local runtime)
+        tgts = io.split_batch((targets,), "targets") if needs[1] and targets is not None else None
         if needs[1] and tgts is None:
             raise InputError(
                 "the last stage computes the loss: it needs targets and loss_fn",
-                remedy="pass targets and loss_fn on every rank",
+                remedy="pass targets and loss_fn on every rank (for a loss of the outputs "
+                "alone, any batch-first tensor as targets)",
             )
         return mbs, tgts
 

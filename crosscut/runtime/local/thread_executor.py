@@ -368,7 +368,7 @@ class LocalExecutor:
         :meth:`forward` only).
         """
         run, _ = self._start(args)
-        tgts = scatter([targets], self.microbatches)
+        tgts = scatter([targets], self.microbatches, micro_rows(args))  # the inputs' batch
         losses: list[torch.Tensor | None] = [None] * self.microbatches
 
         def do(a: Action) -> None:

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -108,15 +105,9 @@ def test_local_train_step_cuts_targets_as_eager_sees_them(case: str, mb: int) ->
 def test_torchrun_train_step_keeps_a_tuple_of_targets_whole(tmp_path: Path) -> None:
     """2 gloo ranks, 2 micro-batches of 2 samples: ``y, w = t`` must get the labels and
     the weights (before, it unpacked the labels' two rows)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    done = subprocess.run(
-        [*cmd, str(SCRIPT), str(tmp_path)],
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    from tests.test_recompute import run_two_ranks
+
+    run_two_ranks(SCRIPT.name, tmp_path)
     last = json.loads((tmp_path / "rank1.json").read_text())
     assert last["grads_equal"] and last["loss_diff"] < 1e-6, last
     first = json.loads((tmp_path / "rank0.json").read_text())

@@ -16,7 +16,7 @@ import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -43,6 +43,16 @@ def _per_image(out: torch.Tensor, t: list[dict[str, torch.Tensor]]) -> torch.Ten
     return F.cross_entropy(out, labels) + (out[:, :1] * boxes.mean((1, 2))[:, None]).mean()
 
 
+class Pair(NamedTuple):
+    y: torch.Tensor
+    w: torch.Tensor
+
+
+def _weighted(out: torch.Tensor, t: Pair) -> torch.Tensor:
+    """Reads the targets by field name: they must arrive as the namedtuple they were."""
+    return (F.cross_entropy(out, t.y, reduction="none") * t.w).mean()
+
+
 def cases(batch: int) -> dict[str, tuple[Any, Callable[[Any, Any], torch.Tensor]]]:
     g = torch.Generator().manual_seed(2)
     y, w = torch.randint(0, 4, (batch,), generator=g), torch.rand(batch, generator=g)
@@ -58,6 +68,7 @@ def cases(batch: int) -> dict[str, tuple[Any, Callable[[Any, Any], torch.Tensor]
             lambda o, t: (lambda yy, ww: (o.sum(1) * ww).mean() + yy.float().mean())(*t),
         ),
         "dict": ({"y": y}, lambda o, t: F.cross_entropy(o, t["y"])),
+        "namedtuple": (Pair(y, w), _weighted),
         "per-image": (images, _per_image),
     }
 
@@ -71,11 +82,12 @@ def _slice(t: Any, lo: int, hi: int) -> Any:
         return {k: _slice(v, lo, hi) for k, v in t.items()}
     if isinstance(t, list):  # the per-image list: cut by images
         return t[lo:hi]
-    return tuple(_slice(v, lo, hi) for v in t)
+    parts = [_slice(v, lo, hi) for v in t]
+    return type(t)(*parts) if hasattr(t, "_fields") else tuple(parts)
 
 
 @pytest.mark.parametrize("mb", [2, 4])
-@pytest.mark.parametrize("case", ["none", "tuple", "unpacked", "dict", "per-image"])
+@pytest.mark.parametrize("case", ["none", "tuple", "unpacked", "dict", "namedtuple", "per-image"])
 def test_local_train_step_cuts_targets_as_eager_sees_them(case: str, mb: int) -> None:
     x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
     targets, loss_fn = cases(8)[case]

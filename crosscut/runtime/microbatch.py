@@ -43,9 +43,13 @@ def _per_sample(value: Any, batch: int | None) -> Any:
     if isinstance(value, (list, tuple)):
         if len(value) == batch and value and all(isinstance(v, Mapping) for v in value):
             return _Samples(value)
-        return type(value)(_per_sample(v, batch) for v in value)  # type: ignore[call-arg]
+        items = [_per_sample(v, batch) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value  # nothing per-sample inside: the caller's own object and type
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, dict):
-        return {k: _per_sample(v, batch) for k, v in value.items()}
+        inner = {k: _per_sample(v, batch) for k, v in value.items()}
+        return value if all(inner[k] is v for k, v in value.items()) else inner
     return value
 
 

@@ -3,17 +3,22 @@
 Why: a loss reads its targets the way the user's training loop builds them. Before, a
 loss of the outputs alone (``targets=None``) and torchvision-style detection targets
 (a list of one dict per image) were refused with "every tensor argument needs the same
-batch size ... got: []"; under torchrun a tuple of targets ``(labels, weights)`` reached
-the loss as its first tensor alone, so ``y, w = t`` unpacked two rows of the labels
-when a micro-batch held two samples. Now each micro-batch's loss gets its slice of the
-whole structure: tensors cut on dim 0, a per-sample list of dicts cut by samples (never
-its boxes), ``None`` as is. Checked against eager on the same micro-batches.
+batch size ... got: []" (under torchrun, until the thirty-first session, "needs a
+batch-first tensor" and "the global batch of targets must be ..."); under torchrun a
+tuple of targets ``(labels, weights)`` reached the loss as its first tensor alone,
+so ``y, w = t`` unpacked two rows of the labels when a micro-batch held two samples.
+Now each micro-batch's loss gets its slice of the whole structure, on every runtime:
+tensors cut on dim 0, a per-sample list of dicts cut by samples (never its boxes),
+``None`` as is. Checked against eager on the same micro-batches.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -112,15 +117,33 @@ def test_local_train_step_cuts_targets_as_eager_sees_them(case: str, mb: int) ->
         compiled.close()
 
 
+def _run_ranks(layout: str, out: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(
+        [*cmd, str(SCRIPT), layout, str(out)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
 @pytest.mark.distributed
 @pytest.mark.xdist_group("dist")
-def test_torchrun_train_step_keeps_a_tuple_of_targets_whole(tmp_path: Path) -> None:
-    """2 gloo ranks, 2 micro-batches of 2 samples: ``y, w = t`` must get the labels and
-    the weights (before, it unpacked the labels' two rows)."""
-    from tests.test_recompute import run_two_ranks
-
-    run_two_ranks(SCRIPT.name, tmp_path)
-    last = json.loads((tmp_path / "rank1.json").read_text())
-    assert last["grads_equal"] and last["loss_diff"] < 1e-6, last
-    first = json.loads((tmp_path / "rank0.json").read_text())
-    assert first["grads_equal"] and first["loss_diff"] is None, first
+@pytest.mark.parametrize("layout", ["pipeline", "replicas"])
+def test_torchrun_train_step_hands_targets_over_as_locally(layout: str, tmp_path: Path) -> None:
+    """2 gloo ranks, 2 micro-batches of 2 samples per replica, every case of :func:`cases`.
+    Before: a tuple ``(y, w)`` reached the loss as ``y`` alone (``y, w = t`` unpacked its
+    rows), and ``None`` or a per-image list of dicts was refused on the loss's rank."""
+    _run_ranks(layout, tmp_path)
+    losses = [1] if layout == "pipeline" else [0, 1]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert set(report) == set(cases(8)), report
+        for case, got in report.items():
+            assert got["grad_diff"] < 1e-6, (rank, case, got)
+            if rank in losses:
+                assert got["loss_diff"] < 1e-6, (rank, case, got)
+            else:
+                assert got["loss_diff"] is None, (rank, case, got)

@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from crosscut.errors import InputError
 
-__all__ = ["micro_rows", "scatter"]
+__all__ = ["batch_leaves", "micro_rows", "scatter", "share"]
 
 
 class _Samples:
@@ -93,6 +93,29 @@ def scatter(args: Sequence[Any], microbatches: int, batch: int | None = None) ->
         mb = [p[m] if p is not None else leaf for p, leaf in zip(parts, leaves)]
         out.append(list(pytree.tree_unflatten(mb, spec)))
     return out
+
+
+def batch_leaves(args: Sequence[Any], batch: int) -> list[torch.Tensor]:
+    """The batch-major tensors of ``args`` whose dim 0 must be ``batch``: every tensor
+    with a dim, except those inside a per-sample list of dicts (their dim 0 counts boxes)."""
+    leaves = pytree.tree_leaves([_per_sample(a, batch) for a in args])
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0]
+
+
+def share(args: Sequence[Any], parts: int, index: int, batch: int) -> list[Any]:
+    """``args`` cut to the ``index``-th of ``parts`` equal shares of a ``batch`` of samples
+    (a replica's share of the global batch): batch-major tensors on dim 0, a per-sample
+    list of dicts by samples, anything else whole."""
+    leaves, spec = pytree.tree_flatten([_per_sample(a, batch) for a in args])
+    cut = [
+        t.chunk(parts, 0)[index]
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+        else t.part(index, parts)
+        if isinstance(t, _Samples)
+        else t
+        for t in leaves
+    ]
+    return list(pytree.tree_unflatten(cut, spec))
 
 
 def micro_rows(args: Sequence[Any]) -> int | None:

@@ -365,7 +365,7 @@ class DistributedPipeline(RankState, KeepsModuleFlags):  # type: ignore[misc]
         )
         training = kind == "train"  # the loss needs targets and loss_fn on the last's rank
         needs = (reads_input, training and has_last)
-        mbs, tgts = self._here.batches(inputs, targets if loss_fn else None, needs, self.rank)
+        mbs, tgts = self._here.batches(inputs, targets, needs, self.rank, loss_fn is not None)
         losses: list[torch.Tensor] = []
         results: list[Any] = []
         where = self._placeholders.index

@@ -104,11 +104,12 @@ class RankStages:
             yield a
 
     def batches(
-        self, inputs: Any, targets: Any, needs: tuple[bool, bool], rank: int
+        self, inputs: Any, targets: Any, needs: tuple[bool, bool], rank: int, loss: bool
     ) -> tuple[list[list[Any]] | None, list[list[Any]] | None]:
         """This replica's micro-batches of the inputs and of the targets, refusing a
         missing one that ``needs`` says a stage here reads: (the model's inputs, the
-        targets with a ``loss_fn``, which only the last stage's rank computes)."""
+        targets with a ``loss_fn``, which only the last stage's rank computes). ``loss``:
+        a ``loss_fn`` was given; its targets may be ``None`` (a loss of the outputs)."""
         io = next(iter(self.ios.values()))
         mbs = io.split_batch(inputs, "inputs")
         if needs[0] and mbs is None:
@@ -116,15 +117,15 @@ class RankStages:
                 f"stages {sorted(self.ios)} read the model's inputs, so rank {rank} needs them",
                 remedy="pass the same global batch on every rank",
             )
+        if needs[1] and not loss:
+            raise InputError(
+                "the last stage computes the loss: train_step needs a loss_fn on every rank",
+                remedy="call train_step(inputs, targets, loss_fn) with the same loss_fn on "
+                "every rank (targets may be None for a loss of the outputs alone)",
+            )
         # the targets are one structure: a tuple of them is not a tuple of model inputs
         # (each micro-batch's loss gets the whole structure, cut, as in the local runtime)
-        tgts = io.split_batch((targets,), "targets") if needs[1] and targets is not None else None
-        if needs[1] and tgts is None:
-            raise InputError(
-                "the last stage computes the loss: it needs targets and loss_fn",
-                remedy="pass targets and loss_fn on every rank (for a loss of the outputs "
-                "alone, any batch-first tensor as targets)",
-            )
+        tgts = io.split_batch((targets,), "targets") if needs[1] else None
         return mbs, tgts
 
     def set_dtypes(self, dtypes: Any) -> None:

@@ -29,7 +29,7 @@ from crosscut.errors import DistributedError, InputError
 from crosscut.ir.schedule import Action
 from crosscut.runtime.dist.p2p import Edge, Messenger, PendingRecv, Routes
 from crosscut.runtime.engine import incoming_grad, keep_incoming, with_strides
-from crosscut.runtime.microbatch import scatter
+from crosscut.runtime.microbatch import batch_leaves, scatter, share
 
 __all__ = ["Posted", "StageIO"]
 
@@ -78,27 +78,20 @@ class StageIO:
             return None
         args = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
         need = self.replicas * self.microbatches * self.micro_batch
-        for t in pytree.tree_leaves(args):
-            if isinstance(t, torch.Tensor) and t.dim() > 0 and need and t.shape[0] != need:
+        for t in batch_leaves(args, need) if need else []:
+            if t.shape[0] != need:
                 raise InputError(
                     f"the global batch of {what} must be replicas × microbatches × micro-batch "
                     f"= {self.replicas} × {self.microbatches} × {self.micro_batch} = {need}",
                     value=tuple(t.shape),
                     remedy="pass the batch size the plan was compiled for (shapes are static)",
                 )
-        if self.replicas > 1:
-            args = pytree.tree_map(
-                lambda t: (
-                    t.chunk(self.replicas, 0)[self.replica]
-                    if isinstance(t, torch.Tensor) and t.dim() > 0
-                    else t
-                ),
-                args,
-            )
+        if self.replicas > 1:  # a per-sample list of dicts (detection targets) by samples
+            args = share(args, self.replicas, self.replica, need)
         args = pytree.tree_map(
             lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, args
         )
-        return scatter(args, self.microbatches)
+        return scatter(args, self.microbatches, batch=need // self.replicas or None)
 
     # ---- receives -----------------------------------------------------------------------
     def post(self, a: Action) -> Posted:

@@ -36,11 +36,18 @@ class PythonDrop(nn.Module):
         self.source = source
         self.conv = nn.Conv2d(6, 6, 3, padding=1)
         self.draws: list[float] = []
+        self.rng = random.Random(0)  # the leaf's own generator ("instance" sources)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.abs().sum() == 0:  # data-dependent: fx cannot trace it, so a leaf
             return x
-        r = random.random() if self.source == "python" else float(np.random.rand())
+        r = {
+            "python": random.random,
+            "numpy": lambda: float(np.random.rand()),
+            "instance": self.rng.random,
+            "instance-uniform": lambda: self.rng.uniform(0.0, 1.0),  # Python code over random()
+            "instance-randint": lambda: self.rng.randint(0, 1) - 0.25,  # over getrandbits()
+        }[self.source]()
         self.draws.append(r)
         return x if r < 0.5 else x + self.conv(x)
 
@@ -82,8 +89,13 @@ def _steps(model: nn.Module, x: torch.Tensor, recompute: str, steps: int = 4) ->
     return seen
 
 
-@pytest.mark.parametrize("source", ["python", "numpy"])
+@pytest.mark.parametrize(
+    "source", ["python", "numpy", "instance", "instance-uniform", "instance-randint"]
+)
 def test_recomputation_replays_a_leafs_python_draws(source: str) -> None:
+    """Module-level draws, and a generator object of the leaf's own (``random.Random``):
+    before, the object's draws were not replayed (its recomputation took the other branch,
+    or its stream moved on by the extra draws)."""
     torch.manual_seed(0)
     model = Net(source)
     x = torch.randn(4, 3, 8, 8)
@@ -110,6 +122,21 @@ def test_outside_a_replay_the_generators_are_untouched() -> None:
         extra = random.random()  # past the log: drawn anew
     assert extra not in first
     assert (random.random, np.random.rand) == originals
+    assert "random" not in vars(random.Random)  # the class's inherited primitive is back
+
+
+def test_a_generator_objects_draws_are_replayed_once_each() -> None:
+    """``uniform`` draws through ``random()``: the log holds the outer draw alone, the
+    replay hands it back without drawing, so the object's stream moves on once."""
+    rng, twin = random.Random(5), random.Random(5)
+    log: list[object] = []
+    with python_draws.recording(log):
+        first = [rng.uniform(2.0, 3.0), rng.randint(0, 99), random.uniform(0.0, 1.0)]
+    assert len(log) == 3, log
+    with python_draws.replaying(log):
+        assert [rng.uniform(2.0, 3.0), rng.randint(0, 99), random.uniform(0.0, 1.0)] == first
+    assert first[:2] == [twin.uniform(2.0, 3.0), twin.randint(0, 99)]
+    assert rng.random() == twin.random()  # the replay drew nothing from the object
 
 
 @pytest.mark.distributed

@@ -14,8 +14,15 @@ value this thread draws from those generators, and the recomputation
 (:func:`replaying`) is handed the same values in the same order. The module
 functions are wrapped only while a stage records or replays (counted, under a
 lock), and the wrappers pass straight through on every other thread: a stage on
-another worker thread, or the caller's own code, draws as it always does. A
-generator object of the model's own (``random.Random(0)``) is not covered.
+another worker thread, or the caller's own code, draws as it always does.
+
+A generator object of the model's own (``self.rng = random.Random(0)``) is covered
+through its class: every ``random.Random`` method draws through two primitives,
+``random()`` and ``getrandbits()``, which are wrapped on the class, so the object's
+draws are replayed and its state moves on once. A draw inside a wrapped draw
+(``random.uniform`` calls ``self.random()``) belongs to the outer one and passes
+straight through. NumPy's ``Generator`` objects cannot be wrapped (their type is
+immutable) and are not covered.
 """
 
 from __future__ import annotations
@@ -37,22 +44,30 @@ _PYTHON = ("random", "uniform", "randint", "randrange", "choice", "choices", "sa
 _NUMPY = ("rand", "randn", "random", "random_sample", "uniform", "randint", "choice",
           "binomial", "normal", "beta", "permutation", "poisson", "exponential")  # fmt: skip
 
-_local = threading.local()  # .log: list of values; .replay: position, or None when recording
+# ``random.Random``'s primitives, wrapped on the class (module docstring)
+_PRIMITIVES = ("random", "getrandbits")
+
+_local = threading.local()  # .log: list of values; .at: position, or None when recording;
+# .inside: a wrapped draw is running on this thread (a draw within it is its own business)
 _lock = threading.Lock()
 _users = 0
-_originals: list[tuple[Any, str, Callable[..., Any]]] = []
+_originals: list[tuple[Any, str, Callable[..., Any] | None]] = []
 
 
 def _wrapped(draw: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         log: list[Any] | None = getattr(_local, "log", None)
-        if log is None:
+        if log is None or getattr(_local, "inside", False):
             return draw(*args, **kwargs)
         at: int | None = getattr(_local, "at", None)
         if at is not None and at < len(log):  # replaying the first pass's value
             _local.at = at + 1
             return copy.deepcopy(log[at])
-        value = draw(*args, **kwargs)
+        _local.inside = True
+        try:
+            value = draw(*args, **kwargs)
+        finally:
+            _local.inside = False
         if at is None:
             log.append(copy.deepcopy(value))
         return value
@@ -62,6 +77,7 @@ def _wrapped(draw: Callable[..., Any]) -> Callable[..., Any]:
 
 def _targets() -> list[tuple[Any, str]]:
     out: list[tuple[Any, str]] = [(random, name) for name in _PYTHON]
+    out += [(random.Random, name) for name in _PRIMITIVES]
     np_random = getattr(sys.modules.get("numpy"), "random", None)  # only if already imported
     if np_random is not None:
         out += [(np_random, name) for name in _NUMPY if hasattr(np_random, name)]
@@ -75,7 +91,8 @@ def _wrapping() -> Iterator[None]:
         if _users == 0:
             for module, name in _targets():
                 original = getattr(module, name)
-                _originals.append((module, name, original))
+                own = name in vars(module)  # a class's inherited method is deleted after
+                _originals.append((module, name, original if own else None))
                 setattr(module, name, _wrapped(original))
         _users += 1
     try:
@@ -86,7 +103,10 @@ def _wrapping() -> Iterator[None]:
             if _users == 0:
                 while _originals:
                     module, name, original = _originals.pop()
-                    setattr(module, name, original)
+                    if original is None:
+                        delattr(module, name)
+                    else:
+                        setattr(module, name, original)
 
 
 @contextmanager

@@ -30,7 +30,7 @@ from crosscut.ir.plan import Plan
 from crosscut.ir.schedule import AUTO_SCHEDULE
 from crosscut.options import CompileKeywords, PlanRequest, RunOptions, split_options
 from crosscut.partitioner.validate import validate_plan
-from crosscut.planning import as_tuple
+from crosscut.planning import as_tuple, micro_inputs
 from crosscut.runtime.dist.grad_clip import rank_clip_grad_norm_
 from crosscut.runtime.dist.grad_scaler import PipelineGradScaler
 from crosscut.runtime.dist.rank_executor import DistributedPipeline, check_bn_mode, plan_hash
@@ -329,7 +329,7 @@ def _rank_pipeline(
             value=batch,
             remedy=f"use a batch that is a multiple of {reps * m}",
         )
-    micro = tuple(t[: batch // (reps * m)] for t in inputs)
+    micro = micro_inputs(inputs, reps * m)  # a 0-d input goes whole
     graph = trace(model, micro, mode=the_plan.model.mode, precision=the_plan.options.precision)
     validate_plan(the_plan, graph)
     other = other_mode_graph(model, graph)

@@ -112,12 +112,31 @@ def as_tuple(example_inputs: Any) -> tuple[torch.Tensor, ...]:
                 value={"shape": list(example_inputs[0].shape)},
                 remedy="pass a batch, e.g. torch.randn(32, 3, 224, 224)",
             )
+        _check_batch(tuple(example_inputs))
         return tuple(example_inputs)
     raise InputError(
         "example_inputs must be a Tensor or a non-empty tuple of Tensors",
         value=type(example_inputs).__name__,
         remedy="pass e.g. torch.randn(32, 3, 224, 224)",
     )
+
+
+def _check_batch(inputs: tuple[torch.Tensor, ...]) -> None:
+    """Every input with a dimension is cut along dim 0 with the batch (micro-batches,
+    replicas, batch-split groups: each piece gets its rows); a 0-d tensor goes whole to
+    every piece. So an input shared by every sample (a mask, a table) is refused here,
+    where the trace would otherwise cut it and the model fail on the cut."""
+    batch = int(inputs[0].shape[0])
+    for i, t in enumerate(inputs[1:], 1):
+        if t.dim() > 0 and int(t.shape[0]) != batch:
+            raise InputError(
+                f"every example input with dimensions is cut along dim 0 as the batch "
+                f"({batch}, dim 0 of the first); input {i}'s dim 0 is not the batch",
+                value={"input": i, "shape": list(t.shape), "batch": batch},
+                remedy="register a tensor every sample shares as a buffer of the model "
+                "(self.register_buffer(name, t)), pass it as a 0-d tensor, or give it one "
+                "row per sample (t.expand(batch, *t.shape))",
+            )
 
 
 def micro_inputs(example_inputs: Any, microbatches: int) -> tuple[torch.Tensor, ...]:
@@ -137,7 +156,7 @@ def micro_inputs(example_inputs: Any, microbatches: int) -> tuple[torch.Tensor, 
             remedy=f"use microbatches in {[m for m in range(1, batch + 1) if batch % m == 0][:8]}",
         )
     size = batch // microbatches
-    return tuple(t[:size] for t in inputs)
+    return tuple(t[:size] if t.dim() else t for t in inputs)  # a 0-d input goes whole
 
 
 @public_errors

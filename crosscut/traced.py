@@ -85,7 +85,7 @@ class TraceCache:
             try:
                 graph = trace(
                     self.model,
-                    tuple(t[:size] for t in self.inputs),
+                    tuple(t[:size] if t.dim() else t for t in self.inputs),  # 0-d: whole
                     mode=self.request.mode,
                     precision=self.request.precision,
                 )

@@ -261,7 +261,7 @@ def _fresh(x: Inputs) -> Any:
 def _chunks(x: Inputs, micro: int) -> list[tuple[torch.Tensor, ...]]:
     """``x`` cut into ``micro`` chunks along the batch, each as the model's arguments."""
     xs = x if isinstance(x, tuple) else (x,)
-    return list(zip(*(t.chunk(micro) for t in xs)))
+    return list(zip(*(t.chunk(micro) if t.dim() else [t] * micro for t in xs)))  # 0-d: whole
 
 
 def _outputs(model: nn.Module, x: Inputs, micro: int) -> Any:

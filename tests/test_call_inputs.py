@@ -9,6 +9,10 @@ model.
 
 from __future__ import annotations
 
+import copy
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -74,3 +78,72 @@ def test_an_unread_non_persistent_buffer_is_listed_like_the_model() -> None:
     assert names == [k for k, _ in model.named_buffers()] == ["table", "offset"]
     assert [b.tolist() for b in c.buffers()] == [b.tolist() for b in model.buffers()]
     assert list(c.state_dict()) == list(model.state_dict())  # "table" not in it
+
+
+class Gated(nn.Module):
+    """A second input every sample shares: a 0-d scale (or, refused, a 2-D mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(torch.relu(self.a(x)) * gate).mean((2, 3)))
+
+
+@pytest.mark.parametrize(
+    "layout", [{"microbatches": 2, "replicas": 1}, {"microbatches": 1, "replicas": 2}, {}]
+)
+def test_a_0d_tensor_input_goes_whole_to_every_piece(layout: dict[str, int]) -> None:
+    """Before: ``IndexError: slice() cannot be applied to a 0-dim tensor`` inside compile
+    (the trace cut every input to the micro-batch's rows), called a crosscut bug."""
+    torch.manual_seed(0)
+    model = Gated()
+    x, gate, y = torch.randn(8, 3, 8, 8), torch.tensor(0.5), torch.randint(0, 3, (8,))
+    c = crosscut.compile(
+        copy.deepcopy(model), ["cpu", "cpu"], (x, gate), time_limit=5,
+        require_all_devices=True, **layout,
+    )  # fmt: skip
+    try:
+        torch.testing.assert_close(c(x, gate), model(x, gate), rtol=1e-6, atol=1e-6)
+        loss = c.train_step((x, gate), y, nn.functional.cross_entropy)
+        m = c.plan.options.microbatches
+        want = 0.0
+        for xs, ys in zip(x.chunk(m), y.chunk(m)):
+            part = nn.functional.cross_entropy(model(xs, gate), ys) / m
+            part.backward()
+            want += float(part.detach())
+        assert abs(float(loss) - want) < 1e-6
+        for (name, p), q in zip(c.named_parameters(), model.parameters()):
+            assert p.grad is not None and q.grad is not None
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        c.close()
+
+
+def test_an_input_every_sample_shares_is_refused_by_name() -> None:
+    """Before: the trace cut the (16, 16) mask to the batch's 8 rows and compile blamed the
+    model: "the model rejected the example inputs at node 'mul'"."""
+    x, mask = torch.randn(8, 3, 16, 16), torch.rand(16, 16)
+    with pytest.raises(InputError, match="input 1's dim 0 is not the batch") as info:
+        crosscut.compile(Gated(), ["cpu", "cpu"], (x, mask), time_limit=5)
+    assert "register_buffer" in str(info.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("dist")
+def test_torchrun_a_0d_tensor_input_goes_whole_to_every_rank(tmp_path: Path) -> None:
+    """2 gloo ranks: a 2-stage pipeline, then 2 replicas, 2 micro-batches each. Before:
+    the same ``IndexError`` in ``compile_distributed``, on every rank."""
+    from tests.test_recompute import run_two_ranks
+
+    run_two_ranks("zero_d_input_check.py", tmp_path)
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for layout, got in report.items():
+            assert got["grads"] > 0 and got["grad_diff"] < 1e-6, (rank, layout, got)
+            if rank == 0 and layout == "pipeline":
+                assert got["loss_diff"] is None, got  # the first stage computes no loss
+            else:
+                assert got["loss_diff"] < 1e-6, (rank, layout, got)

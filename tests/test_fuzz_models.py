@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -356,6 +356,14 @@ def test_random_cnns_writing_views_and_buffers_are_eager_or_refused(
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(mutating_specs(), st.integers(2, 3))
+@example(  # found by a seeded sweep (31st session): weights at ~1e10, a bias moved by rounding
+    (
+        [(0, 0, "none", False, True), (0, 1, "add", True, True),
+         *[(1, 0, "none", False, False)] * 4, (2, 1, "add", False, False)],
+        ([(0, "none"), (1, "slice_add"), *[(0, "none")] * 5], False, False),
+    ),
+    2,
+)  # fmt: skip
 def test_random_cnns_writing_views_split_by_channels_like_eager(
     drawn: tuple[list[tuple[int, int, str, bool, bool]], Any], width: int
 ) -> None:
@@ -380,7 +388,11 @@ def test_random_cnns_writing_views_split_by_channels_like_eager(
         out, sd = compiled_step(c, x.clone())
         expected, ref_sd = eager_step(ref, x.clone(), 1)
         torch.testing.assert_close(out, expected)
-        bad = [k for k in ref_sd if not torch.allclose(sd[k], ref_sd[k], rtol=1e-8, atol=1e-6)]
+        # rounding scales with the largest value in flight: a seeded run grew weights to
+        # ~1e10, where that bias before batch norm moved by 2.5e-6 (1e-15 of the largest)
+        big = max(float(v.abs().max()) for v in ref_sd.values() if v.is_floating_point())
+        tol = 1e-6 + 1e-15 * big
+        bad = [k for k in ref_sd if not torch.allclose(sd[k], ref_sd[k], rtol=1e-8, atol=tol)]
         assert not bad, bad
     c.close()
 

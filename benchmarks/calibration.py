@@ -113,14 +113,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", type=int, default=len(PUBLISHED) + len(MEASURED))
     args = ap.parse_args(argv)
-    print(f"{'model':<18}{'GPU':<11}{'prec':<6}{'batch':>6}{'pred':>9}{'publ':>9}{'ratio':>7}  src")
+    print(f"{'model':<18}{'GPU':<15}{'prec':<6}{'batch':>6}{'pred':>9}{'publ':>9}{'ratio':>7}  src")
     for p in [*PUBLISHED, *MEASURED][: args.points]:
         got = predict(p)
         flag = "" if abs(got / p.images_per_s - 1) <= TOLERANCE else "  OUT"
         held = "" if p.fitted else " (held out)"
         how = f" {p.layout}" + ("" if p.tf32 else " no-tf32") if p.source == "gpu-check" else ""
         print(
-            f"{p.model:<18}{p.kind:<11}{p.precision:<6}{p.batch:>6}{got:>9.0f}"
+            f"{p.model:<18}{p.kind:<15}{p.precision:<6}{p.batch:>6}{got:>9.0f}"
             f"{p.images_per_s:>9.0f}{got / p.images_per_s:>7.2f}  {p.source}{how}{held}{flag}"
         )
 

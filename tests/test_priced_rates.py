@@ -30,15 +30,15 @@ from crosscut.viz import plan_to_html
 from crosscut.viz.summary import summary_text
 
 
-def _cnn() -> nn.Module:
+def _cnn(width: int = 16) -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
+        nn.Conv2d(3, width, 3, padding=1),
         nn.ReLU(),
-        nn.Conv2d(16, 16, 3, padding=1),
+        nn.Conv2d(width, width, 3, padding=1),
         nn.ReLU(),
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
-        nn.Linear(16, 10),
+        nn.Linear(width, 10),
     )
 
 
@@ -46,8 +46,10 @@ def _x(batch: int = 8) -> torch.Tensor:
     return torch.empty(batch, 3, 32, 32, device="meta")
 
 
-def _rate(kind: str, precision: str = "fp32", tf32: bool | None = True) -> dict[str, object]:
-    graph = trace(_cnn(), _x(), precision=precision)
+def _rate(
+    kind: str, precision: str = "fp32", tf32: bool | None = True, batch: int = 8, width: int = 16
+) -> dict[str, object]:
+    graph = trace(_cnn(width), _x(batch), precision=precision)
     spec = Cluster.from_spec(f"1x{kind}").devices[0]
     return analytic_costs(graph, Cluster.from_spec(f"1x{kind}"), tf32=tf32).meta["priced"][  # type: ignore[no-any-return]
         spec.kind
@@ -61,12 +63,15 @@ def test_each_kind_says_its_preset_math_and_where_its_efficiency_came_from() -> 
     assert str(v100["efficiency"]).startswith("calibrated")
     assert "DeepLearningExamples" in str(v100["efficiency"])
     # PyTorch runs fp32 convolutions in TF32 on Ampere, but not its matmuls by default
-    a100 = _rate("A100-80GB", tf32=None)
+    a100 = _rate("A100-80GB", tf32=None, batch=256)
     assert "tf32 tensor cores" in a100["math"]  # type: ignore[operator]
+    # at batch 8 cuDNN's transposes around the NCHW tensor-core kernels cost more than its
+    # fp32 kernels take (conv_math.conv_choice): the record says which was priced
+    assert "fp32 FMA (cuDNN's pick over tensor cores)" in _rate("A100-80GB")["math"]  # type: ignore[operator]
     assert _rate("A100-80GB", tf32=False)["math"] == ["fp32 FMA"]
     # an NCHW model (the default) pays cuDNN's transposes around its tensor-core
     # convolutions; its RGB stem (3 input channels) runs on the CUDA cores
-    assert _rate("V100", "fp16")["math"] == [
+    assert _rate("V100", "fp16", batch=64, width=128)["math"] == [
         "fp16 FMA (few input channels)",
         "fp16 tensor cores",
         "NCHW: cuDNN's transposes priced (channels_last avoids them)",

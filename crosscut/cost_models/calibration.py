@@ -27,7 +27,10 @@ images (224×224), images per second as published:
   (V100 16 GB: 128 and 256; 80 GB GPUs: 640 and 1,280, the H100 SXM5 taking
   its 80 GB template's). H100 SXM5 is the median of its four one-GPU systems
   (Lambda 1,753, Dell 1,893, Supermicro 1,893, 1CC 1,898 in TF32; 2,616,
-  2,776, 2,787, 2,791 in AMP). Its AMP runs keep PyTorch's default NCHW
+  2,776, 2,787, 2,791 in AMP); H100 PCIe the mean of its two (1,197 and 1,182;
+  1,866 and 1,851). Its other one-GPU rows (Quadro RTX 8000, RTX 3090, A10,
+  A100 PCIe 40 and 80 GB, RTX A6000, RTX 4090, RTX 6000 Ada, H100 PCIe) are held
+  out on presets no point was fitted on. Its AMP runs keep PyTorch's default NCHW
   layout (V100: 833 images/s, against 1,200 in DeepLearningExamples' own
   NHWC table), priced with cuDNN's transposes (``layout="nchw"``).
 
@@ -183,6 +186,26 @@ PUBLISHED: list[Published] = [
             ("V100", "fp16", 256, 833.0),
             ("A100-80GB", "fp16", 1280, 1582.0),
             ("H100", "fp16", 1280, 2781.5),
+            # the same tables' other one-GPU rows, on parts no point was fitted on (the
+            # 31st session's presets); the A10 has no batch row: its 24 GB template's
+            ("RTX8000", "fp32", 496, 274.0),
+            ("RTX8000", "fp16", 928, 651.0),
+            ("RTX3090", "fp32", 224, 513.0),
+            ("RTX3090", "fp16", 448, 905.0),
+            ("A10", "fp32", 224, 349.0),
+            ("A10", "fp16", 448, 638.0),
+            ("A100-PCIe-40GB", "fp32", 360, 882.0),
+            ("A100-PCIe-40GB", "fp16", 720, 1396.0),
+            ("A100-PCIe-80GB", "fp32", 640, 1014.0),
+            ("A100-PCIe-80GB", "fp16", 1280, 1527.0),
+            ("RTXA6000", "fp32", 496, 514.0),
+            ("RTXA6000", "fp16", 928, 916.0),
+            ("RTX4090", "fp32", 224, 721.0),
+            ("RTX4090", "fp16", 448, 1301.0),
+            ("RTX6000Ada", "fp32", 496, 647.0),
+            ("RTX6000Ada", "fp16", 928, 1146.0),
+            ("H100-PCIe", "fp32", 640, 1189.5),
+            ("H100-PCIe", "fp16", 1280, 1858.5),
         )
     ),
 ]

@@ -3,10 +3,9 @@
 A cluster is plain data, built from a spec string (``"4xK20c"``,
 ``"8xH100-nvlink"``), a list of real devices (``["cuda:0", "cuda:1"]``,
 ``["cpu", "cpu"]``), an int (the first N GPUs), a JSON file, or a torchrun
-job's environment (``"torchrun"``: :meth:`Cluster.detect`). Default
-topology per kind: K20c and P40 sit on PCIe in Mariana's two-switch layout (they
-have no NVLink); V100, A100, H100 and H200 default to NVLink, the way those
-parts ship in DGX/HGX boards; ``cpu`` uses shared-memory copies.
+job's environment (``"torchrun"``: :meth:`Cluster.detect`). Default topology per kind:
+V100, A100, H100 and H200 (SXM) on NVLink, as DGX/HGX boards ship them; every other
+GPU on PCIe (K20c and P40 in Mariana's two-switch layout); ``cpu`` on shared memory.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ _NODES_RE = re.compile(
     r"^\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*([^+\s]+?)(?:\+(?:(\d+)[xX])?(\w+))?\s*$"
 )
 _TORCHRUN_RE = re.compile(r"^\s*torchrun(?:\+(\w+))?\s*$", re.I)  # "torchrun[+NETWORK]"
+_KINDS = {k.lower() for k in preset_names()}  # preset names, as a spec may spell them
 
 
 @dataclass
@@ -254,8 +254,8 @@ class Cluster:
             )
         count, rest = int(m.group(1)), m.group(2)
         topology: str | None = None
-        for topo in TOPOLOGIES:
-            if rest.lower().endswith("-" + topo):
+        for topo in TOPOLOGIES:  # a preset's own name may end so too: "H100-PCIe"
+            if rest.lower().endswith("-" + topo) and rest.lower() not in _KINDS:
                 rest, topology = rest[: -len(topo) - 1], topo
                 break
         if count < 1:

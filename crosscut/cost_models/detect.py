@@ -35,12 +35,25 @@ from crosscut.cost_models.devices import DeviceSpec, preset
 from crosscut.cost_models.links import measure_matmul_flops
 from crosscut.errors import DeviceError
 
-__all__ = ["TorchrunEnv", "cuda_spec", "parse_device", "torchrun_env"]
+__all__ = ["TorchrunEnv", "cuda_spec", "parse_device", "preset_for_name", "torchrun_env"]
 
 _GPU_NAME_HINTS = [  # substring of torch.cuda device name -> preset kind (first match wins)
     ("H200", "H200"),
+    ("H100 PCIe", "H100-PCIe"),
     ("H100", "H100"),
+    ("A100-PCIE", "A100-PCIe-80GB"),
+    ("A100 80GB PCIe", "A100-PCIe-80GB"),
     ("A100", "A100-80GB"),
+    ("RTX 6000 Ada", "RTX6000Ada"),
+    ("RTX A6000", "RTXA6000"),
+    ("RTX 8000", "RTX8000"),
+    ("RTX 4090", "RTX4090"),
+    ("RTX 3090", "RTX3090"),
+    ("L40S", "L40S"),
+    ("L4", "L4"),
+    ("A40", "A40"),
+    ("A10", "A10"),
+    ("T4", "T4"),
     ("V100", "V100"),
     ("P100", "P100"),
     ("P40", "P40"),
@@ -152,24 +165,31 @@ def parse_device(d: str | torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
+def preset_for_name(gpu: str, memory: int) -> str | None:
+    """The preset of a GPU ``torch.cuda`` names ``gpu`` (``"NVIDIA H100 PCIe"``), with
+    ``memory`` bytes (an A100's 40 or 80 GB); ``None`` for a GPU without one."""
+    for hint, kind in _GPU_NAME_HINTS:
+        if hint in gpu:
+            return kind.replace("80GB", "40GB") if memory < 60 * 10**9 else kind
+    return None
+
+
 def cuda_spec(dev: torch.device) -> DeviceSpec:
     """A preset matched by GPU name with the real memory size; unknown GPUs get a measured peak."""
     props = torch.cuda.get_device_properties(dev)
     name = f"cuda:{dev.index}"
-    for hint, kind in _GPU_NAME_HINTS:
-        if hint in props.name:
-            if kind == "A100-80GB" and props.total_memory < 60 * 10**9:
-                kind = "A100-40GB"
-            base = preset(kind, name, name)
-            return DeviceSpec(
-                base.name,
-                base.kind,
-                name,
-                dict(base.peak_flops),
-                base.mem_bw,
-                int(props.total_memory),
-                base.launch_overhead_s,
-            )
+    kind = preset_for_name(props.name, int(props.total_memory))
+    if kind is not None:
+        base = preset(kind, name, name)
+        return DeviceSpec(
+            base.name,
+            base.kind,
+            name,
+            dict(base.peak_flops),
+            base.mem_bw,
+            int(props.total_memory),
+            base.launch_overhead_s,
+        )
     peak = measure_matmul_flops(dev)
     kind = re.sub(r"[^A-Za-z0-9]+", "-", props.name).strip("-")
     return DeviceSpec(name, kind, name, {"float32": peak}, 500e9, int(props.total_memory), 5e-6)

@@ -160,8 +160,34 @@ PRESETS: dict[str, DeviceSpec] = {
     "H100": _gpu("H100", 67, 989, 3350, 80, 4e-6, 495),
     # H200 SXM: H100 compute with 141 GB HBM3e at 4.8 TB/s.
     "H200": _gpu("H200", 67, 989, 4800, 141, 4e-6, 495),
+    # Workstation, inference and consumer parts (datasheets; architecture whitepapers for the
+    # GeForce cards, whose 16-bit tensor rate with the fp32 accumulation PyTorch's autocast
+    # uses is half the professional parts' per SM: RTX 3090 71, RTX 4090 165.2 TFLOPS).
+    # Turing: Quadro RTX 8000 16.3 TFLOPS fp32, 130.5 fp16 tensor, 672 GB/s, 48 GB;
+    # T4 8.1, 65, 320 GB/s, 16 GB (no TF32, no bf16 tensor cores).
+    "RTX8000": _gpu("RTX8000", 16.3, 130.5, 672, 48, 5e-6),
+    "T4": _gpu("T4", 8.1, 65, 320, 16, 5e-6),
+    # Ampere GA10x: A10 31.2 / tf32 62.5 / fp16 125, 600 GB/s, 24 GB; A40 37.4 / 74.8 /
+    # 149.7, 696 GB/s, 48 GB; RTX A6000 38.7 / 77.4 / 154.8, 768 GB/s, 48 GB; RTX 3090
+    # 35.6 / 35.6 / 71, 936 GB/s, 24 GB.
+    "A10": _gpu("A10", 31.2, 125, 600, 24, 4e-6, 62.5),
+    "A40": _gpu("A40", 37.4, 149.7, 696, 48, 4e-6, 74.8),
+    "RTXA6000": _gpu("RTXA6000", 38.7, 154.8, 768, 48, 4e-6, 77.4),
+    "RTX3090": _gpu("RTX3090", 35.6, 71, 936, 24, 4e-6, 35.6),
+    # A100 PCIe: the SXM part's 108 SMs and peaks; 1555 (40 GB) or 1935 GB/s (80 GB).
+    "A100-PCIe-40GB": _gpu("A100-PCIe-40GB", 19.5, 312, 1555, 40, 4e-6, 156),
+    "A100-PCIe-80GB": _gpu("A100-PCIe-80GB", 19.5, 312, 1935, 80, 4e-6, 156),
+    # Ada: L4 30.3 / 60 / 121, 300 GB/s, 24 GB; L40S 91.6 / 183 / 362, 864 GB/s, 48 GB;
+    # RTX 6000 Ada 91.1 / 182.1 / 364.2, 960 GB/s, 48 GB; RTX 4090 82.6 / 82.6 / 165.2,
+    # 1008 GB/s, 24 GB.
+    "L4": _gpu("L4", 30.3, 121, 300, 24, 4e-6, 60),
+    "L40S": _gpu("L40S", 91.6, 362, 864, 48, 4e-6, 183),
+    "RTX6000Ada": _gpu("RTX6000Ada", 91.1, 364.2, 960, 48, 4e-6, 182.1),
+    "RTX4090": _gpu("RTX4090", 82.6, 165.2, 1008, 24, 4e-6, 82.6),
+    # H100 PCIe: 114 SMs, 51 TFLOPS fp32, 378 tf32, 756 fp16/bf16 dense, 2.0 TB/s, 80 GB.
+    "H100-PCIe": _gpu("H100-PCIe", 51, 756, 2000, 80, 4e-6, 378),
 }
-for _k in ("V100", "V100-32GB", "P40", "P100"):
+for _k in ("V100", "V100-32GB", "P40", "P100", "RTX8000", "T4"):
     _flops = dict(PRESETS[_k].peak_flops)
     _flops.pop("bfloat16", None)
     PRESETS[_k] = replace(PRESETS[_k], peak_flops=_flops)

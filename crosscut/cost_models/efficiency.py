@@ -145,6 +145,29 @@ EFFICIENCIES: dict[str, Efficiency] = {
         "crosscut's own H100 measurements (calibration.MEASURED; its H200 rows held out)",
         tf32=0.402,
     ),
+    # parts no published figure was fitted on take the fractions of the generation their
+    # design follows; Lambda's one-GPU rows check them (held out, docs/BENCHMARKS.md)
+    "turing": Efficiency(
+        "turing", 0.738, 0.661, 0.88, DEPTH_HALF, "assumed: Volta's fractions, not fitted"
+    ),
+    "ga10x": Efficiency(
+        "ga10x",
+        0.5,
+        0.459,
+        0.90,
+        DEPTH_HALF,
+        "assumed: the A100's fractions, not fitted",
+        tf32=0.402,
+    ),
+    "ada": Efficiency(
+        "ada",
+        0.5,
+        0.459,
+        0.90,
+        DEPTH_HALF,
+        "assumed: the A100's fractions, not fitted",
+        tf32=0.402,
+    ),
     # the cpu preset's rates (devices.py) are already achieved rates
     "cpu": Efficiency("cpu", 1.0, 1.0, 1.0, 0.0, "devices.cpu_spec: achieved rates"),
 }
@@ -160,6 +183,19 @@ GENERATIONS: dict[str, str] = {
     "A100-80GB": "ampere",
     "H100": "hopper",
     "H200": "hopper",
+    "RTX8000": "turing",
+    "T4": "turing",
+    "A10": "ga10x",
+    "A40": "ga10x",
+    "RTXA6000": "ga10x",
+    "RTX3090": "ga10x",
+    "A100-PCIe-40GB": "ampere",
+    "A100-PCIe-80GB": "ampere",
+    "L4": "ada",
+    "L40S": "ada",
+    "RTX6000Ada": "ada",
+    "RTX4090": "ada",
+    "H100-PCIe": "hopper",
     "cpu": "cpu",
 }
 _SMS: dict[str, int] = {
@@ -172,6 +208,19 @@ _SMS: dict[str, int] = {
     "A100-80GB": 108,
     "H100": 132,
     "H200": 132,
+    "RTX8000": 72,
+    "T4": 40,
+    "A10": 72,
+    "A40": 84,
+    "RTXA6000": 84,
+    "RTX3090": 82,
+    "A100-PCIe-40GB": 108,
+    "A100-PCIe-80GB": 108,
+    "L4": 58,
+    "L40S": 142,
+    "RTX6000Ada": 142,
+    "RTX4090": 128,
+    "H100-PCIe": 114,
 }
 TILE_OUTPUTS = 4096  # outputs per SM for half occupancy: one 64x64 tile
 
@@ -224,7 +273,7 @@ class MathMode:
     unit: str  # the Efficiency field that applies: "fma", "tensor" or "tf32"
 
 
-_TENSOR_HALF = ("volta", "ampere", "hopper")
+_TENSOR_HALF = ("volta", "turing", "ampere", "ga10x", "ada", "hopper")
 # A dense convolution with fewer input channels than this runs on the CUDA cores
 # (math_mode's ``narrow``): a tensor-core convolution loads 16 bytes of channels at a
 # time, 8 in 16-bit, and cuDNN's kernels for fewer do not use the tensor cores.
@@ -242,6 +291,11 @@ HALF_FMA_RATIO: dict[tuple[str, str], float] = {
     ("ampere", "bfloat16"): 2.0,
     ("hopper", "float16"): 2.0,
     ("hopper", "bfloat16"): 2.0,
+    ("turing", "float16"): 2.0,
+    ("ga10x", "float16"): 1.0,  # GA10x and Ada: 16-bit FMA at the fp32 rate
+    ("ga10x", "bfloat16"): 1.0,
+    ("ada", "float16"): 1.0,
+    ("ada", "bfloat16"): 1.0,
 }
 
 

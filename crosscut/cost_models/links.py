@@ -60,6 +60,21 @@ _PCIE: dict[str, LinkSpec] = {
     "A100-80GB": (24e9, 8e-6),
     "H100": (50e9, 6e-6),
     "H200": (50e9, 6e-6),
+    # the workstation, inference and consumer parts: gen3 (Turing), gen4 (GA10x, Ada,
+    # A100 PCIe), gen5 (H100 PCIe); GeForce cards have no peer-to-peer, staged via the host
+    "RTX8000": (12e9, 8e-6),
+    "T4": (12e9, 8e-6),
+    "A10": (24e9, 8e-6),
+    "A40": (24e9, 8e-6),
+    "RTXA6000": (24e9, 8e-6),
+    "RTX3090": (12e9, 10e-6),
+    "A100-PCIe-40GB": (24e9, 8e-6),
+    "A100-PCIe-80GB": (24e9, 8e-6),
+    "L4": (24e9, 8e-6),
+    "L40S": (24e9, 8e-6),
+    "RTX6000Ada": (24e9, 8e-6),
+    "RTX4090": (12e9, 10e-6),
+    "H100-PCIe": (50e9, 6e-6),
 }
 # Between nodes: one NIC's worth (bytes/s, latency); a node may have several
 # (Cluster.nics, "+8xib200"). InfiniBand FDR/EDR/HDR/NDR (56/100/200/400 Gb/s,
@@ -90,6 +105,9 @@ DEFAULT_NETWORK: dict[str, str] = {
     "A100-80GB": "ib200",
     "H100": "ib400",
     "H200": "ib400",
+    "A100-PCIe-40GB": "ib200",
+    "A100-PCIe-80GB": "ib200",
+    "H100-PCIe": "ib400",
     "cpu": "eth25",
 }
 # Mariana's layout: two PCIe switches, one under each CPU. Peer-to-peer inside a switch

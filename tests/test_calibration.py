@@ -704,6 +704,8 @@ def test_nchw_batch_norm_occupancy_follows_the_h100_curve() -> None:
         ("Tesla T4", 16, "T4"),
         ("Tesla V100-SXM2-16GB", 16, "V100"),
         ("NVIDIA GeForce GTX 1080", 8, None),
+        ("NVIDIA L40", 48, None),  # not an L4, nor an L40S
+        ("NVIDIA A10G", 24, None),  # AWS's A10 variant: its own clocks
     ],
 )
 def test_a_gpu_is_matched_to_its_preset_by_name(gpu: str, gib: int, kind: str | None) -> None:

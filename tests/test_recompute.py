@@ -171,12 +171,13 @@ def test_refusals_name_the_rule() -> None:
     assert c._recompute == [True] * len(c.program.stages)
 
 
-def run_two_ranks(script: str, out: Path) -> None:
-    """``tests/dist_scripts/<script> <out>`` on 2 gloo ranks (torchrun), which must succeed."""
+def run_two_ranks(script: str, out: Path, *args: str) -> None:
+    """``tests/dist_scripts/<script> [args] <out>`` on 2 gloo ranks (torchrun), which must
+    succeed."""
     path = Path(__file__).parent / "dist_scripts" / script
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     done = subprocess.run(
-        [*cmd, str(path), str(out)],
+        [*cmd, str(path), *args, str(out)],
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,

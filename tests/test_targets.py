@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -117,18 +114,6 @@ def test_local_train_step_cuts_targets_as_eager_sees_them(case: str, mb: int) ->
         compiled.close()
 
 
-def _run_ranks(layout: str, out: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    done = subprocess.run(
-        [*cmd, str(SCRIPT), layout, str(out)],
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-
 @pytest.mark.distributed
 @pytest.mark.xdist_group("dist")
 @pytest.mark.parametrize("layout", ["pipeline", "replicas"])
@@ -136,7 +121,9 @@ def test_torchrun_train_step_hands_targets_over_as_locally(layout: str, tmp_path
     """2 gloo ranks, 2 micro-batches of 2 samples per replica, every case of :func:`cases`.
     Before: a tuple ``(y, w)`` reached the loss as ``y`` alone (``y, w = t`` unpacked its
     rows), and ``None`` or a per-image list of dicts was refused on the loss's rank."""
-    _run_ranks(layout, tmp_path)
+    from tests.test_recompute import run_two_ranks
+
+    run_two_ranks(SCRIPT.name, tmp_path, layout)
     losses = [1] if layout == "pipeline" else [0, 1]
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())

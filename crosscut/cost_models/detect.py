@@ -168,8 +168,8 @@ def parse_device(d: str | torch.device) -> torch.device:
 def preset_for_name(gpu: str, memory: int) -> str | None:
     """The preset of a GPU ``torch.cuda`` names ``gpu`` (``"NVIDIA H100 PCIe"``), with
     ``memory`` bytes (an A100's 40 or 80 GB); ``None`` for a GPU without one."""
-    for hint, kind in _GPU_NAME_HINTS:
-        if hint in gpu:
+    for hint, kind in _GPU_NAME_HINTS:  # a whole token: "A10" is not "A100", "L4" not "L40"
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(hint)}(?![A-Za-z0-9])", gpu):
             return kind.replace("80GB", "40GB") if memory < 60 * 10**9 else kind
     return None
 

@@ -35,7 +35,7 @@ without fast half precision (K20c, P40: cuDNN computes in fp32 there).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "ACTION_OVERHEAD_S",
@@ -145,32 +145,19 @@ EFFICIENCIES: dict[str, Efficiency] = {
         "crosscut's own H100 measurements (calibration.MEASURED; its H200 rows held out)",
         tf32=0.402,
     ),
-    # parts no published figure was fitted on take the fractions of the generation their
-    # design follows; Lambda's one-GPU rows check them (held out, docs/BENCHMARKS.md)
-    "turing": Efficiency(
-        "turing", 0.738, 0.661, 0.88, DEPTH_HALF, "assumed: Volta's fractions, not fitted"
-    ),
-    "ga10x": Efficiency(
-        "ga10x",
-        0.5,
-        0.459,
-        0.90,
-        DEPTH_HALF,
-        "assumed: the A100's fractions, not fitted",
-        tf32=0.402,
-    ),
-    "ada": Efficiency(
-        "ada",
-        0.5,
-        0.459,
-        0.90,
-        DEPTH_HALF,
-        "assumed: the A100's fractions, not fitted",
-        tf32=0.402,
-    ),
     # the cpu preset's rates (devices.py) are already achieved rates
     "cpu": Efficiency("cpu", 1.0, 1.0, 1.0, 0.0, "devices.cpu_spec: achieved rates"),
 }
+# parts no published figure was fitted on take the fractions of the generation their design
+# follows (a refit moves them too); Lambda's one-GPU rows check them (held out,
+# docs/BENCHMARKS.md)
+EFFICIENCIES["turing"] = replace(
+    EFFICIENCIES["volta"], generation="turing", source="assumed: Volta's fractions", fitted=()
+)
+EFFICIENCIES["ga10x"] = replace(
+    EFFICIENCIES["ampere"], generation="ga10x", source="assumed: the A100's fractions", fitted=()
+)
+EFFICIENCIES["ada"] = replace(EFFICIENCIES["ga10x"], generation="ada")
 DEFAULT_GENERATION = "volta"  # a custom GPU kind with no generation: a middle-aged one
 
 GENERATIONS: dict[str, str] = {

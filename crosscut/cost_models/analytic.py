@@ -36,6 +36,7 @@ from crosscut.cost_models.conv_math import (
     nchw_transposes,
     pays_transposes,
     priced_mode,
+    weight_cast,
     winograd,
 )
 from crosscut.cost_models.cpu_terms import cpu_node_times, fresh_seconds
@@ -48,7 +49,6 @@ from crosscut.cost_models.efficiency import (
 from crosscut.cost_models.host_flow import flow_charges, launches
 from crosscut.cost_models.memory import _VIEW, _key, activation_bytes, is_alias, resident_bytes
 from crosscut.cost_models.op_terms import (
-    _HALF,
     BN_16BIT_KERNELS,
     autograd_copy_bytes,
     bn_channel_occupancy,
@@ -124,10 +124,7 @@ def node_times(
         moved = float(node.read_bytes + node.out_bytes) * part
     if train and "batch_norm" in node.kind:
         moved *= BN_FWD_PASSES * bn_kernels(graph, node, spec)
-    kernels = 1.0
-    cast = 0.0
-    if node.dtype in _HALF and node.param_bytes > 0 and graph.precision != "fp32":
-        cast, kernels = 1.5 * node.param_bytes * part, 2.0  # fp32 -> 16-bit weight copy
+    cast, kernels = weight_cast(graph, node, part)  # fp32 -> 16-bit weight copy
     if node.fwd_flops > 0:
         flags = flags or MathFlags.from_torch()
         _, times = conv_choice(graph, node, spec, flags, part, moved, (cast, kernels))

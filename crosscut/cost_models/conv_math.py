@@ -5,9 +5,10 @@ question of its own, with its own evidence. PyTorch picks the math mode from its
 switches (:class:`MathFlags`: TF32 for convolutions on by default, for matmuls off);
 the generation's achieved fractions, a reduction-depth and an occupancy ramp give the
 rate (``efficiency.py``); a model left in NCHW pays cuDNN's transposes around every
-tensor-core convolution (:func:`nchw_transposes`). And where TF32 is allowed, cuDNN's
-autotuner (``torch.backends.cudnn.benchmark``, on in the published training scripts)
-also times its fp32 kernels, Winograd among them, and keeps the faster
+tensor-core convolution (:func:`nchw_transposes`). And where a convolution would run on
+tensor cores (TF32, or 16-bit data), cuDNN's autotuner (``torch.backends.cudnn.benchmark``,
+on in the published training scripts) also times its fp32 kernels (pseudo-half for 16-bit
+data), Winograd among them, and keeps the faster
 (:func:`conv_choice`): on an A100 or H100 TF32 wins every convolution; on GA10x and Ada
 parts, whose TF32 rate is at or below their fp32 rate, a 3x3 convolution runs fp32
 Winograd (Lambda's ResNet-50 rows: RTX 3090 priced 0.61 of its published TF32 rate
@@ -50,6 +51,7 @@ __all__ = [
     "node_mode",
     "pays_transposes",
     "priced_mode",
+    "weight_cast",
     "winograd",
 ]
 
@@ -229,8 +231,8 @@ def conv_choice(
     cast_kernels: tuple[float, float],
 ) -> tuple[MathMode, tuple[float, float]]:
     """The math ``node`` is priced in and its (forward, backward) seconds: its mode
-    (:func:`node_mode`), or, for a TF32 convolution, cuDNN's fp32 kernels where those
-    are faster (module docstring)."""
+    (:func:`node_mode`), or, for a convolution on tensor cores (TF32 or 16-bit), cuDNN's
+    fp32 kernels where those are faster (module docstring)."""
     mode = node_mode(node, spec, flags)
     times = flop_times(graph, node, spec, mode, part, moved, cast_kernels)
     if mode.unit in ("tf32", "tensor") and node.conv is not None:
@@ -247,6 +249,13 @@ def priced_mode(graph: OpGraph, node: OpNode, spec: DeviceSpec, flags: MathFlags
     """The math the whole ``node`` is priced in (:func:`conv_choice`'s pick): what the
     plan's record of its rates lists."""
     moved = float(node.read_bytes + node.out_bytes)
-    half = node.dtype in _HALF and node.param_bytes > 0 and graph.precision != "fp32"
-    cast_kernels = (1.5 * node.param_bytes, 2.0) if half else (0.0, 1.0)
-    return conv_choice(graph, node, spec, flags, 1.0, moved, cast_kernels)[0]
+    return conv_choice(graph, node, spec, flags, 1.0, moved, weight_cast(graph, node))[0]
+
+
+def weight_cast(graph: OpGraph, node: OpNode, part: float = 1.0) -> tuple[float, float]:
+    """(bytes, kernels) of ``node``'s own work under autocast: a 16-bit op with weights
+    first casts them (fp32 read, 16-bit write: 1.5 bytes a weight byte), a second kernel;
+    any other op ``(0, 1)``."""
+    if node.dtype in _HALF and node.param_bytes > 0 and graph.precision != "fp32":
+        return 1.5 * node.param_bytes * part, 2.0
+    return 0.0, 1.0

@@ -31,6 +31,7 @@ from crosscut.ir.schedule import AUTO_SCHEDULE
 from crosscut.options import CompileKeywords, PlanRequest, RunOptions, split_options
 from crosscut.partitioner.validate import validate_plan
 from crosscut.planning import as_tuple, micro_inputs
+from crosscut.runtime.batchnorm import check_sync_batchnorm
 from crosscut.runtime.dist.grad_clip import rank_clip_grad_norm_
 from crosscut.runtime.dist.grad_scaler import PipelineGradScaler
 from crosscut.runtime.dist.rank_executor import DistributedPipeline, check_bn_mode, plan_hash
@@ -262,6 +263,8 @@ def compile_distributed(
     )
     if not dist.is_initialized():
         init(timeout_s=the_run.timeout_s or DEFAULT_TIMEOUT_S)
+    # before the trace runs the model (runtime/batchnorm.py)
+    check_sync_batchnorm([(model, False)], 1, dist.get_world_size(), frozen_too=True)
     env_reps = os.environ.get("CROSSCUT_REPLICAS")
     if request.replicas is None and env_reps:
         request = replace(request, replicas=int(env_reps))

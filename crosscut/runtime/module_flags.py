@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from torch import nn
+from torch import fx, nn
 
 __all__ = ["KeepsModuleFlags"]
 
@@ -28,9 +28,15 @@ class KeepsModuleFlags(nn.Module):
     """A mixin for the compiled modules: ``train(mode)`` with the compile-time flags."""
 
     def keep_module_flags(self, stages: Iterable[nn.Module], compiled_training: bool) -> None:
-        """Record every submodule flag of ``stages`` (their own as built) for that mode."""
+        """Record every submodule flag of ``stages`` (their own as built) for that mode; not
+        the graph modules crosscut built around them, whose code never reads the flag."""
         self._flags_mode = compiled_training
-        self._module_flags = [(m, m.training) for st in stages for m in st.modules() if m is not st]
+        self._module_flags = [
+            (m, m.training)
+            for st in stages
+            for m in st.modules()
+            if m is not st and not isinstance(m, fx.GraphModule)
+        ]
 
     def train(self, mode: bool = True) -> KeepsModuleFlags:
         super().train(mode)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from crosscut.codegen.state_writes import (
@@ -23,6 +24,7 @@ from crosscut.codegen.state_writes import (
 from crosscut.errors import DistributedError, InputError
 from crosscut.ir.schedule import virtual_stages
 from crosscut.partitioner.recompute_choice import recompute_flags_for
+from crosscut.runtime.batchnorm import check_sync_batchnorm
 
 __all__ = [
     "check_bn_mode",
@@ -47,7 +49,12 @@ def check_state(
     model: nn.Module, gm: fx.GraphModule, plan: Any, replicas: int, microbatches: int, bn_mode: str
 ) -> None:
     """State written in forward: not once per micro-batch, nor from one share of a batch the
-    plan splits over replicas or a batch-split group (``codegen/state_writes.py``)."""
+    plan splits over replicas or a batch-split group (``codegen/state_writes.py``); no
+    ``nn.SyncBatchNorm``, whose own collectives would span the job's ranks
+    (``runtime/batchnorm.py``)."""
+    ready = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size() if ready else 1
+    check_sync_batchnorm([(model, False)], microbatches, world, frozen_too=True)
     groups = [(st.devices, st.split) for st in plan.stages]
     split = split_nodes(dict(plan.assignment), groups, replicas)
     check_state_writes(model, gm, microbatches, bn_mode, split)

@@ -79,6 +79,7 @@ from crosscut.ir.schedule import DEFAULT_SCHEDULE
 from crosscut.precision import autocast, check_precision
 from crosscut.runtime.batch_split import BatchSplitStage
 from crosscut.runtime.batchnorm import (
+    check_sync_batchnorm,
     commit_batchnorm,
     discard_batchnorm,
     install_step_batchnorm,
@@ -201,9 +202,14 @@ class CompiledModule(ModelKeyedState, KeepsModuleFlags):  # type: ignore[misc]
             keep_freed_memory()  # the allocator CPU profiles are taken with (cpu_malloc.py)
         self._eager_draws = inline and in_program_order(gm, dict(stage_of))
         self._keep_model_keys(model)
+        self._module_names = {  # the model's module paths, for messages
+            n.name: str(n.target) for n in gm.graph.nodes if n.op == "call_module"
+        }
+        self._check_sync_bn(model.training)  # at compile time, what training would refuse
         self._install_batchnorm()
-        # each module's own flag (a batch norm frozen by .eval()): runtime/module_flags.py
-        self.keep_module_flags([st.module for st in program.stages], self._gm_training)
+        # each module's own flag (a batch norm frozen by .eval()): runtime/module_flags.py;
+        # they are the flags of the model's mode, which need not be the traced graph's
+        self.keep_module_flags([st.module for st in program.stages], model.training)
         self.train(model.training)
 
     def _build_other(
@@ -328,7 +334,13 @@ class CompiledModule(ModelKeyedState, KeepsModuleFlags):  # type: ignore[misc]
         return program_source(self._active(strict=False)[0])
 
     # ---- execution ----------------------------------------------------------------
+    def _check_sync_bn(self, training: bool) -> None:
+        if training:  # a SyncBatchNorm given part of the batch (runtime/batchnorm.py)
+            stages = [(s.module, s.split == "batch") for s in self._training_program().stages]
+            check_sync_batchnorm(stages, self._microbatches, names=self._module_names)
+
     def _check_bn(self) -> None:
+        self._check_sync_bn(self.training)
         if self.bn_mode == "exact" and self.training and self._batch_split_bn:
             raise RuntimeError_(
                 "bn_mode='exact' cannot match single-device batch statistics in a batch-split "

@@ -18,6 +18,12 @@ stochastic depth: a share's rows differ by chance, not by mixing). An op
 that cannot run on a share at all counts as mixing: no batch-split stage
 could run it either.
 
+The same run records which buffers each leaf module wrote, by their values
+(``node.meta[STATE]``, read by ``frontend/written_state.py``): a fused kernel such
+as QAT's ``fused_moving_avg_obs_fake_quant`` updates its observer and scale without
+moving a version counter, which is all the fake-tensor trace can watch. A write
+that leaves a value as it was is not seen.
+
 The probe needs real tensors: a model or inputs on the ``meta`` device, or a
 model whose state is too large to copy back, are not probed (``None``: the
 static rules alone decide). The caller's parameters and random number
@@ -38,15 +44,15 @@ from torch import Tensor, fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from crosscut.frontend.alias import STATE
 from crosscut.frontend.stock import stock_module
 from crosscut.frontend.written_state import state_writes
 
 __all__ = ["copied_back", "row_mixing_ops"]
 
 MAX_STATE_BYTES = 2 << 30  # copies of parameters and buffers the probe may hold
-_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[str, frozenset[str] | None]] = (
-    weakref.WeakKeyDictionary()
-)
+Probed = tuple[frozenset[str] | None, dict[str, list[str]]]  # (mixing ops, state by node)
+_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[str, Probed]] = weakref.WeakKeyDictionary()
 
 
 def row_mixing_ops(
@@ -66,22 +72,34 @@ def row_mixing_ops(
     key = f"{big}:{hashlib.sha256(gm.code.encode()).hexdigest()}"
     cached = _CACHE.setdefault(model, {})
     if key not in cached:
-        rows = [_rows(t, batch, big) for t in inputs]
-        devices = sorted(
-            {
-                torch.cuda.current_device() if t.device.index is None else t.device.index
-                for t in [*inputs, *model.parameters()]
-                if t.device.type == "cuda"
-            }
-        )
-        try:
-            with _given_back(model, gm), torch.random.fork_rng(devices=devices), torch.no_grad():
-                probe = _Probe(gm, batch, big, devices)
-                probe.run(*rows)
-                cached[key] = frozenset(probe.mixing)
-        except Exception:  # shapes fixed at the traced batch, an op refusing few rows
-            cached[key] = None
-    return cached[key]
+        cached[key] = _probe(model, gm, inputs, batch, big)
+    mixing, writes = cached[key]
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for name, keys in writes.items():  # the same code, so the same node names
+        node = by_name[name]
+        node.meta[STATE] = sorted({*node.meta.get(STATE, []), *keys})
+    return mixing
+
+
+def _probe(
+    model: nn.Module, gm: fx.GraphModule, inputs: list[Tensor], batch: int, big: int
+) -> Probed:
+    """(the ops that mix samples, the module state each leaf wrote) from one run."""
+    rows = [_rows(t, batch, big) for t in inputs]
+    devices = sorted(
+        {
+            torch.cuda.current_device() if t.device.index is None else t.device.index
+            for t in [*inputs, *model.parameters()]
+            if t.device.type == "cuda"
+        }
+    )
+    try:
+        with _given_back(model, gm), torch.random.fork_rng(devices=devices), torch.no_grad():
+            probe = _Probe(gm, batch, big, devices)
+            probe.run(*rows)
+            return frozenset(probe.mixing), probe.writes
+    except Exception:  # shapes fixed at the traced batch, an op refusing few rows
+        return None, {}
 
 
 def _real(model: nn.Module, inputs: list[Tensor]) -> bool:
@@ -127,14 +145,19 @@ def _given_back(model: nn.Module, gm: fx.GraphModule) -> Iterator[None]:
 @contextmanager
 def copied_back(tensors: Iterable[Tensor]) -> Iterator[None]:
     """Copy ``tensors`` now and copy every one back on the way out, written or not (a
-    version counter does not tell: batch norm's kernel moves none)."""
+    version counter does not tell: batch norm's kernel moves none). One the run resized
+    (a QAT observer's per-channel scale, empty until its first forward) gets its old
+    shape back with its values."""
     saved = [(t, t.detach().clone()) for t in tensors]
     try:
         yield
     finally:
         with torch.no_grad():
             for t, copy in saved:
-                t.copy_(copy)
+                if t.shape != copy.shape:
+                    t.data = copy
+                else:
+                    t.copy_(copy)
 
 
 def _graded(n: fx.Node, run: Callable[[], Any]) -> Any:
@@ -160,8 +183,25 @@ class _Probe(fx.Interpreter):
         self.fed: set[fx.Node] = set()  # computed from a model input
         self.shared: dict[fx.Node, Any] = {}  # values that are not plain tensors, per share
         self.mixing: set[str] = set()
+        # module state each call_module node wrote (its buffers' values moved)
+        self.writes: dict[str, list[str]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
+        """Each node, and which of a leaf module's buffers it wrote, by their values: a
+        fused kernel (QAT's ``fused_moving_avg_obs_fake_quant`` writing its observer's
+        min/max and its scale) moves no version counter, which the trace's record
+        (``frontend/alias.record_writes``) reads."""
+        if n.op != "call_module":
+            return self._run_one(n)
+        module = self.module.get_submodule(str(n.target))
+        before = [(k, b, b.clone()) for k, b in module.named_buffers()]
+        out = self._run_one(n)
+        moved = [k for k, b, old in before if not torch.equal(b, old)]
+        if moved:
+            self.writes[n.name] = [f"{n.target}.{k}" for k in moved]
+        return out
+
+    def _run_one(self, n: fx.Node) -> Any:
         if n.op == "placeholder":
             self.fed.add(n)
             return super().run_node(n)

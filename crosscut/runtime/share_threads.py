@@ -106,6 +106,9 @@ class _Replicate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, devices: tuple[torch.device, ...], *params: torch.Tensor) -> Any:
         ctx.homes = [p.device for p in params]
+        # a parameter no share's loss reaches keeps grad None, as in eager (autograd would
+        # otherwise hand zeros in, and an optimizer's weight decay then moves it)
+        ctx.set_materialize_grads(False)
         return tuple(p.to(d) for d in devices for p in params)
 
     @staticmethod

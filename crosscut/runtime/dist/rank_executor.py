@@ -44,7 +44,7 @@ the lost rank and what this rank waited for (:mod:`crosscut.runtime.dist.p2p`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -436,22 +436,21 @@ class DistributedPipeline(RankState, KeepsModuleFlags):  # type: ignore[misc]
     ) -> torch.Tensor | None:
         """One pipelined forward+backward over the global batch; gradients land in ``.grad``.
 
-        Returns the full-batch mean loss (averaged over micro-batches and
-        replicas) on last-stage ranks (the group leader's, for a cross-shaped
-        last stage) and ``None`` on the others. ``loss_fn``
-        must average over its batch (``reduction="mean"``); each micro-batch's
-        loss is divided by ``M`` and the replicas' gradients are averaged, so
-        the gradients equal those of the whole batch's mean loss. Call
-        ``optimizer.zero_grad()`` before and ``optimizer.step()`` after.
+        Returns the full-batch mean loss (averaged over micro-batches and replicas) on
+        last-stage ranks (a cross-shaped last stage's leader) and ``None`` on the others.
+        ``loss_fn`` must average over its batch (``reduction="mean"``); each micro-batch's
+        loss is divided by ``M`` and the replicas' gradients averaged: the gradients of the
+        whole batch's mean loss, accumulated into ``.grad`` as eager's ``backward()``.
         """
         self._rng.start(enabled=True)
         if self._reducer is not None:  # rebuilt after a dtype change (runtime/dist/overlap.py)
             self._reducer = self._reducer.current()
-        with self._autocast():
+        fresh = self._group.fresh_grads(self.stage) if self._group is not None else nullcontext()
+        with fresh, self._autocast():  # a batch group sums this step's gradients only
             losses, _ = self._bn.run(
                 self.stage, lambda: self._run("train", inputs, targets, loss_fn)
             )
-        self._allreduce_grads()
+            self._allreduce_grads()
         if self._group is not None:
             self._group.sync_buffers(self.stage)
         if self.num_stages - 1 not in self.my_stages or self.member > 0:

@@ -35,6 +35,7 @@ __all__ = [
     "make_device_groups",
     "make_position_groups",
     "plan_hash",
+    "reached_by_leader",
 ]
 
 
@@ -256,3 +257,30 @@ def allreduce_mean(
 ) -> None:
     """Average ``.grad`` over the group (replicas of one position), missing grads as 0."""
     allreduce_grads(params, group, ranks, msg, mean=True)
+
+
+def reached_by_leader(
+    params: Sequence[torch.nn.Parameter], group: Any, ranks: list[int], msg: Messenger, what: str
+) -> list[torch.nn.Parameter]:
+    """The parameters that hold a gradient on the group's leader (``ranks[0]``), whose
+    mask it broadcasts: the ones a batch group's gradient all-reduce must cover. The
+    others keep (or get back) ``None`` on every member, as in eager training, where an
+    optimizer's weight decay then leaves them.
+
+    Why the leader's: its share's backward starts from the gradients its readers and
+    the loss sent, so what it never reached is what eager never reaches (an output no
+    loss reads). A member's share gets its gradients from the leader in messages of
+    fixed shape, which carry zeros for such an output: its grads there are zeros."""
+    if not params:
+        return []
+    mask = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    mask = mask.to(params[0].device)
+    work = dist.broadcast(mask, src=ranks[0], group=group, async_op=True)
+    msg.wait_collective(work, ranks, what)
+    reached = []
+    for p, on_leader in zip(params, mask.tolist()):
+        if on_leader:
+            reached.append(p)
+        else:
+            p.grad = None
+    return reached

@@ -54,6 +54,10 @@ Sources (docs/BENCHMARKS.md has the details and what is approximate):
 The scaling efficiencies are as NVIDIA's news post on Mikami et al. tabulates
 them from the papers.
 
+Held out besides (``HELD_OUT``, ``ONE_SERVER``): NVIDIA's TensorFlow2 EfficientNet
+runs on 2-8 nodes, OneFlow's DLPerf PyTorch ResNet-50 on 2 and 4 nodes, and
+Lambda's ResNet-50 rows for one server of 2-8 GPUs (their sources are at each list).
+
     python benchmarks/published_scale.py
 """
 
@@ -74,7 +78,16 @@ from crosscut.partitioner.annotate import annotate
 from crosscut.partitioner.replicas import reduction, stage_gradient_bytes
 from crosscut.partitioner.simulate import simulate
 
-__all__ = ["HELD_OUT", "RUNS", "Breakdown", "PublishedRun", "breakdown", "main", "predict_run"]
+__all__ = [
+    "HELD_OUT",
+    "ONE_SERVER",
+    "RUNS",
+    "Breakdown",
+    "PublishedRun",
+    "breakdown",
+    "main",
+    "predict_run",
+]
 
 IMAGENET_TRAIN = 1_281_167
 IMAGENET_VAL = 50_000
@@ -101,6 +114,7 @@ class PublishedRun:
     image: int = 224  # input height and width
     optimizer: str = "momentum"  # the update each step includes
     source: str = "paper"  # "paper" (the four large ResNet-50 runs) | "dle-tf2" | "dlperf"
+    # | "lambda"
     # the convolutions' layout: "nhwc" (channels-last, as the vendors' 16-bit runs) or
     # PyTorch's default "nchw" (16-bit convolutions pay cuDNN's transposes)
     layout: str = "nhwc"
@@ -234,6 +248,46 @@ HELD_OUT += [
     _dlperf(4, "fp32", 128, 10917.09, 29.72),
     _dlperf(2, "fp16", 256, 11991.94, 14.94),
     _dlperf(4, "fp16", 256, 22551.16, 28.09),
+]
+
+
+# Held out: Lambda's multi-GPU rows of the same tables as its one-GPU ones
+# (github.com/lambdal/deeplearning-benchmark, pytorch/pytorch-train-throughput-fp32.csv
+# and -fp16.csv; calibration.py's "lambda" source): NVIDIA DeepLearningExamples'
+# ResNet-50 v1.5 in NGC pytorch 22.09 or later, synthetic data, DDP on one server, each
+# GPU at its one-GPU row's batch, PyTorch's NCHW layout; published as images/s, priced
+# as one epoch at that rate. The all-reduce crosses NVLink/NVSwitch on the SXM servers
+# and PCIe on the workstation cards; AMP reduces the fp32 gradients of fp32 weights.
+def _lambda(
+    name: str, cluster: str, batch: int, precision: str, rate: float, one: float
+) -> PublishedRun:
+    gpus = Cluster.from_spec(cluster).total_devices
+    return PublishedRun(
+        name,
+        cluster,
+        batch,
+        precision,
+        4.0,
+        1,
+        IMAGENET_TRAIN / rate,
+        None,
+        True,
+        rate / (gpus * one),  # against the same table's one-GPU row
+        source="lambda",
+        layout="nchw",
+    )
+
+
+ONE_SERVER: list[PublishedRun] = [
+    _lambda("8xA100 fp32", "1x8xA100-80GB", 640, "fp32", 7397.0, 1066.0),
+    _lambda("8xA100 AMP", "1x8xA100-80GB", 1280, "fp16", 11439.0, 1582.0),
+    _lambda("8xH100 fp32", "1x8xH100", 640, "fp32", 14985.0, 1893.0),
+    _lambda("8xH100 AMP", "1x8xH100", 1280, "fp16", 22088.0, 2781.5),
+    _lambda("8xV100 fp32", "1x8xV100", 128, "fp32", 2817.0, 369.0),
+    _lambda("8xV100 AMP", "1x8xV100", 256, "fp16", 6174.0, 833.0),
+    _lambda("4xA100 fp32", "1x4xA100-80GB", 640, "fp32", 4042.0, 1066.0),
+    _lambda("2xRTX4090 fp32", "1x2xRTX4090", 224, "fp32", 1363.0, 721.0),
+    _lambda("8xRTX6000Ada fp32", "1x8xRTX6000Ada", 496, "fp32", 5126.0, 647.0),
 ]
 
 
@@ -371,6 +425,7 @@ def main() -> None:
             "Held out: TF2 EfficientNet (NVIDIA DLE 21.09); PyTorch ResNet-50 (DLPerf, NGC 20.03)",
             HELD_OUT,
         ),
+        ("Held out: one server of 2-8 GPUs (Lambda, NGC PyTorch, DDP)", ONE_SERVER),
     ):
         print(title)
         print(

@@ -141,3 +141,17 @@ def test_held_out_runs_within_target_price_one_gpu_like_its_framework_alone(
         # TF2's EfficientNets on 8 HDR NICs per node: a few MB of gradients, hidden; DLPerf's
         # 102 MB through one EDR NIC per node: the scaling lost is the network's, within 0.10
         assert b.scaling >= 0.99 or abs(b.scaling - HELD[name].scaling) <= 0.10, name
+
+
+def test_one_server_runs_land_within_25_percent_with_their_all_reduce_hidden() -> None:
+    """Held out (``bench.ONE_SERVER``): Lambda's rows for one server of 2-8 GPUs, the same
+    script and tables as its one-GPU rows (``calibration.py``), none of it fitted on.
+    DDP's all-reduce inside a server (NVSwitch, NVLink, PCIe) hides behind the backward
+    (0.1-1.6 ms of a 316-759 ms step exposed), so one GPU's price decides each run:
+    0.85-1.15 of the published time, the 8xA100 AMP row 0.85 (its published scaling,
+    0.90, is lost to something no all-reduce of 102 MB over NVSwitch costs)."""
+    for run in bench.ONE_SERVER:
+        b = bench.breakdown(run)
+        assert abs(b.total / run.published_s - 1) <= bench.TOLERANCE, (run.name, b.total)
+        assert b.exposed < 0.01 * b.step, (run.name, b.exposed, b.step)
+        assert b.scaling >= 0.99, (run.name, b.scaling)

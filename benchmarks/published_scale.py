@@ -226,10 +226,13 @@ HELD_OUT: list[PublishedRun] = [
 # and 4 nodes of 8 V100-SXM2-16GB, one 100 Gbit/s InfiniBand adapter per node
 # (the README's `ibstat`), median of 5 runs of iterations 20-120; published
 # as images/s, priced here as one epoch at that rate.
-def _dlperf(nodes: int, precision: str, batch: int, rate: float, speedup: float) -> PublishedRun:
+def _at_rate(
+    name: str, cluster: str, batch: int, precision: str, rate: float, scaling: float, source: str
+) -> PublishedRun:
+    """A run published as images/s, priced as one epoch at that rate (NCHW, PyTorch)."""
     return PublishedRun(
-        f"DLPerf RN50 {nodes * 8}xV100{' AMP' if precision == 'fp16' else ''}",
-        f"{nodes}x8xV100+ib100",
+        name,
+        cluster,
         batch,
         precision,
         4.0,
@@ -237,10 +240,16 @@ def _dlperf(nodes: int, precision: str, batch: int, rate: float, speedup: float)
         IMAGENET_TRAIN / rate,
         None,
         True,
-        speedup / (nodes * 8),
-        source="dlperf",
-        layout="nchw",  # its scripts pass no --memory-format: PyTorch's default
+        scaling,
+        source=source,
+        layout="nchw",  # the scripts pass no --memory-format: PyTorch's default
     )
+
+
+def _dlperf(nodes: int, precision: str, batch: int, rate: float, speedup: float) -> PublishedRun:
+    name = f"DLPerf RN50 {nodes * 8}xV100{' AMP' if precision == 'fp16' else ''}"
+    cluster = f"{nodes}x8xV100+ib100"
+    return _at_rate(name, cluster, batch, precision, rate, speedup / (nodes * 8), "dlperf")
 
 
 HELD_OUT += [
@@ -261,21 +270,8 @@ HELD_OUT += [
 def _lambda(
     name: str, cluster: str, batch: int, precision: str, rate: float, one: float
 ) -> PublishedRun:
-    gpus = Cluster.from_spec(cluster).total_devices
-    return PublishedRun(
-        name,
-        cluster,
-        batch,
-        precision,
-        4.0,
-        1,
-        IMAGENET_TRAIN / rate,
-        None,
-        True,
-        rate / (gpus * one),  # against the same table's one-GPU row
-        source="lambda",
-        layout="nchw",
-    )
+    gpus = Cluster.from_spec(cluster).total_devices  # scaling against the table's one-GPU row
+    return _at_rate(name, cluster, batch, precision, rate, rate / (gpus * one), "lambda")
 
 
 ONE_SERVER: list[PublishedRun] = [

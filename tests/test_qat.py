@@ -24,6 +24,7 @@ from torch import nn
 
 import crosscut
 from crosscut.errors import InputError
+from tests.test_unreached_params import WithAux
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # eager-mode quantization is deprecated for torchao
@@ -37,15 +38,7 @@ class QNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.quant = tq.QuantStub()
-        self.body = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(8, 16, 3, padding=1, stride=2),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Linear(16, 5),
-        )
+        self.body = WithAux().body  # a small CNN of convolutions, ReLUs and a linear head
         self.dequant = tq.DeQuantStub()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -205,6 +205,7 @@ class CompiledModule(ModelKeyedState, KeepsModuleFlags):  # type: ignore[misc]
         self._module_names = {  # the model's module paths, for messages
             n.name: str(n.target) for n in gm.graph.nodes if n.op == "call_module"
         }
+        self._sync_bn = any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
         self._check_sync_bn(model.training)  # at compile time, what training would refuse
         self._install_batchnorm()
         # each module's own flag (a batch norm frozen by .eval()): runtime/module_flags.py;
@@ -335,7 +336,7 @@ class CompiledModule(ModelKeyedState, KeepsModuleFlags):  # type: ignore[misc]
 
     # ---- execution ----------------------------------------------------------------
     def _check_sync_bn(self, training: bool) -> None:
-        if training:  # a SyncBatchNorm given part of the batch (runtime/batchnorm.py)
+        if training and self._sync_bn:  # one given part of the batch (runtime/batchnorm.py)
             stages = [(s.module, s.split == "batch") for s in self._training_program().stages]
             check_sync_batchnorm(stages, self._microbatches, names=self._module_names)
 

@@ -29,7 +29,7 @@ from torch import fx, nn
 import crosscut
 from crosscut.api import other_mode_graph
 from crosscut.codegen import modes
-from crosscut.errors import CodegenError, RuntimeError_
+from crosscut.errors import CodegenError, InputError, RuntimeError_
 from crosscut.runtime import CompiledModule
 from tests.test_transparency import HEAVY  # one list of the heavy classifiers
 
@@ -650,3 +650,46 @@ def test_a_model_compiled_in_eval_trains_after_train_like_eager(
     c.eval()
     model.eval()
     torch.testing.assert_close(c(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_torchrun_pipeline_of_a_model_in_eval_starts_in_eval(tmp_path: Path) -> None:
+    """One gloo rank in this process. A model in eval, compiled for training (the default
+    plan mode): the pipeline starts in eval, as the model is, and ``.train()`` sets every
+    module. Before, it started in training mode: a dropout written with
+    ``training=self.training`` then dropped in what the caller meant as inference (0.19
+    off eager's eval output, no error); now that call is refused by name (ranks hold the
+    train-mode program only)."""
+    import torch.distributed as dist
+
+    import crosscut.distributed as cd
+
+    class Drops(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c = nn.Conv2d(3, 8, 3)
+            self.fc = nn.Linear(8, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(F.dropout(torch.relu(self.c(x)).mean((2, 3)), 0.5, self.training))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 's'}", rank=0, world_size=1)
+    try:
+        x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=5).eval()
+        pipe = cd.compile_distributed(copy.deepcopy(model), x, None, replicas=1, microbatches=1)
+        assert not pipe.training
+        torch.testing.assert_close(pipe(x), model(x), rtol=1e-5, atol=1e-5)
+        pipe.train()
+        assert all(m.training for m in pipe.modules() if not isinstance(m, fx.GraphModule))
+        got = pipe.train_step(x, y, F.cross_entropy)
+        assert torch.equal(got.detach(), F.cross_entropy(model.train()(x), y).detach())
+        pipe.close()
+        drops = Drops().eval()
+        pipe = cd.compile_distributed(drops, x, None, replicas=1, microbatches=1)
+        assert not pipe.training
+        with pytest.raises(InputError, match="reads self.training"):
+            pipe(x)
+        pipe.close()
+    finally:
+        dist.destroy_process_group()

@@ -179,6 +179,7 @@ class DistributedPipeline(RankState, KeepsModuleFlags):  # type: ignore[misc]
         mods = [self.stage] if self.virtual == 1 else list(self._stage_modules.values())
         self._rng = RandomScope(mods)
         self.keep_module_flags(mods, model.training)  # a frozen batch norm: module_flags.py
+        self.train(model.training)  # the model's mode, whatever mode the graph was traced in
         if bn_mode == "step":
             install_step_batchnorm(self.stage)
         if self._group is not None:

@@ -688,7 +688,7 @@ def test_a_torchrun_pipeline_of_a_model_in_eval_starts_in_eval(tmp_path: Path) -
         drops = Drops().eval()
         pipe = cd.compile_distributed(drops, x, None, replicas=1, microbatches=1)
         assert not pipe.training
-        with pytest.raises(InputError, match="reads self.training"):
+        with pytest.raises(InputError, match=r"reads self\.training"):
             pipe(x)
         pipe.close()
     finally:

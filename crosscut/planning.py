@@ -114,10 +114,21 @@ def as_tuple(example_inputs: Any) -> tuple[torch.Tensor, ...]:
             )
         _check_batch(tuple(example_inputs))
         return tuple(example_inputs)
+    items = example_inputs if isinstance(example_inputs, (tuple, list)) else [example_inputs]
+    kinds = [type(t).__name__ for t in items]
+    nested = any(isinstance(t, (dict, tuple, list)) for t in items)
     raise InputError(
-        "example_inputs must be a Tensor or a non-empty tuple of Tensors",
-        value=type(example_inputs).__name__,
-        remedy="pass e.g. torch.randn(32, 3, 224, 224)",
+        "example_inputs must be a Tensor or a non-empty tuple of Tensors, one per argument "
+        "of the model's forward",
+        value={"given": type(example_inputs).__name__, "elements": kinds},
+        remedy="pass e.g. torch.randn(32, 3, 224, 224)"
+        + (
+            "; a forward that takes a dict or list of tensors needs a wrapper that takes "
+            "tensors: def forward(self, image, meta): return self.model({'image': image, "
+            "'meta': meta})"
+            if nested
+            else ""
+        ),
     )
 
 

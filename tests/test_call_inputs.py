@@ -147,3 +147,34 @@ def test_torchrun_a_0d_tensor_input_goes_whole_to_every_rank(tmp_path: Path) -> 
                 assert got["loss_diff"] is None, got  # the first stage computes no loss
             else:
                 assert got["loss_diff"] < 1e-6, (rank, layout, got)
+
+
+def test_a_dict_input_is_refused_with_the_wrapper_that_works() -> None:
+    """A forward that takes a dict of tensors (a data loader's batch) cannot be cut by
+    samples as it is; the message names the element's type and the wrapper, which the
+    second half shows compiles and equals eager."""
+
+    class DictIn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c = nn.Conv2d(3, 4, 3)
+            self.meta = nn.Linear(2, 4)
+
+        def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self.c(batch["image"]).mean((2, 3)) + self.meta(batch["meta"])
+
+    class Wrapped(nn.Module):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, image: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+            return self.model({"image": image, "meta": meta})
+
+    torch.manual_seed(0)
+    model, image, meta = DictIn(), torch.randn(8, 3, 8, 8), torch.randn(8, 2)
+    with pytest.raises(InputError, match="one per argument") as err:
+        crosscut.compile(model, ["cpu", "cpu"], ({"image": image, "meta": meta},))
+    assert "'elements': ['dict']" in str(err.value) and "def forward(self, image" in str(err.value)
+    compiled = crosscut.compile(Wrapped(copy.deepcopy(model)), ["cpu", "cpu"], (image, meta))
+    torch.testing.assert_close(compiled(image, meta), model({"image": image, "meta": meta}))

@@ -51,8 +51,8 @@ class GroupRole:
     @contextmanager
     def fresh_grads(self, module: nn.Module) -> Iterator[None]:
         """Around a step and its gradient all-reduce: a batch group's gradients from earlier
-        steps are taken out of ``.grad`` and accumulated back afterwards (also when the
-        step fails), so the all-reduce sums the members' fresh gradients only.
+        steps are taken out of ``.grad`` and accumulated back afterwards, so the all-reduce
+        sums the members' fresh gradients only (a failed step's partial ones are dropped).
 
         Why: after a step every member holds the group's summed gradient ``G``; a second
         step without ``zero_grad`` would sum ``G + g_i`` over ``n`` members, ``n·G``
@@ -64,9 +64,12 @@ class GroupRole:
             p.grad = None
         try:
             yield
-        finally:
+        except BaseException:
             for p, old in held:
-                p.grad = old if p.grad is None else old.add_(p.grad)
+                p.grad = old
+            raise
+        for p, old in held:
+            p.grad = old if p.grad is None else old.add_(p.grad)
 
     def reduce_grads(self, module: nn.Module) -> None:
         """A batch group sums its members' gradients: each saw a share of the same loss.
